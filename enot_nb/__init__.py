@@ -1,0 +1,19 @@
+"""enot_nb: train PyTorch on every GPU of a machine straight from a Jupyter notebook.
+
+Public surface:
+
+* ``%load_ext enot_nb`` then ``%%enot_distributed -n 4``: run a cell on 4 processes.
+* :func:`notebook_launcher`: run a function on N supervised worker processes.
+* :mod:`enot_nb.distributed`: the functional API, also usable under torchrun.
+"""
+
+from enot_nb import distributed
+from enot_nb.errors import DistributedRuntimeException, EnotNbError, EnotNbWarning
+
+__all__ = [
+    "DistributedRuntimeException",
+    "EnotNbError",
+    "EnotNbWarning",
+    "distributed",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,256 @@
+"""The functional API for distributed training (the ENOT ``enot.distributed`` reference).
+
+The same code runs unchanged in a single process, in a worker started by
+:func:`enot_nb.notebook_launcher` or ``%%enot_distributed``, and under ``torchrun`` on one node or
+several: everything is driven by torchrun's environment variables (``WORLD_SIZE``, ``RANK``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+Example::
+
+    from enot_nb.distributed import init_torch, is_master, sync_model
+    init_torch(seed=0, backend="gloo")   # no-op group set-up when WORLD_SIZE is unset or 1
+    model = make_model()
+    sync_model(model)                    # identical weights on every rank
+    if is_master():
+        print("hello once")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
+import random
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from enot_nb._env import read_layout
+from enot_nb._sync import collective_device, sync_model
+from enot_nb.errors import DistributedRuntimeException
+
+__all__ = [
+    "DistributedRuntimeException",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "init_torch",
+    "is_dist",
+    "is_local_master",
+    "is_master",
+    "master_first",
+    "master_only",
+    "sync_model",
+]
+
+_DEFAULT_TIMEOUT = datetime.timedelta(seconds=1800)
+# cuBLAS needs a fixed workspace for deterministic results (CUDA docs, "Results reproducibility").
+_CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def init_process_group(
+    backend: str = "nccl",
+    init_method: str = "env://",
+    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+) -> None:
+    """Create the default process group when ``WORLD_SIZE > 1``; otherwise do nothing.
+
+    Args:
+        backend: ``backend`` of :func:`torch.distributed.init_process_group` ("nccl" or "gloo").
+        init_method: ``init_method`` of :func:`torch.distributed.init_process_group`.
+        timeout: ``timeout`` of :func:`torch.distributed.init_process_group`.
+
+    With ``nccl`` the current CUDA device is set to ``LOCAL_RANK`` and CUDA is initialized.
+    Calling it again once the group exists is a no-op.
+
+    Raises:
+        DistributedRuntimeException: bad ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``, nccl without a
+            GPU for this local rank, or any failure inside torch's own initialization (chained).
+    """
+    layout = read_layout()
+    if layout.world_size == 1 or dist.is_available() and dist.is_initialized():
+        return
+    if not dist.is_available():
+        raise DistributedRuntimeException(
+            "this PyTorch build has no torch.distributed support; install a build that has it"
+        )
+    if backend == "nccl":
+        _select_cuda_device(layout.local_rank)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            timeout=timeout,
+            world_size=layout.world_size,
+            rank=layout.rank,
+        )
+    except Exception as err:
+        raise DistributedRuntimeException(
+            f"rank {layout.rank}: torch.distributed.init_process_group(backend={backend!r}, "
+            f"init_method={init_method!r}) failed: {type(err).__name__}: {err}. Check that "
+            f"MASTER_ADDR={os.environ.get('MASTER_ADDR')!r} and "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r} reach rank 0, that every rank was "
+            "started, and that the backend is available"
+        ) from err
+
+
+def _select_cuda_device(local_rank: int) -> None:
+    """Bind this process to GPU ``local_rank`` and initialize CUDA, as nccl requires."""
+    if not torch.cuda.is_available():
+        raise DistributedRuntimeException(
+            "backend 'nccl' needs CUDA, but no GPU is available to this process; "
+            "use backend='gloo' to train on the CPU"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise DistributedRuntimeException(
+            f"LOCAL_RANK={local_rank} but only {count} GPU(s) are visible; start at most {count} "
+            "processes per node with nccl, or use backend='gloo'"
+        )
+    torch.cuda.set_device(local_rank)
+    torch.cuda.init()
+
+
+def init_torch(
+    seed: int | None = None,
+    cuda_optimize_for_speed: bool = False,
+    cuda_reproducible: bool = False,
+    backend: str = "nccl",
+    init_method: str = "env://",
+    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+) -> None:
+    """Seed, set the cuDNN/cuBLAS flags, and create the process group (see :func:`init_process_group`).
+
+    Args:
+        seed: seeds Python's ``random``, NumPy and torch (every device); None leaves them alone.
+        cuda_optimize_for_speed: cuDNN benchmark mode and TF32 matmuls (not reproducible).
+        cuda_reproducible: deterministic cuDNN, deterministic algorithms and the cuBLAS
+            workspace setting they need (may be slower).
+        backend, init_method, timeout: passed to :func:`init_process_group`.
+
+    Raises:
+        RuntimeError: both CUDA flags are set (checked before anything is touched).
+        DistributedRuntimeException: the process group could not be created.
+    """
+    if cuda_optimize_for_speed and cuda_reproducible:
+        raise RuntimeError(
+            "cuda_optimize_for_speed and cuda_reproducible are mutually exclusive; set at most one"
+        )
+    if seed is not None:
+        _seed_everything(seed)
+    if cuda_optimize_for_speed:
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.deterministic = False
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cuda_reproducible:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_DETERMINISTIC_WORKSPACE)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True)
+    init_process_group(backend=backend, init_method=init_method, timeout=timeout)
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # NumPy's legacy seeding accepts 32 bits only
+    torch.manual_seed(seed)  # seeds every CUDA device too, lazily, without initializing CUDA
+
+
+def is_dist() -> bool:
+    """Whether torch.distributed is initialized with more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (1 in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return read_layout().world_size
+
+
+def get_rank() -> int:
+    """Global rank of this process (0 in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return read_layout().rank
+
+
+def get_local_rank() -> int:
+    """Rank of this process on its node, from ``LOCAL_RANK`` (0 in a single process)."""
+    return read_layout().local_rank
+
+
+def is_master() -> bool:
+    """Whether this is the global master (global rank 0)."""
+    return get_rank() == 0
+
+
+def is_local_master() -> bool:
+    """Whether this is the master of its node (local rank 0); differs from is_master on nodes > 0."""
+    return get_local_rank() == 0
+
+
+def master_only(fn: F) -> F:
+    """Decorate ``fn`` to run on the global master only; other ranks get None.
+
+    Example::
+
+        @master_only
+        def log(msg):
+            print(msg)
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if is_master():
+            return fn(*args, **kwargs)
+        return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def master_first() -> Iterator[None]:
+    """Run the block on the master first, then on every other rank (downloads, caches).
+
+    The others wait until the master leaves the block. If the master's block raises, the others
+    raise :class:`DistributedRuntimeException` instead of waiting forever.
+
+    Example::
+
+        with master_first():
+            data = torchvision.datasets.MNIST(root, download=True)
+    """
+    if not is_dist():
+        yield
+        return
+    if is_master():
+        try:
+            yield
+        except BaseException:
+            _broadcast_master_status(ok=False)
+            raise
+        _broadcast_master_status(ok=True)
+    else:
+        if not _broadcast_master_status(ok=True):
+            raise DistributedRuntimeException(
+                f"rank {get_rank()}: the master (rank 0) failed inside master_first(), so this "
+                "rank did not run the block; see rank 0's error"
+            )
+        yield
+
+
+def _broadcast_master_status(ok: bool) -> bool:
+    device = collective_device()
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())

@@ -1,0 +1,48 @@
+"""Helpers for tests that start real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HELPERS = Path(__file__).parent / "helpers"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Wait for every process; on timeout kill them all. Returns their combined outputs."""
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outputs
+
+
+def read_ranks(out_dir: Path, world_size: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
