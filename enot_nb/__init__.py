@@ -8,12 +8,24 @@ Public surface:
 """
 
 from enot_nb import distributed
-from enot_nb.errors import DistributedRuntimeException, EnotNbError, EnotNbWarning
+from enot_nb.errors import (
+    DistributedRuntimeException,
+    EnotNbError,
+    EnotNbWarning,
+    LaunchError,
+    WorkerFailedError,
+    WorkerFailure,
+)
+from enot_nb.launcher import notebook_launcher
 
 __all__ = [
     "DistributedRuntimeException",
     "EnotNbError",
     "EnotNbWarning",
+    "LaunchError",
+    "WorkerFailedError",
+    "WorkerFailure",
     "distributed",
+    "notebook_launcher",
 ]
 __version__ = "0.1.0"

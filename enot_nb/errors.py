@@ -6,6 +6,8 @@ the builtin it refines, so ``except RuntimeError`` keeps working for users who d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class EnotNbError(Exception):
     """Root of every error raised by enot_nb."""
@@ -17,3 +19,92 @@ class DistributedRuntimeException(EnotNbError, RuntimeError):
 
 class EnotNbWarning(UserWarning):
     """Root of every warning issued by enot_nb (turned into errors in our own tests)."""
+
+
+class LaunchError(EnotNbError, RuntimeError):
+    """A launch could not start (nested launch, concurrent launch, fork server gone)."""
+
+
+_SIGNAL_HINTS = {
+    "SIGKILL": "most often the out-of-memory killer (see `dmesg`); lower the batch size or nprocs",
+    "SIGSEGV": "a crash in native code (a C extension, CUDA or a bad pointer); the worker's "
+    "stderr above may show where",
+    "SIGABRT": "an abort in native code, e.g. a failed CUDA/NCCL/C++ assertion",
+    "SIGBUS": "often a full /dev/shm (DataLoader workers; in Docker raise --shm-size)",
+}
+
+
+@dataclass
+class WorkerFailure:
+    """What one worker's failure looked like from the launcher."""
+
+    rank: int
+    exitcode: int | None
+    """Process exit code; ``-N`` for death by signal N (as multiprocessing reports it)."""
+    signal_name: str | None
+    error_type: str | None
+    """Name of the exception class the worker raised, if it raised."""
+    message: str
+    traceback: str | None
+    """The worker's own formatted traceback, if it raised."""
+    attempt: int = 0
+    output_tail: str = ""
+    """The last lines the worker wrote to stderr (shown when it died without a traceback)."""
+
+    def summary(self) -> str:
+        """One line: rank, attempt and cause."""
+        if self.error_type:
+            cause = f"raised {self.error_type}: {self.message}"
+        elif self.signal_name:
+            hint = _SIGNAL_HINTS.get(self.signal_name)
+            cause = f"was killed by {self.signal_name}" + (f" ({hint})" if hint else "")
+        else:
+            cause = self.message or f"exited with code {self.exitcode}"
+        where = f"rank {self.rank}" + (f" (attempt {self.attempt})" if self.attempt else "")
+        return f"{where} {cause}"
+
+    def report(self) -> str:
+        """Summary, then the worker's traceback or the tail of its stderr."""
+        parts = [self.summary()]
+        if self.traceback:
+            parts.append(self.traceback.rstrip())
+        elif self.output_tail.strip():
+            parts.append(f"last output of rank {self.rank}:\n{self.output_tail.rstrip()}")
+        return "\n".join(parts)
+
+
+class WorkerFailedError(EnotNbError, RuntimeError):
+    """A worker process raised or died; raised in the launching process.
+
+    Attributes:
+        rank: global rank of the root cause (the first failure observed).
+        exitcode: its exit code (``-N`` for death by signal N).
+        signal_name: e.g. ``"SIGKILL"`` for deaths by signal, else None.
+        traceback: the worker's own traceback text, if it raised.
+        failures: every failure of the last attempt, root cause first.
+        attempts: the root cause of each attempt, oldest first (with ``max_restarts``).
+    """
+
+    def __init__(self, failures: list[WorkerFailure], attempts: list[WorkerFailure] | None = None):
+        self.failures = failures
+        self.attempts = attempts or [failures[0]]
+        root = failures[0]
+        self.rank = root.rank
+        self.exitcode = root.exitcode
+        self.signal_name = root.signal_name
+        self.traceback = root.traceback
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        lines = [f"worker {self.failures[0].summary()}", "", "Root Cause (first observed failure):"]
+        lines.append(self.failures[0].report())
+        if len(self.failures) > 1:
+            lines += ["", "Other failures:"] + ["  " + f.summary() for f in self.failures[1:]]
+        if len(self.attempts) > 1:
+            lines += ["", f"Root cause of each of the {len(self.attempts)} attempts:"]
+            lines += ["  " + f.summary() for f in self.attempts]
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows the worker's frames instead of the launcher's."""
+        return [f"WorkerFailedError: {line}" if i == 0 else line for i, line in enumerate(self._text().splitlines())]

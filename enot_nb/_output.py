@@ -1,0 +1,54 @@
+"""Forwarding the workers' stdout and stderr into the notebook (or the terminal)."""
+
+from __future__ import annotations
+
+import codecs
+import sys
+from collections import deque
+
+TAIL_CHARS = 8192  # kept per stream for failure reports
+
+
+class StreamSink:
+    """Decodes one worker stream and writes it where the user sees it, keeping a tail.
+
+    ``prefix`` (``"[rank N] "``) is put at the start of every line when several ranks share
+    the screen; ``\\r`` progress bars pass through intact either way.
+    """
+
+    def __init__(self, target: str, show: bool, prefix: str = "") -> None:
+        self.target = target  # "stdout" or "stderr", looked up at write time (IPython swaps them)
+        self.show = show
+        self.prefix = prefix
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at_line_start = True
+        self._tail: deque[str] = deque()
+        self._tail_len = 0
+
+    def feed(self, data: bytes, final: bool = False, force_show: bool = False) -> None:
+        text = self._decoder.decode(data, final)
+        if not text:
+            return
+        self._remember(text)
+        if self.show or force_show:
+            stream = getattr(sys, self.target)
+            stream.write(self._prefixed(text) if self.prefix else text)
+            stream.flush()
+
+    def _prefixed(self, text: str) -> str:
+        pieces = []
+        for line in text.splitlines(keepends=True):
+            if self._at_line_start:
+                pieces.append(self.prefix)
+            pieces.append(line)
+            self._at_line_start = line.endswith(("\n", "\r"))
+        return "".join(pieces)
+
+    def _remember(self, text: str) -> None:
+        self._tail.append(text)
+        self._tail_len += len(text)
+        while self._tail_len > TAIL_CHARS and len(self._tail) > 1:
+            self._tail_len -= len(self._tail.popleft())
+
+    def tail(self) -> str:
+        return "".join(self._tail)[-TAIL_CHARS:]

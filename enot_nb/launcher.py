@@ -1,0 +1,732 @@
+"""``notebook_launcher``: run a function on N supervised worker processes from a notebook.
+
+Data flow::
+
+    caller (Jupyter kernel or any Python process)
+      |  fork, from a clean thread                  (fast; when CUDA is not initialized here)
+      |  or fork server <- cloudpickled job + fds   (when CUDA is initialized, or start_method="spawn")
+      v
+    workers, rank 0..N-1: init_torch -> fn(*args, **kwargs) -> os._exit
+      |  fd 1, fd 2  -> pipes -> rank 0 (or every rank, prefixed) printed live in the notebook
+      |  message pipe -> "result" (rank 0) / "done" / "error" with the worker's traceback
+      |  process exit -> pidfd (forked here) or the fork server's "exit" message
+      v
+    caller: fn's result from rank 0, or WorkerFailedError naming the rank that failed first
+
+The launch is a pipeline read top to bottom: validate -> plan each rank -> start -> supervise
+-> collect -> close. Whatever happens (failure, interrupt, a bug here) ``close`` kills every
+worker's process group and reaps it, so no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from enot_nb import _channel, _spawn, _worker
+from enot_nb._output import StreamSink
+from enot_nb.errors import (
+    EnotNbError,
+    LaunchError,
+    WorkerFailedError,
+    WorkerFailure,
+)
+
+# Seconds a signal gets to stop the workers before the next, harsher one (SIGINT, SIGTERM, SIGKILL).
+STOP_GRACE = float(os.environ.get("ENOT_NB_STOP_GRACE", "1.0"))
+# Seconds the workers get to print their stacks after an interrupt.
+STACK_DUMP_WAIT = float(os.environ.get("ENOT_NB_STACK_DUMP_WAIT", "1.0"))
+
+_OUTPUT_MODES = ("master", "all", "none")
+_START_METHODS = (None, "fork", "spawn")
+# Errors that a rank raises *because* a peer died: never the root cause when another exists.
+_PEER_LOSS_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote process",
+                    "communicator was aborted", "Socket Timeout", "ECONNRESET", "Connection refused",
+                    "closed by peer", "unexpected EOF")
+
+
+class LaunchConfigError(EnotNbError, ValueError):
+    """A launcher argument is invalid; raised before any process starts."""
+
+
+class ConflictingFlagsError(LaunchConfigError, RuntimeError):
+    """Both CUDA flags were given (a RuntimeError too, as init_torch raises)."""
+
+
+@dataclass
+class LaunchPlan:
+    """The validated launch: what every attempt starts."""
+
+    nprocs: int
+    nnodes: int
+    node_rank: int
+    backend: str
+    start_method: str
+    output: str
+    master_addr: str
+    master_port: int | None
+    threads: int
+    init_kwargs: dict[str, Any]
+    max_restarts: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nprocs * self.nnodes
+
+
+def notebook_launcher(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    nprocs: int | None = None,
+    *,
+    backend: str | None = None,
+    seed: int | None = None,
+    cuda_optimize_for_speed: bool = False,
+    cuda_reproducible: bool = False,
+    start_method: str | None = None,
+    output: str = "master",
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    max_restarts: int = 0,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` processes and return global rank 0's result.
+
+    Each worker gets torchrun's variables (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), its share of the CPU
+    threads, then runs :func:`enot_nb.distributed.init_torch` with the given options, then ``fn``.
+
+    Args:
+        fn: the function to run; under spawn it is shipped with cloudpickle, so functions and
+            classes defined in notebook cells work.
+        args, kwargs: its arguments.
+        nprocs: processes on this node; None means one per visible GPU.
+        backend: "nccl" or "gloo"; None picks nccl when every rank has its own GPU, else gloo.
+        seed, cuda_optimize_for_speed, cuda_reproducible: passed to init_torch.
+        start_method: "fork" (fork this process: fast, shares its memory) or "spawn" (workers
+            start clean from a fork server); None forks unless CUDA is initialized here.
+        output: "master" shows rank 0's output, "all" every rank's prefixed by ``[rank N]``,
+            "none" nothing. Failing ranks' tracebacks are always shown.
+        master_addr, master_port: the rendezvous of rank 0; a free port is chosen when None.
+        nnodes, node_rank: run the same call on every node; global rank is
+            ``node_rank * nprocs + local_rank``. Nodes other than 0 return None.
+        max_restarts: start a failed group again up to this many times.
+        timeout: the process group's timeout (how long a collective may wait).
+
+    Returns:
+        What ``fn`` returned on global rank 0.
+
+    Raises:
+        WorkerFailedError: a worker raised or died (the first failure is the root cause).
+        ValueError: a bad argument, before any process starts.
+        LaunchError: a launch from inside a worker, or while another launch runs.
+
+    Example::
+
+        def train(lr):
+            ...
+            return model.state_dict()
+
+        state = notebook_launcher(train, args=(0.1,), nprocs=2, backend="gloo")
+    """
+    plan = plan_launch(fn, nprocs, backend, seed, cuda_optimize_for_speed, cuda_reproducible,
+                       start_method, output, master_addr, master_port, nnodes, node_rank,
+                       max_restarts, timeout)
+    job = _worker.Job(fn, tuple(args), dict(kwargs or {}))
+    job_bytes = _pickle_job(job) if plan.start_method == "spawn" else None
+    with _single_launch():
+        return run_plan(plan, job, job_bytes)
+
+
+def run_plan(plan: LaunchPlan, job: _worker.Job, job_bytes: bytes | None) -> Any:
+    """Run every attempt of a validated plan; return rank 0's result or raise the last failure."""
+    root_causes: list[WorkerFailure] = []
+    for attempt in range(plan.max_restarts + 1):
+        outcome = _Attempt(plan, job, job_bytes, attempt).run()
+        if outcome.ok:
+            return outcome.result
+        root_causes.append(outcome.failures[0])
+        if attempt < plan.max_restarts:
+            print(f"enot_nb: {outcome.failures[0].summary()}; restarting "
+                  f"({attempt + 1} of {plan.max_restarts})", file=sys.stderr, flush=True)
+    raise WorkerFailedError(outcome.failures, root_causes)
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def plan_launch(
+    fn: Callable[..., Any], nprocs: int | None, backend: str | None, seed: int | None,
+    cuda_optimize_for_speed: bool, cuda_reproducible: bool, start_method: str | None,
+    output: str, master_addr: str, master_port: int | None, nnodes: int, node_rank: int,
+    max_restarts: int, timeout: datetime.timedelta | float,
+) -> LaunchPlan:
+    """Check every argument and decide backend, start method and threads; starts nothing."""
+    if os.environ.get(_worker.WORKER_MARKER):
+        raise LaunchError("notebook_launcher was called inside a worker process; launches do not "
+                          "nest: call the function directly in the worker")
+    if not callable(fn):
+        raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
+    if cuda_optimize_for_speed and cuda_reproducible:
+        raise ConflictingFlagsError("cuda_optimize_for_speed and cuda_reproducible are mutually "
+                                    "exclusive; set at most one")
+    _check_int("nnodes", nnodes, low=1)
+    _check_int("node_rank", node_rank, low=0)
+    if node_rank >= nnodes:
+        raise LaunchConfigError(f"node_rank={node_rank} is out of range for nnodes={nnodes}; "
+                                f"use 0 <= node_rank < {nnodes}")
+    _check_int("max_restarts", max_restarts, low=0)
+    if seed is not None:
+        _check_int("seed", seed, low=0)
+    if output not in _OUTPUT_MODES:
+        raise LaunchConfigError(f"output={output!r} is not one of {', '.join(_OUTPUT_MODES)}")
+    if start_method not in _START_METHODS:
+        raise LaunchConfigError(f"start_method={start_method!r} is not one of 'fork', 'spawn' or None")
+    gpus = visible_gpu_count()
+    if nprocs is None:
+        if gpus == 0:
+            raise LaunchConfigError("no GPU is visible, so nprocs cannot default to one process per "
+                                    "GPU; pass nprocs=N (for example nprocs=2, backend='gloo')")
+        nprocs = gpus
+    _check_int("nprocs", nprocs, low=1)
+    if backend is None:
+        backend = "nccl" if gpus >= nprocs else "gloo"
+    if not isinstance(backend, str) or not backend:
+        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'")
+    if backend == "nccl" and nprocs > gpus:
+        raise LaunchConfigError(f"backend='nccl' needs one GPU per process, but nprocs={nprocs} and "
+                                f"{gpus} GPU(s) are visible; lower nprocs or use backend='gloo'")
+    timeout = _as_timedelta(timeout)
+    start_method = _choose_start_method(start_method)
+    _check_port(master_addr, master_port, nnodes, node_rank)
+    return LaunchPlan(
+        nprocs=nprocs, nnodes=nnodes, node_rank=node_rank, backend=backend,
+        start_method=start_method, output=output, master_addr=master_addr,
+        master_port=master_port, threads=_threads_per_worker(nprocs), max_restarts=max_restarts,
+        init_kwargs=_worker.init_kwargs(seed, cuda_optimize_for_speed, cuda_reproducible, backend,
+                                        timeout),
+    )
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise LaunchConfigError(f"{name}={value!r} must be an integer >= {low}")
+
+
+def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise LaunchConfigError(f"timeout={timeout!r} must be a datetime.timedelta or seconds")
+    if seconds <= 0:
+        raise LaunchConfigError(f"timeout={timeout!r} must be positive")
+    return datetime.timedelta(seconds=seconds)
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, counted without initializing CUDA (NVML, as torch does)."""
+    import torch
+
+    return torch.cuda.device_count()  # 0 on a CPU build; NVML-based, so fork stays safe
+
+
+def cuda_initialized() -> bool:
+    """Whether this process has initialized CUDA (then a forked child cannot use it)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+_said_why_not_fork = False
+
+
+def _choose_start_method(requested: str | None) -> str:
+    global _said_why_not_fork
+    can_fork = hasattr(os, "fork") and sys.platform != "darwin"
+    if requested == "fork":
+        if not can_fork:
+            raise LaunchConfigError("start_method='fork' is not available on this platform; use "
+                                    "start_method='spawn' or None")
+        if cuda_initialized():
+            raise LaunchConfigError(
+                "start_method='fork' cannot be used: CUDA is already initialized in this process, "
+                "and a forked worker cannot use CUDA. Use start_method=None or 'spawn', or restart "
+                "the kernel and launch before any cell touches the GPU")
+        return "fork"
+    if requested == "spawn" or not can_fork:
+        return "spawn"
+    if cuda_initialized():
+        if not _said_why_not_fork:
+            print("enot_nb: CUDA is already initialized in this process, so workers start from a "
+                  "clean fork server instead of a fork of it (a forked child cannot use CUDA).",
+                  file=sys.stderr, flush=True)
+            _said_why_not_fork = True
+        return "spawn"
+    return "fork"
+
+
+def _check_port(master_addr: str, master_port: int | None, nnodes: int, node_rank: int) -> None:
+    if master_port is None:
+        if nnodes > 1:
+            raise LaunchConfigError("nnodes > 1 needs master_port: every node must be given the "
+                                    "same master_addr and master_port of node 0")
+        return
+    _check_int("master_port", master_port, low=1)
+    if master_port > 65535:
+        raise LaunchConfigError(f"master_port={master_port} must be at most 65535")
+    if node_rank == 0:
+        try:
+            _bind(master_addr, master_port).close()
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise LaunchConfigError(
+                    f"master_port={master_port} on {master_addr} is busy (another process listens "
+                    "there); pass master_port=None to pick a free port") from err
+            raise LaunchConfigError(f"cannot listen on {master_addr}:{master_port}: {err}") from err
+
+
+def _bind(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore does
+    sock.bind((address, port))
+    return sock
+
+
+def free_port(address: str) -> int:
+    """A port on ``address`` that nothing listens on now."""
+    with _bind(address, 0) as sock:
+        return sock.getsockname()[1]
+
+
+def _threads_per_worker(nprocs: int) -> int:
+    """The user's OMP_NUM_THREADS if set, else this node's cores shared by its workers."""
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // nprocs)
+
+
+def _pickle_job(job: _worker.Job) -> bytes:
+    """cloudpickle the job, naming the first piece that cannot be pickled."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(job, protocol=5)
+    except Exception as err:  # noqa: BLE001 - find which piece, then explain
+        pieces = [("fn", job.fn)] + [(f"args[{i}]", a) for i, a in enumerate(job.args)]
+        pieces += [(f"kwargs[{k!r}]", v) for k, v in job.kwargs.items()]
+        for name, value in pieces:
+            try:
+                cloudpickle.dumps(value, protocol=5)
+            except Exception as piece_err:  # noqa: BLE001
+                raise LaunchConfigError(
+                    f"{name} ({type(value).__name__}) cannot be pickled, which spawned workers need: "
+                    f"{piece_err}. Create it inside fn instead, or use start_method='fork'"
+                ) from piece_err
+        raise LaunchConfigError(f"the job cannot be pickled: {err}") from err
+
+
+_launch_lock = threading.Lock()
+
+
+@contextmanager
+def _single_launch() -> Iterator[None]:
+    if not _launch_lock.acquire(blocking=False):
+        raise LaunchError("another enot_nb launch is running in this process (from another "
+                          "thread); wait for it to finish, launches do not run concurrently")
+    try:
+        yield
+    finally:
+        _launch_lock.release()
+
+
+# ----------------------------------------------------------------------------- plan each rank
+
+
+def rank_environment(plan: LaunchPlan, local_rank: int, port: int, attempt: int) -> dict[str, str]:
+    """The caller's environment plus torchrun's variables for one rank."""
+    env = dict(os.environ)
+    env.update(
+        WORLD_SIZE=str(plan.world_size), RANK=str(plan.node_rank * plan.nprocs + local_rank),
+        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(plan.nprocs),
+        NODE_RANK=str(plan.node_rank), GROUP_RANK=str(plan.node_rank),
+        MASTER_ADDR=plan.master_addr, MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT=str(attempt), OMP_NUM_THREADS=str(plan.threads),
+    )
+    return env
+
+
+@dataclass
+class _Rank:
+    """The launcher's view of one worker."""
+
+    rank: int
+    local_rank: int
+    pipes: dict[str, tuple[int, int]]  # "out"/"err"/"msg" -> (read end, write end)
+    sinks: dict[str, StreamSink]
+    messages: _channel.MessageReader = field(default_factory=_channel.MessageReader)
+    pid: int | None = None
+    exitcode: int | None = None
+    outcome: str | None = None  # "result", "done" or "error"
+    payload: Any = None
+    open_reads: set[str] = field(default_factory=lambda: {"out", "err", "msg"})
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None and self.exitcode is None
+
+
+def _make_ranks(plan: LaunchPlan) -> list[_Rank]:
+    ranks = []
+    for local_rank in range(plan.nprocs):
+        rank = plan.node_rank * plan.nprocs + local_rank
+        show = plan.output == "all" or (plan.output == "master" and rank == 0)
+        prefix = f"[rank {rank}] " if plan.output == "all" else ""
+        ranks.append(_Rank(
+            rank=rank, local_rank=local_rank,
+            pipes={name: os.pipe() for name in ("out", "err", "msg")},
+            sinks={"out": StreamSink("stdout", show, prefix), "err": StreamSink("stderr", show, prefix)},
+        ))
+    return ranks
+
+
+# ----------------------------------------------------------------------------- start
+
+
+class _ForkedGroup:
+    """Workers forked from this process (from the clean thread); exits seen through pidfds."""
+
+    def __init__(self, ranks: list[_Rank], specs: list[_worker.WorkerSpec], job: _worker.Job):
+        self.pidfds: dict[int, int] = {}
+        self._pid_to_rank: dict[int, _Rank] = {}
+        for r, spec in zip(ranks, specs):
+            r.pid = _spawn.fork(lambda spec=spec: _worker.run(spec, lambda: job))
+            self._pid_to_rank[r.pid] = r
+            try:
+                os.setpgid(r.pid, r.pid)  # also done by the child; whoever runs first wins
+            except OSError:
+                pass
+            if hasattr(os, "pidfd_open"):
+                self.pidfds[os.pidfd_open(r.pid)] = r.pid
+
+    def sources(self) -> list[int]:
+        return list(self.pidfds)
+
+    poll_interval = None if hasattr(os, "pidfd_open") else 0.05
+
+    def exits(self, ready: int | None) -> list[tuple[int, int]]:
+        """(rank, exitcode) of workers that ended; ``ready`` is the pidfd that fired, if any."""
+        pids = [self.pidfds.pop(ready)] if ready in self.pidfds else list(self._pid_to_rank)
+        if ready is not None:
+            os.close(ready)
+        ended = []
+        for pid in pids:
+            waited, status = os.waitpid(pid, 0 if ready is not None else os.WNOHANG)
+            if waited:
+                ended.append((self._pid_to_rank.pop(pid).rank, os.waitstatus_to_exitcode(status)))
+        return ended
+
+    def close(self) -> None:
+        for pidfd in self.pidfds:
+            os.close(pidfd)
+        for pid in self._pid_to_rank:
+            os.waitpid(pid, 0)  # every worker was SIGKILLed: this returns at once
+
+
+class _ServerGroup:
+    """Workers forked by the fork server; exits arrive as its messages."""
+
+    poll_interval = None
+
+    def __init__(self, ranks: list[_Rank], specs: list[_worker.WorkerSpec], job_bytes: bytes):
+        self.server = _spawn.fork_server()
+        fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")]
+        self.launch_id, pids = self.server.launch(specs, fds, job_bytes)
+        self._pending = {r.rank for r in ranks}
+        for r in ranks:
+            r.pid = pids[r.rank]
+
+    def sources(self) -> list[socket.socket]:
+        return [self.server.sock]
+
+    def exits(self, ready: Any) -> list[tuple[int, int]]:
+        """Read the server's next message, and every one already buffered behind it."""
+        messages = [self.server.next_message()]
+        while self.server.reader.pending:
+            messages.append(self.server.reader.pending.popleft())
+        ended = []
+        for message in messages:
+            if message[0] == "exit" and message[1] == self.launch_id:
+                self._pending.discard(message[2])
+                ended.append((message[2], message[3]))
+        return ended
+
+    def close(self) -> None:
+        try:
+            while self._pending:  # keep the protocol in step for the next launch
+                self.exits(None)
+        except LaunchError:
+            _spawn.shutdown_server()
+
+
+# ----------------------------------------------------------------------------- supervise
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    result: Any = None
+    failures: list[WorkerFailure] = field(default_factory=list)
+
+
+class _Attempt:
+    """One start of the whole group: start -> supervise -> collect -> close."""
+
+    def __init__(self, plan: LaunchPlan, job: _worker.Job, job_bytes: bytes | None, attempt: int):
+        self.plan, self.job, self.job_bytes, self.attempt = plan, job, job_bytes, attempt
+        self.ranks: list[_Rank] = []
+        self.group: _ForkedGroup | _ServerGroup | None = None
+        self.failures: list[WorkerFailure] = []
+        self.stopping_since: float | None = None
+        self.selector = selectors.DefaultSelector()
+
+    def run(self) -> _Outcome:
+        try:
+            self._start()
+            self._supervise()
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
+        finally:
+            self._close()
+        return self._collect()
+
+    def _start(self) -> None:
+        plan = self.plan
+        port = plan.master_port or free_port(plan.master_addr)
+        self.ranks = _make_ranks(plan)
+        fork = plan.start_method == "fork"
+        specs = []
+        for r in self.ranks:
+            others = [fd for o in self.ranks for fd in (p[0] for p in o.pipes.values())]
+            others += [p[1] for o in self.ranks if o is not r for p in o.pipes.values()]
+            specs.append(_worker.WorkerSpec(
+                rank=r.rank, env=rank_environment(plan, r.local_rank, port, self.attempt),
+                cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
+                threads=plan.threads, init_kwargs=plan.init_kwargs, parent_pid=os.getpid(),
+                stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1],
+                message_fd=r.pipes["msg"][1], close_fds=others if fork else [],
+            ))
+        for r in self.ranks:
+            for name in ("out", "err", "msg"):
+                os.set_blocking(r.pipes[name][0], False)
+                self.selector.register(r.pipes[name][0], selectors.EVENT_READ, (r, name))
+        try:
+            if fork:
+                self.group = _ForkedGroup(self.ranks, specs, self.job)
+            else:
+                self.group = _ServerGroup(self.ranks, specs, self.job_bytes)
+        finally:
+            for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
+                for name in ("out", "err", "msg"):
+                    os.close(r.pipes[name][1])
+        for source in self.group.sources():
+            self.selector.register(source, selectors.EVENT_READ, None)
+
+    def _supervise(self) -> None:
+        assert self.group is not None
+        while any(r.exitcode is None for r in self.ranks):
+            timeout = self.group.poll_interval
+            if self.stopping_since is not None:
+                left = self.stopping_since + STOP_GRACE - time.monotonic()
+                if left <= 0:
+                    self._signal_running(signal.SIGKILL)
+                    left = STOP_GRACE
+                timeout = left if timeout is None else min(timeout, left)
+            events = self.selector.select(timeout)
+            self._handle(events)
+            if not events and self.group.poll_interval is not None:
+                self._on_exits(self.group.exits(None))
+            if self.failures and self.stopping_since is None:
+                self.stopping_since = time.monotonic()
+                self._signal_running(signal.SIGTERM)
+
+    def _handle(self, events: list, force_show: bool = False) -> None:
+        assert self.group is not None
+        for key, _ in events:
+            if key.data is None:
+                self._on_exits(self.group.exits(key.fd if isinstance(key.fileobj, int) else None))
+            elif key.fd in self.selector.get_map():  # not closed by an exit handled just before
+                r, name = key.data
+                self._read(r, name, force_show=force_show and name == "err")
+
+    def _read(self, r: _Rank, name: str, force_show: bool = False) -> bool:
+        """Read what is available from one pipe; False once it is closed or empty."""
+        fd = r.pipes[name][0]
+        try:
+            data = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return False
+        if not data:
+            self.selector.unregister(fd)
+            os.close(fd)
+            r.open_reads.discard(name)
+            if name != "msg":
+                r.sinks[name].feed(b"", final=True, force_show=force_show)
+            return False
+        if name == "msg":
+            for kind, payload in r.messages.feed(data):
+                r.outcome, r.payload = kind, payload
+                if kind == "error":
+                    self._record_error(r, payload)
+        else:
+            r.sinks[name].feed(data, force_show=force_show)
+        return True
+
+    def _drain(self, r: _Rank) -> None:
+        for name in ("msg", "out", "err"):
+            while name in r.open_reads and self._read(r, name):
+                pass
+
+    def _on_exits(self, ended: list[tuple[int, int]]) -> None:
+        for rank, exitcode in ended:
+            r = next(x for x in self.ranks if x.rank == rank)
+            r.exitcode = exitcode
+            _signal_tree(r.pid, signal.SIGKILL)  # its own children, if it left any
+            self._drain(r)
+            if r.outcome in ("result", "done") or r.outcome == "error":
+                continue  # finished (a crash in teardown does not matter), or already recorded
+            if self.stopping_since is not None and exitcode != 0:
+                continue  # stopped by us after another rank failed
+            self._record_death(r, exitcode)
+
+    def _record_error(self, r: _Rank, info: dict[str, Any]) -> None:
+        self.failures.append(WorkerFailure(
+            rank=r.rank, exitcode=info["exitcode"], signal_name=None, error_type=info["type"],
+            message=info["message"], traceback=info["traceback"], attempt=self.attempt,
+            output_tail=r.sinks["err"].tail()))
+
+    def _record_death(self, r: _Rank, exitcode: int) -> None:
+        signal_name = None
+        if exitcode < 0:
+            try:
+                signal_name = signal.Signals(-exitcode).name
+            except ValueError:
+                signal_name = f"signal {-exitcode}"
+            message = ""
+        elif exitcode == 0:
+            message = "exited with code 0 before its function returned (os._exit?)"
+        else:
+            message = f"exited with code {exitcode} without a Python traceback"
+        self.failures.append(WorkerFailure(
+            rank=r.rank, exitcode=exitcode, signal_name=signal_name, error_type=None,
+            message=message, traceback=None, attempt=self.attempt,
+            output_tail=r.sinks["err"].tail()))
+
+    def _signal_running(self, signum: int) -> None:
+        for r in self.ranks:
+            if r.running:
+                _signal_tree(r.pid, signum)
+
+    # ------------------------------------------------------------------------- interrupt
+
+    def _interrupt(self) -> None:
+        """Show where every rank is, then stop them: SIGINT, SIGTERM, SIGKILL."""
+        self.stopping_since = time.monotonic()  # deaths from here on are our doing
+        running = [r for r in self.ranks if r.running]
+        if running:
+            print(f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:",
+                  file=sys.stderr, flush=True)
+            for r in running:
+                try:
+                    os.kill(r.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            self._pump(STACK_DUMP_WAIT, force_show=True)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+            if not any(r.running for r in self.ranks):
+                break
+            self._signal_running(signum)
+            self._pump(STOP_GRACE, force_show=False)
+
+    def _pump(self, seconds: float, force_show: bool) -> None:
+        """Read output and exits for up to ``seconds``, or until all is quiet."""
+        deadline = time.monotonic() + seconds
+        quiet_after_output = 0.2
+        while self.group is not None and any(r.running for r in self.ranks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = self.selector.select(min(left, quiet_after_output) if force_show else left)
+            if not events and force_show:
+                return
+            self._handle(events, force_show)
+
+    # ------------------------------------------------------------------------- collect, close
+
+    def _collect(self) -> _Outcome:
+        if self.failures:
+            self.failures.sort(key=_root_cause_order)
+            return _Outcome(ok=False, failures=self.failures)
+        master = next((r for r in self.ranks if r.rank == 0), None)
+        if master is None:
+            return _Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
+        import pickle
+
+        return _Outcome(ok=True, result=pickle.loads(master.payload))
+
+    def _close(self) -> None:
+        for r in self.ranks:
+            if r.pid is not None:
+                _signal_tree(r.pid, signal.SIGKILL)
+        if self.group is not None:
+            self.group.close()
+        for key in list(self.selector.get_map().values()):
+            self.selector.unregister(key.fileobj)
+            if key.data is not None:
+                os.close(key.fd)
+        self.selector.close()
+        if self.group is None:  # start failed: our read ends were never registered
+            for r in self.ranks:
+                for name in r.open_reads:
+                    try:
+                        os.close(r.pipes[name][0])
+                    except OSError:
+                        pass
+
+
+def _root_cause_order(failure: WorkerFailure) -> tuple[bool, int]:
+    """Real causes before errors caused by a lost peer, then by how they were observed."""
+    text = f"{failure.message} {failure.traceback or ''}"
+    consequence = failure.error_type is not None and any(w in text for w in _PEER_LOSS_WORDS)
+    return consequence, 0
+
+
+def _signal_tree(pid: int | None, signum: int) -> None:
+    """Signal a worker's whole process group; ignore what is already gone."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
