@@ -85,6 +85,8 @@ def become_worker(spec: WorkerSpec) -> None:
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A crash prints the Python stack into this rank's stderr, which the failure report shows.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     # On interrupt the launcher asks every rank where it is: a hang is diagnosable.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     os.environ.clear()

@@ -572,7 +572,10 @@ class _Attempt:
         assert self.group is not None
         for key, _ in events:
             if key.data is None:
-                self._on_exits(self.group.exits(key.fd if isinstance(key.fileobj, int) else None))
+                pidfd = key.fd if isinstance(key.fileobj, int) else None
+                if pidfd is not None:  # fires once; the group closes it
+                    self.selector.unregister(pidfd)
+                self._on_exits(self.group.exits(pidfd))
             elif key.fd in self.selector.get_map():  # not closed by an exit handled just before
                 r, name = key.data
                 self._read(r, name, force_show=force_show and name == "err")

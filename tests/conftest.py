@@ -34,8 +34,12 @@ def descendants(pid: int | None = None) -> list[int]:
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     """Fail a test that leaves a descendant process running (checked for up to 5 s)."""
+    from enot_nb import _spawn
+
     before = set(descendants())
     yield
+    if _spawn.server_pid() is not None:  # the fork server lives as long as this process
+        before.add(_spawn.server_pid())
     deadline = time.monotonic() + 5
     while True:
         left = set(descendants()) - before

@@ -1,0 +1,122 @@
+"""Worker functions for launcher tests (importable, so fork and spawn both find them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from enot_nb import distributed as ed
+
+
+def rank_sum(x):
+    t = torch.tensor([float(ed.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {"sum": t.item() * x, "rank": ed.get_rank(), "world": ed.get_world_size()}
+
+
+def describe():
+    keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")
+    return {k: os.environ.get(k) for k in keys} | {
+        "threads": torch.get_num_threads(), "pid": os.getpid(), "is_dist": ed.is_dist(),
+        "is_master": ed.is_master(), "is_local_master": ed.is_local_master(),
+        "pgid": os.getpgid(0),
+    }
+
+
+def chatty():
+    print(f"python line from {ed.get_rank()}")
+    os.write(1, f"C-level line from {ed.get_rank()}\n".encode())
+    sys.stdout.write("progress 1/2\rprogress 2/2\n")
+    print(f"stderr from {ed.get_rank()}", file=sys.stderr)
+    dist.barrier()
+
+
+def raise_on(rank, message="boom"):
+    if ed.get_rank() == rank:
+        raise ValueError(f"{message} on rank {rank}")
+    dist.barrier()  # the others wait in a collective: they must be stopped, not hang
+
+
+def exit_on(rank, code):
+    if ed.get_rank() == rank:
+        sys.stdout.flush()
+        os._exit(code)
+    dist.barrier()
+
+
+def sys_exit_on(rank, code):
+    if ed.get_rank() == rank:
+        sys.exit(code)
+    dist.barrier()
+
+
+def kill_self_on(rank, signum):
+    if ed.get_rank() == rank:
+        os.kill(os.getpid(), signum)
+        time.sleep(30)
+    dist.barrier()
+
+
+def fail_first_attempt():
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and ed.get_rank() == 1:
+        raise RuntimeError("first attempt fails")
+    dist.barrier()
+    return attempt
+
+
+def always_fail():
+    raise RuntimeError(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} fails")
+
+
+def parallel_matmul():
+    """Several OpenMP threads in the worker's first parallel op (hangs after an unsafe fork)."""
+    a = torch.randn(400, 400)
+    for _ in range(5):
+        a = (a @ a).clamp_(-1, 1)
+    return torch.get_num_threads()
+
+
+def nested_launch():
+    import enot_nb
+
+    return enot_nb.notebook_launcher(describe, nprocs=1)
+
+
+def wait_for_release(started_fd, release_fd):
+    """Tell the test we run (a byte on a pipe), then block until it releases us."""
+    if ed.is_master():
+        os.write(started_fd, b"s")
+        os.read(release_fd, 1)
+    dist.barrier()
+    return "released"
+
+
+def big_result(megabytes):
+    return torch.arange(megabytes * 2**18, dtype=torch.float32)
+
+
+def sleep_forever_in_barrier():
+    if ed.get_rank() == 0:
+        print("rank 0 ready", flush=True)
+        time.sleep(3600)
+    dist.barrier()
+
+
+def with_dataloader_children():
+    """A worker with children of its own (DataLoader workers) that outlive nothing."""
+    data = torch.utils.data.DataLoader(list(range(100)), num_workers=2, batch_size=1)
+    it = iter(data)
+    next(it)
+    pids = [w.pid for w in it._workers]
+    print("children", pids, flush=True)
+    if ed.get_rank() == 1:
+        raise RuntimeError("failing with children")
+    dist.barrier()
+    return pids
