@@ -108,8 +108,21 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+_message_fd: int | None = None
+
+
+def send(message: Any) -> None:
+    """Send a message (display data, ...) to the launcher, after the output written so far."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    assert _message_fd is not None, "send() is for worker processes"
+    _channel.write_message(_message_fd, message)
+
+
 def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
     """Run the job as rank ``spec.rank`` and exit the process; never returns."""
+    global _message_fd
+    _message_fd = spec.message_fd
     exitcode = 1
     try:
         become_worker(spec)
@@ -163,9 +176,12 @@ def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
     return code
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _user_frames(tb: Any) -> Any:
-    """Skip this module's own frames at the top: the user wants to see their code."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    """Skip enot_nb's own frames at the top: the user wants to see their code."""
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
     return tb
 

@@ -79,6 +79,8 @@ class LaunchPlan:
     threads: int
     init_kwargs: dict[str, Any]
     max_restarts: int
+    on_message: Callable[[str, Any], None] | None = None
+    """Called with other messages ("display", ...) of the ranks whose output is shown."""
 
     @property
     def world_size(self) -> int:
@@ -143,12 +145,18 @@ def notebook_launcher(
 
         state = notebook_launcher(train, args=(0.1,), nprocs=2, backend="gloo")
     """
-    plan = plan_launch(fn, nprocs, backend, seed, cuda_optimize_for_speed, cuda_reproducible,
+    if not callable(fn):
+        raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
+    plan = plan_launch(nprocs, backend, seed, cuda_optimize_for_speed, cuda_reproducible,
                        start_method, output, master_addr, master_port, nnodes, node_rank,
                        max_restarts, timeout)
-    job = _worker.Job(fn, tuple(args), dict(kwargs or {}))
-    job_bytes = _pickle_job(job) if plan.start_method == "spawn" else None
+    return launch_job(plan, _worker.Job(fn, tuple(args), dict(kwargs or {})))
+
+
+def launch_job(plan: LaunchPlan, job: _worker.Job) -> Any:
+    """Run a job under a validated plan, one launch at a time per process."""
     with _single_launch():
+        job_bytes = _pickle_job(job) if plan.start_method == "spawn" else None
         return run_plan(plan, job, job_bytes)
 
 
@@ -170,7 +178,7 @@ def run_plan(plan: LaunchPlan, job: _worker.Job, job_bytes: bytes | None) -> Any
 
 
 def plan_launch(
-    fn: Callable[..., Any], nprocs: int | None, backend: str | None, seed: int | None,
+    nprocs: int | None, backend: str | None, seed: int | None,
     cuda_optimize_for_speed: bool, cuda_reproducible: bool, start_method: str | None,
     output: str, master_addr: str, master_port: int | None, nnodes: int, node_rank: int,
     max_restarts: int, timeout: datetime.timedelta | float,
@@ -179,8 +187,6 @@ def plan_launch(
     if os.environ.get(_worker.WORKER_MARKER):
         raise LaunchError("notebook_launcher was called inside a worker process; launches do not "
                           "nest: call the function directly in the worker")
-    if not callable(fn):
-        raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
     if cuda_optimize_for_speed and cuda_reproducible:
         raise ConflictingFlagsError("cuda_optimize_for_speed and cuda_reproducible are mutually "
                                     "exclusive; set at most one")
@@ -596,9 +602,15 @@ class _Attempt:
             return False
         if name == "msg":
             for kind, payload in r.messages.feed(data):
-                r.outcome, r.payload = kind, payload
+                if kind in ("result", "done", "error"):
+                    r.outcome, r.payload = kind, payload
                 if kind == "error":
                     self._record_error(r, payload)
+                elif kind not in ("result", "done") and self.plan.on_message and r.sinks["out"].show:
+                    for stream in ("out", "err"):  # what the worker printed before comes first
+                        while stream in r.open_reads and self._read(r, stream):
+                            pass
+                    self.plan.on_message(kind, payload)
         else:
             r.sinks[name].feed(data, force_show=force_show)
         return True

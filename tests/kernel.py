@@ -1,0 +1,79 @@
+"""A real Jupyter kernel for tests (jupyter_client), and what one cell produced."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jupyter_client.manager import KernelManager
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CellRun:
+    stdout: str = ""
+    stderr: str = ""
+    displays: list[dict] = field(default_factory=list)
+    result: dict | None = None  # execute_result data
+    error: dict | None = None  # ename, evalue, traceback
+    status: str = ""
+
+    @property
+    def traceback(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+
+class Kernel:
+    def __init__(self, extra_env: dict[str, str] | None = None):
+        env = dict(os.environ) | {"PYTHONPATH": str(ROOT)} | (extra_env or {})
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(cwd=str(ROOT), env=env)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def run(self, code: str, timeout: float = 60, on_output=None) -> CellRun:
+        """Execute one cell and collect its output until the kernel is idle again."""
+        msg_id = self.client.execute(code)
+        run = CellRun()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.client.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}") from None
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                setattr(run, content["name"], getattr(run, content["name"]) + content["text"])
+                if on_output:
+                    on_output(run)
+            elif kind in ("display_data", "update_display_data"):
+                run.displays.append(content)
+            elif kind == "execute_result":
+                run.result = content["data"]
+            elif kind == "error":
+                run.error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        reply = self.client.get_shell_msg(timeout=10)
+        run.status = reply["content"]["status"]
+        return run
+
+    def ok(self, code: str, timeout: float = 60) -> CellRun:
+        run = self.run(code, timeout)
+        assert run.error is None, run.traceback + run.stderr
+        return run
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
