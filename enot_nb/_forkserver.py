@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import sys
 
@@ -65,6 +66,9 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
+    # Jupyter interrupts by signalling the kernel's whole process group, this server included:
+    # it has nothing to interrupt (its workers reset SIGINT and live in groups of their own).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     _worker._die_with_parent(int(sys.argv[2]))
     import cloudpickle  # noqa: F401 - preloaded for the workers
