@@ -278,6 +278,10 @@ class _CPUPickler:
         moved = self
 
         def reducer_override(value: Any) -> Any:
+            if isinstance(value, torch.nn.parallel.DistributedDataParallel):
+                # It pickles, but unpickling needs the workers' process group.
+                raise TypeError("it is bound to the workers' process group; its .module (your "
+                                "model) comes back instead when the cell uses it")
             if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
                 moved.moved += 1
                 if isinstance(value, torch.nn.Parameter):
@@ -365,4 +369,10 @@ def update_in_place(old: Any, new: Any) -> Any:
 
 
 def loads_state(data: bytes) -> dict[str, Any]:
-    return pickle.loads(data)
+    try:
+        return pickle.loads(data)
+    except Exception as err:
+        raise RuntimeError(
+            f"the cell ran, but its results could not be loaded in the notebook ({type(err).__name__}: "
+            f"{err}); choose what comes back with --return NAME[,NAME] or skip it with --no-return"
+        ) from err

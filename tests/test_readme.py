@@ -1,0 +1,24 @@
+"""Every Python code block of the README runs, in order, in a real kernel."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.kernel import ROOT, Kernel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_readme_python_blocks_run():
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 4
+    kernel = Kernel()
+    try:
+        runs = [kernel.ok(block) for block in blocks]
+    finally:
+        kernel.shutdown()
+    magic = next(r for b, r in zip(blocks, runs) if b.startswith("%%enot_distributed"))
+    assert magic.stdout.startswith("final loss")
+    assert "'ddp' was not brought back" in magic.stderr
