@@ -25,6 +25,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
+
 from enot_nb import _worker
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -263,35 +265,33 @@ def _changes(namespace: dict[str, Any], before: dict[str, int], tracked: dict[st
 # ----------------------------------------------------------------------------- pickling
 
 
-class _CPUPickler:
+class _CPUPickler(cloudpickle.Pickler):
     """cloudpickle with every CUDA tensor moved to the CPU, so the notebook never inits CUDA."""
 
-    def __init__(self) -> None:
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=5)
         self.moved = 0
 
-    def dumps(self, obj: Any) -> bytes:
-        import cloudpickle
+    def reducer_override(self, value: Any) -> Any:
         import torch
 
-        buffer = io.BytesIO()
-        pickler = cloudpickle.Pickler(buffer, protocol=5)
-        moved = self
+        if isinstance(value, torch.nn.parallel.DistributedDataParallel):
+            # It pickles, but unpickling needs the workers' process group.
+            raise TypeError("it is bound to the workers' process group; its .module (your "
+                            "model) comes back instead when the cell uses it")
+        if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
+            self.moved += 1
+            if isinstance(value, torch.nn.Parameter):
+                return torch.nn.Parameter, (value.detach().cpu(), value.requires_grad)
+            return _identity, (value.detach().cpu().requires_grad_(value.requires_grad),)
+        return super().reducer_override(value)
 
-        def reducer_override(value: Any) -> Any:
-            if isinstance(value, torch.nn.parallel.DistributedDataParallel):
-                # It pickles, but unpickling needs the workers' process group.
-                raise TypeError("it is bound to the workers' process group; its .module (your "
-                                "model) comes back instead when the cell uses it")
-            if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
-                moved.moved += 1
-                if isinstance(value, torch.nn.Parameter):
-                    return torch.nn.Parameter, (value.detach().cpu(), value.requires_grad)
-                return _identity, (value.detach().cpu().requires_grad_(value.requires_grad),)
-            return cloudpickle.Pickler.reducer_override(pickler, value)
 
-        pickler.reducer_override = reducer_override
-        pickler.dump(obj)
-        return buffer.getvalue()
+def _cpu_dumps(obj: Any) -> tuple[bytes, int]:
+    buffer = io.BytesIO()
+    pickler = _CPUPickler(buffer)
+    pickler.dump(obj)
+    return buffer.getvalue(), pickler.moved
 
 
 def _identity(value: Any) -> Any:
@@ -299,27 +299,36 @@ def _identity(value: Any) -> Any:
 
 
 def dumps_state(state: dict[str, Any]) -> tuple[bytes, dict[str, str], int]:
-    """One pickle of everything; names that cannot be pickled are left out and explained."""
-    pickler = _CPUPickler()
+    """One pickle of everything; names that cannot be pickled are left out and explained.
+
+    Returns the pickle, the names left out with the reason, and how many CUDA tensors moved.
+    """
     try:
-        return pickler.dumps(state), {}, pickler.moved
+        data, moved = _cpu_dumps(state)
+        return data, {}, moved
     except Exception:  # noqa: BLE001 - find the culprits below
         pass
     not_returned: dict[str, str] = {}
     for section in ("bound", "updated"):
         for name, value in list(state[section].items()):
             try:
-                _CPUPickler().dumps(value)
+                _CPUPickler(_pickling_discard()).dump(value)
             except Exception as err:  # noqa: BLE001
                 not_returned[name] = f"{type(value).__name__} cannot be pickled: {err}"
                 del state[section][name]
     if "value" in state:
         try:
-            _CPUPickler().dumps(state["value"])
+            _CPUPickler(_pickling_discard()).dump(state["value"])
         except Exception:  # noqa: BLE001 - shown from its display data instead
             del state["value"]
-    pickler = _CPUPickler()
-    return pickler.dumps(state), not_returned, pickler.moved
+    data, moved = _cpu_dumps(state)
+    return data, not_returned, moved
+
+
+def _pickling_discard() -> Any:
+    from enot_nb._pickling import _Discard
+
+    return _Discard()
 
 
 # ----------------------------------------------------------------------------- notebook side

@@ -11,6 +11,7 @@ Protocol on the socket (framed pickles, see _channel)::
 
     server -> caller  ("ready", pid)
     caller -> server  ("launch", id, [WorkerSpec], job_bytes)   + 3 fds per rank (out, err, msg)
+                                                                 + the job's shared-memory fds
     server -> caller  ("started", id, [pid per rank])
     server -> caller  ("exit", id, rank, exitcode)               once per rank, as each is reaped
 """
@@ -33,9 +34,11 @@ def _load_job(job_bytes: bytes) -> _worker.Job:
 def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],
                   job_bytes: bytes) -> dict[int, int]:
     pids: dict[int, int] = {}
+    pipes, shared_memory = fds[: 3 * len(specs)], fds[3 * len(specs) :]
     for index, spec in enumerate(specs):
-        spec.stdout_fd, spec.stderr_fd, spec.message_fd = fds[3 * index : 3 * index + 3]
-        spec.close_fds = [fd for fd in fds if fd not in fds[3 * index : 3 * index + 3]]
+        spec.stdout_fd, spec.stderr_fd, spec.message_fd = pipes[3 * index : 3 * index + 3]
+        spec.close_fds = [fd for fd in pipes if fd not in pipes[3 * index : 3 * index + 3]]
+        spec.shared_memory_fds = shared_memory
         spec.parent_pid = os.getpid()
         pid = os.fork()
         if pid == 0:

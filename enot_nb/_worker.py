@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from enot_nb import _channel
+from enot_nb import _channel, _pickling
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
 _PR_SET_PDEATHSIG = 1
@@ -57,6 +57,8 @@ class WorkerSpec:
     message_fd: int
     close_fds: list[int] = field(default_factory=list)
     """Launcher descriptors of other ranks, closed in this worker."""
+    shared_memory_fds: list[int] = field(default_factory=list)
+    """Tensors of a spawned job (see _pickling), mapped when the job is unpickled."""
 
 
 def become_worker(spec: WorkerSpec) -> None:
@@ -126,6 +128,7 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
     exitcode = 1
     try:
         become_worker(spec)
+        _pickling.RECEIVED_FDS[:] = spec.shared_memory_fds
         job = load_job()
         from enot_nb.distributed import init_torch
 

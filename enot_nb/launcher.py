@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _channel, _spawn, _worker
+from enot_nb import _channel, _pickling, _spawn, _worker
 from enot_nb._output import StreamSink
 from enot_nb.errors import (
     EnotNbError,
@@ -156,15 +156,19 @@ def notebook_launcher(
 def launch_job(plan: LaunchPlan, job: _worker.Job) -> Any:
     """Run a job under a validated plan, one launch at a time per process."""
     with _single_launch():
-        job_bytes = _pickle_job(job) if plan.start_method == "spawn" else None
-        return run_plan(plan, job, job_bytes)
+        shipped = _pickle_job(job) if plan.start_method == "spawn" else None
+        try:
+            return run_plan(plan, job, shipped)
+        finally:
+            if shipped is not None:
+                _pickling.close_all(shipped[1])
 
 
-def run_plan(plan: LaunchPlan, job: _worker.Job, job_bytes: bytes | None) -> Any:
+def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None) -> Any:
     """Run every attempt of a validated plan; return rank 0's result or raise the last failure."""
     root_causes: list[WorkerFailure] = []
     for attempt in range(plan.max_restarts + 1):
-        outcome = _Attempt(plan, job, job_bytes, attempt).run()
+        outcome = _Attempt(plan, job, shipped, attempt).run()
         if outcome.ok:
             return outcome.result
         root_causes.append(outcome.failures[0])
@@ -329,23 +333,16 @@ def _threads_per_worker(nprocs: int) -> int:
     return max(1, cores // nprocs)
 
 
-def _pickle_job(job: _worker.Job) -> bytes:
-    """cloudpickle the job, naming the first piece that cannot be pickled."""
-    import cloudpickle
-
+def _pickle_job(job: _worker.Job) -> tuple[bytes, list[int]]:
+    """Pickle the job for spawned workers, naming the first piece that cannot be pickled."""
+    pieces = {"fn": job.fn} | {f"args[{i}]": a for i, a in enumerate(job.args)}
+    pieces |= {f"kwargs[{k!r}]": v for k, v in job.kwargs.items()}
+    for name, reason in _pickling.unpicklable(pieces).items():
+        raise LaunchConfigError(f"{name}: {reason}, but spawned workers need it pickled. Create it "
+                                "inside fn instead, or use start_method='fork'")
     try:
-        return cloudpickle.dumps(job, protocol=5)
-    except Exception as err:  # noqa: BLE001 - find which piece, then explain
-        pieces = [("fn", job.fn)] + [(f"args[{i}]", a) for i, a in enumerate(job.args)]
-        pieces += [(f"kwargs[{k!r}]", v) for k, v in job.kwargs.items()]
-        for name, value in pieces:
-            try:
-                cloudpickle.dumps(value, protocol=5)
-            except Exception as piece_err:  # noqa: BLE001
-                raise LaunchConfigError(
-                    f"{name} ({type(value).__name__}) cannot be pickled, which spawned workers need: "
-                    f"{piece_err}. Create it inside fn instead, or use start_method='fork'"
-                ) from piece_err
+        return _pickling.dumps(job)
+    except Exception as err:  # noqa: BLE001 - e.g. a tensor that failed to copy
         raise LaunchConfigError(f"the job cannot be pickled: {err}") from err
 
 
@@ -461,9 +458,11 @@ class _ServerGroup:
 
     poll_interval = None
 
-    def __init__(self, ranks: list[_Rank], specs: list[_worker.WorkerSpec], job_bytes: bytes):
+    def __init__(self, ranks: list[_Rank], specs: list[_worker.WorkerSpec],
+                 shipped: tuple[bytes, list[int]]):
         self.server = _spawn.fork_server()
-        fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")]
+        job_bytes, shared_memory = shipped
+        fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")] + shared_memory
         self.launch_id, pids = self.server.launch(specs, fds, job_bytes)
         self._pending = {r.rank for r in ranks}
         for r in ranks:
@@ -505,8 +504,9 @@ class _Outcome:
 class _Attempt:
     """One start of the whole group: start -> supervise -> collect -> close."""
 
-    def __init__(self, plan: LaunchPlan, job: _worker.Job, job_bytes: bytes | None, attempt: int):
-        self.plan, self.job, self.job_bytes, self.attempt = plan, job, job_bytes, attempt
+    def __init__(self, plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
+                 attempt: int):
+        self.plan, self.job, self.shipped, self.attempt = plan, job, shipped, attempt
         self.ranks: list[_Rank] = []
         self.group: _ForkedGroup | _ServerGroup | None = None
         self.failures: list[WorkerFailure] = []
@@ -548,7 +548,7 @@ class _Attempt:
             if fork:
                 self.group = _ForkedGroup(self.ranks, specs, self.job)
             else:
-                self.group = _ServerGroup(self.ranks, specs, self.job_bytes)
+                self.group = _ServerGroup(self.ranks, specs, self.shipped)
         finally:
             for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
                 for name in ("out", "err", "msg"):

@@ -21,7 +21,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from enot_nb import _cell, _worker
+from enot_nb import _cell, _pickling, _worker
 from enot_nb.launcher import LaunchConfigError, launch_job, plan_launch
 
 
@@ -133,33 +133,19 @@ def _show_message(kind: str, payload: Any) -> None:
         clear_output(wait=payload)
 
 
-def _ship_namespace(namespace: dict[str, Any], code: str) -> tuple[bytes, dict[str, str]]:
-    """cloudpickle the notebook variables the cell uses; name those that cannot be sent."""
-    import cloudpickle
-
+def _ship_namespace(namespace: dict[str, Any], code: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The notebook variables the cell uses, less those that cannot be sent (named, with why)."""
     used = {n: namespace[n] for n in _cell.names_used(code)
             if n in namespace and not n.startswith("_") and n not in _cell._HIDDEN_NAMES}
-    try:
-        return cloudpickle.dumps(used, protocol=5), {}
-    except Exception:  # noqa: BLE001 - find which ones below
-        pass
-    left_out = {}
-    for name, value in list(used.items()):
-        try:
-            cloudpickle.dumps(value, protocol=5)
-        except Exception as err:  # noqa: BLE001
-            left_out[name] = f"{type(value).__name__} cannot be pickled ({err})"
-            del used[name]
-    return cloudpickle.dumps(used, protocol=5), left_out
+    left_out = _pickling.unpicklable(used)
+    return {n: v for n, v in used.items() if n not in left_out}, left_out
 
 
-def _run_shipped_cell(namespace_bytes: bytes, left_out: dict[str, str], code: str,
+def _run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], code: str,
                       options: _cell.CellOptions) -> Any:
-    """Worker side under spawn: rebuild the namespace, then run the cell."""
-    import pickle
-
+    """Worker side under spawn: the shipped variables become the cell's namespace."""
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    namespace.update(pickle.loads(namespace_bytes))
+    namespace.update(values)
     try:
         return _cell.run_cell(code, namespace, options)
     except NameError as err:

@@ -227,3 +227,24 @@ def test_kernel_restart_ends_the_workers():
         assert gone(pids, 5)
     finally:
         k.shutdown()
+
+
+def test_large_notebook_tensor_reaches_spawned_workers_through_shared_memory(kernel):
+    kernel.ok("big = torch.arange(2 * 2**20)")
+    kernel.ok(f"{MAGIC} --start-method spawn\nwith open('/proc/self/maps') as maps:\n"
+              "    shared = 'enot_nb-tensor' in maps.read()\ntotal = int(big.sum())\ndel maps")
+    assert kernel.ok("print(shared, total == int(big.sum()))").stdout == "True True\n"
+
+
+def test_magic_help_lists_the_options(kernel):
+    run = kernel.ok("from enot_nb.magic import EnotMagics\nprint(EnotMagics.enot_distributed.__doc__)")
+    for option in ("--nprocs", "--backend", "--seed", "--speed", "--reproducible", "--start-method",
+                   "--output", "--sync", "--no-sync", "--return", "--no-return", "--timeout",
+                   "--nnodes", "--node-rank", "--master-addr", "--master-port"):
+        assert option in run.stdout
+
+
+def test_progress_bars_keep_their_carriage_returns(kernel):
+    run = kernel.ok(f"{MAGIC}\nimport sys\nfor i in range(3):\n"
+                    "    sys.stderr.write(f'\\rstep {i}/3')\n    sys.stderr.flush()\nprint()")
+    assert "\rstep 0/3\rstep 1/3\rstep 2/3" in run.stderr

@@ -251,8 +251,18 @@ def test_nprocs_default_without_gpu_asks_for_nprocs():
 
 
 def test_unpicklable_argument_is_named_under_spawn():
-    with pytest.raises(ValueError, match=r"args\[1\] \(lock\) cannot be pickled"):
+    with pytest.raises(ValueError, match=r"args\[1\]: lock cannot be pickled"):
         launch(jobs.rank_sum, 1, threading.Lock(), start_method="spawn")
+
+
+def test_large_tensors_reach_spawned_workers_through_shared_memory():
+    big = torch.arange(2 * 2**20, dtype=torch.int64)  # 16 MB; integer sums are exact
+    small = torch.ones(3)
+    info = launch(jobs.inspect_tensors, big, small, start_method="spawn")
+    assert info["sums"] == [float(big.sum()), 3.0]
+    assert info["big_in_shared_memory"] and not info["small_in_shared_memory"]
+    assert info["writable_copy_on_write"]
+    assert big[0].item() == 0  # a worker's write never reaches the caller's tensor
 
 
 def test_busy_master_port_is_a_clear_error():
@@ -336,3 +346,21 @@ def test_two_nodes_on_localhost(tmp_path):
     assert (r0["WORLD_SIZE"], r0["RANK"], r0["NODE_RANK"], r0["LOCAL_RANK"]) == ("2", "0", "0", "0")
     assert r0["is_master"] and r0["is_local_master"] and r0["is_dist"]
     assert "RESULT null" in outs[1]  # node 1 has no global rank 0: it returns None
+
+
+def test_signal_handlers_are_unchanged_by_launches():
+    before = {s: signal.getsignal(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    launch(jobs.describe)
+    with pytest.raises(WorkerFailedError):
+        launch(jobs.raise_on, 1)
+    launch(jobs.describe, start_method="spawn")
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_other_ranks_are_stopped_within_two_seconds_of_a_failure(method):
+    with pytest.raises(WorkerFailedError) as info:
+        launch(jobs.raise_after_stamp, start_method=method)
+    detected = time.monotonic()
+    raised_at = float(re.search(r"raising at ([\d.]+)", str(info.value)).group(1))
+    assert detected - raised_at < 2.0

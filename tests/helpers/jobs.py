@@ -120,3 +120,26 @@ def with_dataloader_children():
         raise RuntimeError("failing with children")
     dist.barrier()
     return pids
+
+
+def inspect_tensors(big, small):
+    """Where the tensors of a spawned job live: memfd mappings, not copies from the pipe."""
+    with open("/proc/self/maps") as f:
+        mapped = [line for line in f if "enot_nb-tensor" in line]
+    in_shm = lambda t: any(  # noqa: E731
+        int(line.split("-")[0], 16) <= t.data_ptr() < int(line.split()[0].split("-")[1], 16)
+        for line in mapped)
+    result = {"sums": [float(big.sum()), float(small.sum())],
+              "big_in_shared_memory": in_shm(big), "small_in_shared_memory": in_shm(small)}
+    big[0] = 42  # private mapping: allowed, and invisible to the caller and the other rank
+    dist.barrier()
+    result["writable_copy_on_write"] = big[0].item() == 42
+    return result
+
+
+def raise_after_stamp():
+    """Rank 1 raises (stamping the time) while rank 0 waits in a collective."""
+    if ed.get_rank() == 1:
+        time.sleep(0.2)  # let rank 0 enter the barrier first
+        raise RuntimeError(f"raising at {time.monotonic():.6f}")
+    dist.barrier()
