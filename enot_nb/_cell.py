@@ -18,16 +18,13 @@ import ast
 import builtins
 import io
 import linecache
-import pickle
 import sys
 import types
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
-
-from enot_nb import _worker
+from enot_nb import _pickling, _worker
 
 CELL_FILENAME = "<enot_distributed cell>"
 _HIDDEN_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
@@ -53,8 +50,8 @@ class CellOptions:
 class CellOutcome:
     """The master's result of a cell, pickled back to the notebook."""
 
-    state: bytes | None
-    """One pickle of {"bound": {...}, "updated": {...}, "value": ...}."""
+    state: dict[str, Any]
+    """{"bound": {...}, "updated": {...}, "value": ...}, pickled with the outcome: one pickle."""
     not_returned: dict[str, str] = field(default_factory=dict)
     """Names that could not come back, with the reason."""
     value_bundle: tuple[dict, dict] | None = None
@@ -229,7 +226,7 @@ def _show_new_figures(before: set[int], show: bool) -> None:
 def _outcome(namespace: dict[str, Any], before: dict[str, int], tracked: dict[str, Any],
              value: Any, last: ast.Expression | None, suppressed: bool, options: CellOptions,
              shell: Any) -> CellOutcome:
-    outcome = CellOutcome(state=None)
+    outcome = CellOutcome(state={})
     bound, updated = _changes(namespace, before, tracked, options)
     has_value = last is not None and not suppressed and value is not None
     outcome.has_value = has_value
@@ -239,7 +236,8 @@ def _outcome(namespace: dict[str, Any], before: dict[str, int], tracked: dict[st
     if has_value and outcome.value_name is None:
         state["value"] = value
         outcome.value_bundle = shell.display_formatter.format(value)
-    outcome.state, outcome.not_returned, outcome.moved_to_cpu = dumps_state(state)
+    outcome.not_returned, outcome.moved_to_cpu = check_state(state)
+    outcome.state = state
     return outcome
 
 
@@ -265,70 +263,29 @@ def _changes(namespace: dict[str, Any], before: dict[str, int], tracked: dict[st
 # ----------------------------------------------------------------------------- pickling
 
 
-class _CPUPickler(cloudpickle.Pickler):
-    """cloudpickle with every CUDA tensor moved to the CPU, so the notebook never inits CUDA."""
+def check_state(state: dict[str, Any]) -> tuple[dict[str, str], int]:
+    """Leave out (and explain) the names that cannot be pickled; count tensors off the CPU.
 
-    def __init__(self, file: Any) -> None:
-        super().__init__(file, protocol=5)
-        self.moved = 0
-
-    def reducer_override(self, value: Any) -> Any:
-        import torch
-
-        if isinstance(value, torch.nn.parallel.DistributedDataParallel):
-            # It pickles, but unpickling needs the workers' process group.
-            raise TypeError("it is bound to the workers' process group; its .module (your "
-                            "model) comes back instead when the cell uses it")
-        if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
-            self.moved += 1
-            if isinstance(value, torch.nn.Parameter):
-                return torch.nn.Parameter, (value.detach().cpu(), value.requires_grad)
-            return _identity, (value.detach().cpu().requires_grad_(value.requires_grad),)
-        return super().reducer_override(value)
-
-
-def _cpu_dumps(obj: Any) -> tuple[bytes, int]:
-    buffer = io.BytesIO()
-    pickler = _CPUPickler(buffer)
-    pickler.dump(obj)
-    return buffer.getvalue(), pickler.moved
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def dumps_state(state: dict[str, Any]) -> tuple[bytes, dict[str, str], int]:
-    """One pickle of everything; names that cannot be pickled are left out and explained.
-
-    Returns the pickle, the names left out with the reason, and how many CUDA tensors moved.
+    A dry run that skips tensor data: the real pickling happens once, with the outcome.
     """
     try:
-        data, moved = _cpu_dumps(state)
-        return data, {}, moved
+        return {}, _pickling.dry_run(state)
     except Exception:  # noqa: BLE001 - find the culprits below
         pass
     not_returned: dict[str, str] = {}
     for section in ("bound", "updated"):
         for name, value in list(state[section].items()):
             try:
-                _CPUPickler(_pickling_discard()).dump(value)
+                _pickling.dry_run(value)
             except Exception as err:  # noqa: BLE001
                 not_returned[name] = f"{type(value).__name__} cannot be pickled: {err}"
                 del state[section][name]
     if "value" in state:
         try:
-            _CPUPickler(_pickling_discard()).dump(state["value"])
+            _pickling.dry_run(state["value"])
         except Exception:  # noqa: BLE001 - shown from its display data instead
             del state["value"]
-    data, moved = _cpu_dumps(state)
-    return data, not_returned, moved
-
-
-def _pickling_discard() -> Any:
-    from enot_nb._pickling import _Discard
-
-    return _Discard()
+    return not_returned, _pickling.dry_run(state)
 
 
 # ----------------------------------------------------------------------------- notebook side
@@ -377,11 +334,3 @@ def update_in_place(old: Any, new: Any) -> Any:
     return old
 
 
-def loads_state(data: bytes) -> dict[str, Any]:
-    try:
-        return pickle.loads(data)
-    except Exception as err:
-        raise RuntimeError(
-            f"the cell ran, but its results could not be loaded in the notebook ({type(err).__name__}: "
-            f"{err}); choose what comes back with --return NAME[,NAME] or skip it with --no-return"
-        ) from err

@@ -10,8 +10,8 @@ descriptors over a Unix socket that only the launching process holds.
 Protocol on the socket (framed pickles, see _channel)::
 
     server -> caller  ("ready", pid)
-    caller -> server  ("launch", id, [WorkerSpec], job_bytes)   + 3 fds per rank (out, err, msg)
-                                                                 + the job's shared-memory fds
+    caller -> server  ("launch", id, [WorkerSpec], job_bytes, n)  + 3 fds per rank (out, err, msg)
+                                                        + n (0 or 1) result memfd + the job's memfds
     server -> caller  ("started", id, [pid per rank])
     server -> caller  ("exit", id, rank, exitcode)               once per rank, as each is reaped
 """
@@ -32,13 +32,16 @@ def _load_job(job_bytes: bytes) -> _worker.Job:
 
 
 def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],
-                  job_bytes: bytes) -> dict[int, int]:
+                  job_bytes: bytes, result_fds: int) -> dict[int, int]:
     pids: dict[int, int] = {}
-    pipes, shared_memory = fds[: 3 * len(specs)], fds[3 * len(specs) :]
+    pipes, extra = fds[: 3 * len(specs)], fds[3 * len(specs) :]
+    result_fd = extra[0] if result_fds else None
+    shared_memory = extra[result_fds:]
     for index, spec in enumerate(specs):
         spec.stdout_fd, spec.stderr_fd, spec.message_fd = pipes[3 * index : 3 * index + 3]
         spec.close_fds = [fd for fd in pipes if fd not in pipes[3 * index : 3 * index + 3]]
         spec.shared_memory_fds = shared_memory
+        spec.result_fd = result_fd
         spec.parent_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
@@ -58,8 +61,8 @@ def serve(sock: socket.socket) -> None:
             message, fds = _channel.recv_message(sock, reader, maxfds=253)
         except EOFError:
             return
-        _, launch_id, specs, job_bytes = message
-        pids = _fork_workers(sock, specs, fds, job_bytes)
+        _, launch_id, specs, job_bytes, result_fds = message
+        pids = _fork_workers(sock, specs, fds, job_bytes, result_fds)
         _channel.send_message(sock, ("started", launch_id, {rank: pid for pid, rank in pids.items()}))
         while pids:
             pid, status = os.wait()

@@ -121,10 +121,14 @@ class ForkServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def launch(self, specs: list[Any], fds: list[int], job_bytes: bytes) -> tuple[int, dict[int, int]]:
-        """Ask for one worker per spec; returns the launch id and each rank's pid."""
+    def launch(self, specs: list[Any], fds: list[int], job_bytes: bytes,
+               result_fds: int) -> tuple[int, dict[int, int]]:
+        """Ask for one worker per spec; returns the launch id and each rank's pid.
+
+        ``fds``: 3 pipes per rank, then ``result_fds`` (0 or 1) result memfd, then shared memory.
+        """
         self._launch_id += 1
-        _channel.send_message(self.sock, ("launch", self._launch_id, specs, job_bytes), fds)
+        _channel.send_message(self.sock, ("launch", self._launch_id, specs, job_bytes, result_fds), fds)
         while True:
             message = self.next_message()
             if message[0] == "started" and message[1] == self._launch_id:

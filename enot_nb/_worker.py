@@ -57,6 +57,8 @@ class WorkerSpec:
     message_fd: int
     close_fds: list[int] = field(default_factory=list)
     """Launcher descriptors of other ranks, closed in this worker."""
+    result_fd: int | None = None
+    """A memfd for rank 0's result (see _pickling.write_result); None: through the pipe."""
     shared_memory_fds: list[int] = field(default_factory=list)
     """Tensors of a spawned job (see _pickling), mapped when the job is unpickled."""
 
@@ -146,15 +148,17 @@ def _send_result(spec: WorkerSpec, result: Any) -> None:
     if spec.rank != 0:
         _channel.write_message(spec.message_fd, ("done", None))
         return
-    import cloudpickle
-
     try:
-        payload = cloudpickle.dumps(result, protocol=5)
+        main, buffers = _pickling.dump_result(result)
     except Exception as err:
         raise TypeError(
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
+    if spec.result_fd is None:
+        payload = ("inline", _pickling.dump_inline(result))
+    else:
+        payload = ("memfd", _pickling.write_result(spec.result_fd, main, buffers))
     _channel.write_message(spec.message_fd, ("result", payload))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import pickle
 import selectors
 import signal
 import socket
@@ -459,11 +460,12 @@ class _ServerGroup:
     poll_interval = None
 
     def __init__(self, ranks: list[_Rank], specs: list[_worker.WorkerSpec],
-                 shipped: tuple[bytes, list[int]]):
+                 shipped: tuple[bytes, list[int]], result_fd: int | None):
         self.server = _spawn.fork_server()
         job_bytes, shared_memory = shipped
-        fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")] + shared_memory
-        self.launch_id, pids = self.server.launch(specs, fds, job_bytes)
+        result = [result_fd] if result_fd is not None else []
+        fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")] + result + shared_memory
+        self.launch_id, pids = self.server.launch(specs, fds, job_bytes, len(result))
         self._pending = {r.rank for r in ranks}
         for r in ranks:
             r.pid = pids[r.rank]
@@ -510,6 +512,7 @@ class _Attempt:
         self.ranks: list[_Rank] = []
         self.group: _ForkedGroup | _ServerGroup | None = None
         self.failures: list[WorkerFailure] = []
+        self.result_fd: int | None = None
         self.stopping_since: float | None = None
         self.selector = selectors.DefaultSelector()
 
@@ -517,17 +520,19 @@ class _Attempt:
         try:
             self._start()
             self._supervise()
+            return self._collect()
         except KeyboardInterrupt:
             self._interrupt()
             raise
         finally:
             self._close()
-        return self._collect()
 
     def _start(self) -> None:
         plan = self.plan
         port = plan.master_port or free_port(plan.master_addr)
         self.ranks = _make_ranks(plan)
+        if plan.node_rank == 0:  # global rank 0 runs here
+            self.result_fd = _pickling.result_fd()
         fork = plan.start_method == "fork"
         specs = []
         for r in self.ranks:
@@ -539,6 +544,7 @@ class _Attempt:
                 threads=plan.threads, init_kwargs=plan.init_kwargs, parent_pid=os.getpid(),
                 stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1],
                 message_fd=r.pipes["msg"][1], close_fds=others if fork else [],
+                result_fd=self.result_fd,
             ))
         for r in self.ranks:
             for name in ("out", "err", "msg"):
@@ -548,7 +554,7 @@ class _Attempt:
             if fork:
                 self.group = _ForkedGroup(self.ranks, specs, self.job)
             else:
-                self.group = _ServerGroup(self.ranks, specs, self.shipped)
+                self.group = _ServerGroup(self.ranks, specs, self.shipped, self.result_fd)
         finally:
             for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
                 for name in ("out", "err", "msg"):
@@ -703,9 +709,17 @@ class _Attempt:
         master = next((r for r in self.ranks if r.rank == 0), None)
         if master is None:
             return _Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
-        import pickle
-
-        return _Outcome(ok=True, result=pickle.loads(master.payload))
+        kind, data = master.payload
+        try:
+            if kind == "memfd":
+                result = _pickling.read_result(self.result_fd, data)
+            else:
+                result = pickle.loads(data)
+        except Exception as err:
+            raise LaunchError(f"rank 0's result could not be loaded in this process "
+                              f"({type(err).__name__}: {err}); return plain data, tensors or "
+                              "state dicts") from err
+        return _Outcome(ok=True, result=result)
 
     def _close(self) -> None:
         for r in self.ranks:
@@ -718,6 +732,8 @@ class _Attempt:
             if key.data is not None:
                 os.close(key.fd)
         self.selector.close()
+        if self.result_fd is not None:
+            os.close(self.result_fd)  # a result already loaded keeps its pages mapped
         if self.group is None:  # start failed: our read ends were never registered
             for r in self.ranks:
                 for name in r.open_reads:

@@ -22,6 +22,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from enot_nb import _cell, _pickling, _worker
+from enot_nb.errors import LaunchError
 from enot_nb.launcher import LaunchConfigError, launch_job, plan_launch
 
 
@@ -117,7 +118,13 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, line: str = "") -> An
         job = _worker.Job(_cell.run_cell, (code, shell.user_ns, options))
     else:
         job = _worker.Job(_run_shipped_cell, _ship_namespace(shell.user_ns, code) + (code, options))
-    outcome: _cell.CellOutcome | None = launch_job(plan, job)
+    try:
+        outcome: _cell.CellOutcome | None = launch_job(plan, job)
+    except LaunchError as err:
+        if "could not be loaded" in str(err):
+            raise LaunchError(f"{err}. Choose what comes back with --return NAME[,NAME], or skip it "
+                              "with --no-return") from err.__cause__
+        raise
     if outcome is None:  # this node has no global rank 0
         return None
     return _bring_back(shell, outcome)
@@ -158,7 +165,7 @@ def _run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], code: st
 
 
 def _bring_back(shell: Any, outcome: _cell.CellOutcome) -> Any:
-    state = _cell.loads_state(outcome.state) if outcome.state else {"bound": {}, "updated": {}}
+    state = outcome.state
     _cell.apply_state(shell.user_ns, state)
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)

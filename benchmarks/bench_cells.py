@@ -1,0 +1,112 @@
+"""In a real kernel: state return, output throughput and latency, and training speed.
+
+* State return: a cell that creates a ResNet-50-sized model, with and without bringing it
+  back; the difference against a local cloudpickle round trip of the same object.
+* Output: 100,000 printed lines from the master against the same cell run locally; and the
+  delay from a worker's print to its arrival at the notebook client.
+* Training: DDP steps per second in a cell against the same code under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.harness import ROOT, Row, kernel_json, median, start_kernel
+
+SETUP = r'''
+import json, os, time, torch, cloudpickle
+%load_ext enot_nb
+NPROCS = torch.cuda.device_count() or 2
+from benchmarks.shapes import resnet50_like
+def times(fn, repeats, warmup=1):
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter(); fn(); out.append(time.perf_counter() - start)
+    return out
+def cell(options, body):
+    return lambda: get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS} {options}", body)
+MAKE = "from benchmarks.shapes import resnet50_like\ntorch.manual_seed(0)\nnet = resnet50_like()"
+local_net = resnet50_like()
+'''
+
+
+def state_return(kernel, repeats: int) -> list[Row]:
+    found = kernel_json(kernel, f"""
+without = times(cell("--no-return", MAKE), {repeats})
+with_return = times(cell("", MAKE), {repeats})
+local = times(lambda: cloudpickle.loads(cloudpickle.dumps(local_net)), {repeats})
+print("RESULT", json.dumps([without, with_return, local]))""")
+    without, with_return, local = (median(v) for v in found)
+    cost = with_return - without
+    return [
+        Row("state return (ResNet-50-sized model, 102 MB)", "local cloudpickle round trip (reference)",
+            local, "s", "local round trip", 1.0, "", repeats),
+        Row("state return (ResNet-50-sized model, 102 MB)", "bringing it back from the master",
+            cost, "s", "local round trip", cost / local, "<= 2x", repeats),
+    ]
+
+
+def output(kernel, repeats: int) -> list[Row]:
+    body = "for i in range(100_000):\n    print(i)"
+
+    def cell_seconds(code: str) -> float:
+        start = time.perf_counter()
+        run = kernel.run(code, timeout=300)
+        assert run.error is None and run.stdout.count("\n") >= 100_000, run.stderr[-500:]
+        return time.perf_counter() - start
+
+    local = median([cell_seconds(body) for _ in range(repeats)])
+    ours = median([cell_seconds(f"%%enot_distributed -n 2 --no-return\n{body}") for _ in range(repeats)])
+    rows = [Row("output: 100,000 lines from the master", "local cell (reference)", 100_000 / local,
+                "lines/s", "local cell", 1.0, "", repeats),
+            Row("output: 100,000 lines from the master", "%%enot_distributed", 100_000 / ours,
+                "lines/s", "local cell", local / ours, ">= 0.5x throughput", repeats)]
+    for label, prefix in (("local cell", ""), ("%%enot_distributed", "%%enot_distributed -n 2 --no-return\n")):
+        delays: list[float] = []
+
+        def on_output(run, delays=delays):
+            now = time.time()
+            for line in run.stdout.splitlines()[len(delays):]:
+                if line.startswith("stamp "):
+                    delays.append(now - float(line.split()[1]))
+
+        kernel.run(prefix + "import time\nfor _ in range(20):\n    print('stamp', time.time(), flush=True)\n"
+                   "    time.sleep(0.05)", timeout=120, on_output=on_output)
+        rows.append(Row("output: print-to-notebook delay", label, median(delays), "s",
+                        "", None, "<= 0.05 s" if prefix else "", len(delays)))
+    return rows
+
+
+def training(kernel) -> list[Row]:
+    ours = kernel_json(kernel, """
+from benchmarks import train_job
+get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS} --return rate",
+                             "from benchmarks import train_job\\nrate = train_job.steps_per_second()")
+print("RESULT", json.dumps(rate))""")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rate.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node=2", str(ROOT / "benchmarks" / "train_job.py"), str(out)],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+        theirs = json.loads(out.read_text())
+    return [Row("training: DDP steps/s after start-up", "torchrun script (reference)", theirs,
+                "steps/s", "torchrun", 1.0, "", 1),
+            Row("training: DDP steps/s after start-up", "%%enot_distributed", ours, "steps/s",
+                "torchrun", ours / theirs, ">= 0.97x", 1)]
+
+
+def run(repeats: int = 5) -> list[Row]:
+    kernel = start_kernel()
+    try:
+        kernel.ok(SETUP)
+        return state_return(kernel, repeats) + output(kernel, max(3, repeats // 2)) + training(kernel)
+    finally:
+        kernel.shutdown()

@@ -1,0 +1,65 @@
+"""Shared pieces of the benchmarks: timing, a real kernel, result rows."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.kernel import Kernel  # noqa: E402 - the same real-kernel driver as the tests
+
+
+@dataclass
+class Row:
+    """One measured variant, with its ratio to the reference measured in the same run."""
+
+    benchmark: str
+    variant: str
+    median: float
+    unit: str
+    reference: str
+    ratio: float | None = None
+    target: str = ""
+    runs: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def kernel_json(kernel: Kernel, code: str, timeout: float = 600) -> object:
+    """Run ``code`` in the kernel; it must print one line ``RESULT <json>``."""
+    run = kernel.run(code, timeout=timeout)
+    if run.error:
+        raise RuntimeError("\n".join(run.error["traceback"]))
+    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def start_kernel() -> Kernel:
+    kernel = Kernel()
+    kernel.ok(f"import sys; sys.path.insert(0, {str(ROOT)!r})")
+    return kernel
