@@ -1,8 +1,10 @@
 """``sync_model``: make a model identical on every rank with one collective per bucket.
 
 Per-tensor collectives pay a fixed latency per tensor (161 of them in a ResNet-50); here tensors
-are grouped by (device, dtype, mode) and packed into bounded buckets. Two bucket buffers per
-group are reused and alternated, so packing bucket i+1 overlaps with the collective of bucket i.
+are grouped by (device, dtype, mode) and packed into bounded buckets, while a large contiguous
+tensor is synced alone and in place (packing it would only add two copies). Two collectives are
+kept in flight and two bucket buffers are reused, so packing, dividing and unpacking one item
+overlaps with the communication of the other.
 
 Before any data moves, ranks compare a 64-bit fingerprint of the structure (names, shapes,
 dtypes, modes). A mismatch raises on every rank naming the first tensor that differs: a
@@ -24,6 +26,8 @@ from enot_nb.errors import DistributedRuntimeException
 # Bucket size: large enough to amortize per-collective latency, small enough to bound the extra
 # memory (two buffers per device and dtype). Overridable for experiments.
 BUCKET_BYTES = int(float(os.environ.get("ENOT_NB_SYNC_BUCKET_MB", "25")) * 2**20)
+# A contiguous tensor this large is synced alone, in place: packing would only add two copies.
+DIRECT_BYTES = int(float(os.environ.get("ENOT_NB_SYNC_DIRECT_MB", "1")) * 2**20)
 
 _REDUCE, _BROADCAST = "reduce", "broadcast"
 
@@ -145,48 +149,75 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _buckets(tensors: list[torch.Tensor], capacity: int) -> list[list[torch.Tensor]]:
-    buckets: list[list[torch.Tensor]] = [[]]
+def _plan(tensors: list[torch.Tensor], capacity: int) -> list[list[torch.Tensor]]:
+    """Group tensors into collectives: a large contiguous tensor alone, in place (no copies);
+    the others packed in order into buckets of at most ``capacity`` elements."""
+    items: list[list[torch.Tensor]] = []
+    bucket: list[torch.Tensor] = []
     filled = 0
     for tensor in tensors:
-        if buckets[-1] and filled + tensor.numel() > capacity:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(tensor)
+        if tensor.is_contiguous() and tensor.nbytes >= DIRECT_BYTES:
+            items.append([tensor])
+            continue
+        if bucket and filled + tensor.numel() > capacity:
+            items.append(bucket)
+            bucket, filled = [], 0
+        bucket.append(tensor)
         filled += tensor.numel()
-    return buckets
+    if bucket:
+        items.append(bucket)
+    return items
 
 
 def _sync_group(tensors: list[torch.Tensor], mode: str) -> None:
-    """Pack into alternating reusable buffers; pack bucket i+1 while bucket i is in flight."""
-    dtype, device = tensors[0].dtype, tensors[0].device
+    """One collective per item of _plan, two in flight: packing (or dividing, unpacking) one
+    overlaps with the communication of the other; two bucket buffers are reused."""
     capacity = max(1, BUCKET_BYTES // tensors[0].element_size())
-    buckets = _buckets(tensors, capacity)
-    largest = max(sum(t.numel() for t in bucket) for bucket in buckets)
-    buffers = [torch.empty(largest, dtype=dtype, device=device) for _ in range(min(2, len(buckets)))]
-    world_size = dist.get_world_size()
-    in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
-    for index, bucket in enumerate(buckets):
-        flat = buffers[index % len(buffers)][: sum(t.numel() for t in bucket)]
-        if len(in_flight) == len(buffers):  # the buffer we are about to fill is still in flight
-            _finish(*in_flight.pop(0), mode, world_size)
-        torch.cat([t.reshape(-1) for t in bucket], out=flat)
+    items = _plan(tensors, capacity)
+    packed = [item for item in items if len(item) > 1 or not _is_direct(item[0])]
+    largest = max((sum(t.numel() for t in item) for item in packed), default=0)
+    buffers = [torch.empty(largest, dtype=tensors[0].dtype, device=tensors[0].device)
+               for _ in range(min(2, len(packed)))]
+    world_size, is_source = dist.get_world_size(), dist.get_rank() == 0
+    in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor] | None]] = []
+    used = 0
+    for item in items:
+        if len(in_flight) == 2:
+            _finish(*in_flight.pop(0), mode, world_size, is_source)
+        if len(item) == 1 and _is_direct(item[0]):
+            flat, unpack = item[0], None
+        else:
+            flat = buffers[used % len(buffers)][: sum(t.numel() for t in item)]
+            used += 1
+            torch.cat([t.reshape(-1) for t in item], out=flat)
+            unpack = item
         if mode == _REDUCE:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
         else:
             work = dist.broadcast(flat, src=0, async_op=True)
-        in_flight.append((work, flat, bucket))
-    for item in in_flight:
-        _finish(*item, mode, world_size)
+        in_flight.append((work, flat, unpack))
+    for entry in in_flight:
+        _finish(*entry, mode, world_size, is_source)
 
 
-def _finish(
-    work: dist.Work, flat: torch.Tensor, bucket: list[torch.Tensor], mode: str, world_size: int
-) -> None:
+def _is_direct(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.nbytes >= DIRECT_BYTES
+
+
+def _finish(work: dist.Work, flat: torch.Tensor, bucket: list[torch.Tensor] | None, mode: str,
+            world_size: int, is_source: bool) -> None:
     work.wait()
-    if mode == _REDUCE:
-        flat.div_(world_size)
+    if bucket is None:  # synced in place
+        if mode == _REDUCE:
+            flat.div_(world_size)
+        return
+    if mode != _REDUCE and is_source:
+        return  # the master's tensors are the source of the broadcast: nothing changed
     offset = 0
     for tensor in bucket:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view(tensor.shape))
+        piece = flat[offset : offset + tensor.numel()].view(tensor.shape)
         offset += tensor.numel()
+        if mode == _REDUCE and tensor.is_contiguous():
+            torch.div(piece, world_size, out=tensor)  # average and unpack in one pass
+        else:
+            tensor.copy_(piece / world_size if mode == _REDUCE else piece)

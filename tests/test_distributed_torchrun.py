@@ -55,7 +55,9 @@ def test_helpers_on_two_simulated_nodes(tmp_path):
 
 
 def test_sync_model_values_by_hand(tmp_path):
-    r0, r1 = torchrun_one_node(tmp_path, "sync", ENOT_NB_SYNC_BUCKET_MB="0.01")
+    # tiny buckets and a tiny in-place threshold: packed buckets and in-place tensors both used
+    r0, r1 = torchrun_one_node(tmp_path, "sync", ENOT_NB_SYNC_BUCKET_MB="0.01",
+                               ENOT_NB_SYNC_DIRECT_MB="0.01")
     for r in (r0, r1):
         assert r["avg_weight"] == [[1.5, 1.5], [1.5, 1.5]]  # (1 + 2) / 2
         assert r["avg_running_mean"] == [15.0, 15.0]  # (10 + 20) / 2
