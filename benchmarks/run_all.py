@@ -46,7 +46,7 @@ def chart(rows: list[Row], path: Path) -> None:
     shown = [r for r in rows if r.ratio is not None and r.unit != "x" and "reference" not in r.variant
              and r.ratio < 100]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(shown) + 1))
-    labels = [f"{r.benchmark.split(':')[0].split(' (')[0]}: {r.variant}" for r in shown]
+    labels = [f"{r.benchmark.replace(', 2 processes', '').split(' (')[0]}: {r.variant}" for r in shown]
     colors = ["tab:green" if "enot" in r.variant.lower() or "sync_model," in r.variant
               or "%%" in r.variant or "bringing" in r.variant else "tab:gray" for r in shown]
     ax.barh(range(len(shown)), [r.ratio for r in shown], color=colors)
@@ -54,8 +54,8 @@ def chart(rows: list[Row], path: Path) -> None:
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("ratio to the reference measured in the same run (log scale; lower is better,"
-                  " except output and training: higher)")
+    ax.set_xlabel("ratio to the reference of the same run (log scale)\n"
+                  "lower is better, except output and training (higher is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

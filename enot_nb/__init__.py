@@ -16,6 +16,7 @@ from enot_nb.errors import (
     WorkerFailedError,
     WorkerFailure,
 )
+from enot_nb.export import export_cell, load_results
 from enot_nb.launcher import notebook_launcher
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "WorkerFailedError",
     "WorkerFailure",
     "distributed",
+    "export_cell",
+    "load_results",
     "notebook_launcher",
 ]
 __version__ = "0.1.0"

@@ -44,6 +44,9 @@ class CellOptions:
     """Line number of the cell's first line in the notebook (after the %%magic line)."""
     source_header: str = ""
     shown: bool = True
+    figure_dir: str | None = None
+    """Outside a launch (an exported script): save images here instead of sending them."""
+    figure_prefix: str = "cell"
 
 
 @dataclass
@@ -114,24 +117,40 @@ def fingerprint(value: Any) -> Any:
 
 
 class _PipePublisher:
-    """Stands in for IPython's display publisher in a worker: display data goes to the notebook."""
+    """Stands in for IPython's display publisher in a worker: display data goes to the notebook
+    (or, in an exported script, text to stdout and images to files)."""
 
-    def __init__(self, shown: bool) -> None:
-        self.shown = shown
+    def __init__(self, options: CellOptions) -> None:
+        self.options = options
         self.is_publishing = False
+        self._saved = 0
 
     def publish(self, data: dict, metadata: dict | None = None, source: Any = None, *,
                 transient: dict | None = None, update: bool = False, **_: Any) -> None:
-        if self.shown:
+        if not self.options.shown:
+            return
+        if self.options.figure_dir is None:
             _worker.send(("display", {"data": data, "metadata": metadata or {},
                                       "transient": transient or {}, "update": update}))
+        elif "image/png" in data:
+            import base64
+            import os
+
+            self._saved += 1
+            path = os.path.join(self.options.figure_dir,
+                                f"{self.options.figure_prefix}.figure-{self._saved}.png")
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(data["image/png"]))
+            print(f"[figure saved to {path}]")
+        elif "text/plain" in data:
+            print(data["text/plain"])
 
     def clear_output(self, wait: bool = False) -> None:
-        if self.shown:
+        if self.options.shown and self.options.figure_dir is None:
             _worker.send(("clear_output", wait))
 
 
-def _install_display(shown: bool) -> Any:
+def _install_display(options: CellOptions) -> Any:
     """Route display() and figures of this worker to the notebook; returns the shell."""
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -143,7 +162,7 @@ def _install_display(shown: bool) -> Any:
         config = Config()
         config.HistoryManager.enabled = False
         shell = InteractiveShell.instance(config=config)
-    shell.display_pub = _PipePublisher(shown)
+    shell.display_pub = _PipePublisher(options)
     png = shell.display_formatter.formatters["image/png"]
     png.for_type_by_name("matplotlib.figure", "Figure", figure_png)
     builtins.input = _no_input  # ipykernel's input() would ask the kernel's frontend over zmq
@@ -171,7 +190,7 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions) -> Cell
     from enot_nb import distributed
 
     rank = distributed.get_rank()
-    shell = _install_display(options.shown)
+    shell = _install_display(options)
     source = options.source_header + code
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     body, last, suppressed = split_cell(code, options.first_line)

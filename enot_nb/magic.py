@@ -67,6 +67,9 @@ class EnotMagics(Magics):
     @argument("--nnodes", type=int, default=1, help="number of nodes running this cell")
     @argument("--node-rank", type=int, default=0, help="rank of this node")
     @argument("--max-restarts", type=int, default=0, help="restart a failed group this many times")
+    @argument("--export", default=None, metavar="PATH",
+              help="do not run: write a torchrun script for this cell at PATH, with the variables "
+              "it uses beside it (see enot_nb.load_results)")
     @cell_magic
     def enot_distributed(self, line: str, cell: str) -> Any:
         """Run this cell on several processes; the master's results come back to the notebook."""
@@ -103,6 +106,8 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, line: str = "") -> An
     except RuntimeError as err:  # both CUDA flags
         raise UsageError(f"%%enot_distributed: {err} (--speed, --reproducible)") from None
     code = shell.transform_cell(cell)
+    if args.export:
+        return _export(shell, code, args)
     options = _cell.CellOptions(
         sync=_names(args.sync), no_sync=args.no_sync, returns=_names(args.returns),
         no_return=args.no_return, source_header=f"%%enot_distributed {line}\n",
@@ -128,6 +133,25 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, line: str = "") -> An
     if outcome is None:  # this node has no global rank 0
         return None
     return _bring_back(shell, outcome)
+
+
+def _export(shell: Any, code: str, args: Any) -> None:
+    from enot_nb.export import export_cell
+
+    try:
+        exported = export_cell(
+            code, args.export, shell.user_ns, nprocs=args.nprocs, nnodes=args.nnodes,
+            backend=args.backend, seed=args.seed, cuda_optimize_for_speed=args.speed,
+            cuda_reproducible=args.reproducible, output=args.output, sync=_names(args.sync),
+            no_sync=args.no_sync, returns=_names(args.returns), no_return=args.no_return,
+            timeout=args.timeout, master_addr=args.master_addr, master_port=args.master_port)
+    except SyntaxError:
+        shell.showsyntaxerror()
+        return None
+    except OSError as err:
+        raise UsageError(f"--export {args.export}: cannot write there ({err})") from None
+    print(exported.describe())
+    return None
 
 
 def _show_message(kind: str, payload: Any) -> None:

@@ -1,0 +1,241 @@
+"""Scale out: export a distributed cell as a torchrun script, and load what it produced.
+
+``%%enot_distributed --export PATH`` (or :func:`export_cell`) writes, without running anything:
+
+* ``PATH``: a small script that runs the cell exactly as the magic would (``init_torch`` with
+  the same options, ``sync_model`` on the models it uses, the cell's code) on every process
+  torchrun starts, on any number of nodes;
+* ``<PATH stem>.namespace.pkl`` beside it: the notebook variables the cell uses (cloudpickle).
+
+The master (global rank 0) saves what the magic would have brought back into
+``<PATH stem>.results.pkl``; :func:`load_results` reads it back into a notebook.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import platform
+import shlex
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import cloudpickle
+
+SCRIPT_TEMPLATE = '''#!/usr/bin/env python3
+"""A notebook cell exported by enot_nb: run it with torchrun, on one node or many.
+
+    {command}
+
+Requirements: Python >= 3.10 and enot_nb (which brings torch>=2.1, numpy, ipython, cloudpickle),
+plus whatever the cell imports. Exported with Python {python}, torch {torch}, enot_nb {enot_nb}.
+Reads {namespace_name} (the notebook variables the cell uses) and, on the master, writes
+{results_name} (what the notebook would have got back; enot_nb.load_results({script_name!r})).
+"""
+
+from enot_nb.export import run_exported
+
+CELL = {cell!r}
+
+OPTIONS = {options!r}
+
+if __name__ == "__main__":
+    run_exported(__file__, CELL, OPTIONS)
+'''
+
+
+@dataclass
+class ExportedCell:
+    """Where an export wrote, and how to run it."""
+
+    script: Path
+    namespace: Path
+    results: Path
+    command: str
+
+    def describe(self) -> str:
+        return (f"enot_nb: wrote {self.script} and {self.namespace.name} beside it (nothing ran).\n"
+                f"Run it with:\n    {self.command}\n"
+                f"then load what the master saved with enot_nb.load_results({str(self.script)!r})")
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    return path.with_name(f"{path.stem}.{suffix}")
+
+
+def torchrun_command(script: Path, nprocs: int | None, nnodes: int, master_addr: str,
+                     master_port: int | None) -> str:
+    """The torchrun command line that runs ``script`` (on every node when nnodes > 1)."""
+    per_node = str(nprocs) if nprocs else "gpu"
+    parts = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", per_node]
+    if nnodes > 1:
+        parts += ["--node-rank", "<this node's rank>", "--master-addr", master_addr,
+                  "--master-port", str(master_port or 29500)]
+    else:
+        parts.append("--standalone")
+    return " ".join(shlex.quote(p) if not p.startswith("<") else p for p in parts + [str(script)])
+
+
+def export_cell(
+    code: str,
+    path: str | os.PathLike,
+    namespace: dict[str, Any] | None = None,
+    *,
+    nprocs: int | None = None,
+    nnodes: int = 1,
+    backend: str | None = None,
+    seed: int | None = None,
+    cuda_optimize_for_speed: bool = False,
+    cuda_reproducible: bool = False,
+    output: str = "master",
+    sync: list[str] | None = None,
+    no_sync: bool = False,
+    returns: list[str] | None = None,
+    no_return: bool = False,
+    timeout: float = 1800.0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> ExportedCell:
+    """Write ``code`` as a torchrun script at ``path``, with the variables it uses beside it.
+
+    Args:
+        code: the cell's Python code (IPython syntax already transformed).
+        path: where the script goes; the namespace and results files go beside it.
+        namespace: the variables the cell may use (a notebook's ``globals()``); only the
+            names the code mentions are saved. Names that cannot be pickled are left out and
+            named in the returned object's description.
+        nprocs, nnodes: what the command line asks torchrun for; the script itself runs on
+            any number of processes, but refuses to run as one plain process when exported
+            for several.
+        backend, seed, cuda_optimize_for_speed, cuda_reproducible, timeout: as init_torch's;
+            backend None picks nccl when every process has its own GPU, else gloo.
+        output, sync, no_sync, returns, no_return: as the magic's options.
+
+    Returns:
+        The paths written and the torchrun command line.
+
+    Example::
+
+        exported = enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)
+        print(exported.command)
+    """
+    from enot_nb import _cell, _pickling
+
+    if cuda_optimize_for_speed and cuda_reproducible:
+        raise ValueError("cuda_optimize_for_speed and cuda_reproducible are mutually exclusive")
+    compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error is reported now, not on the cluster
+    script = Path(path).resolve()
+    script.parent.mkdir(parents=True, exist_ok=True)
+    namespace = namespace or {}
+    used = {n: namespace[n] for n in _cell.names_used(code)
+            if n in namespace and not n.startswith("_") and n not in _cell._HIDDEN_NAMES}
+    left_out = _pickling.unpicklable(used)
+    values = {n: v for n, v in used.items() if n not in left_out}
+    namespace_file = _beside(script, "namespace.pkl")
+    with open(namespace_file, "wb") as f:
+        cloudpickle.dump({"values": values, "left_out": left_out}, f, protocol=5)
+    import torch
+
+    from enot_nb import __version__
+
+    command = torchrun_command(script, nprocs, nnodes, master_addr, master_port)
+    options = {
+        "world_size": (nprocs or 0) * nnodes, "backend": backend, "seed": seed,
+        "speed": cuda_optimize_for_speed, "reproducible": cuda_reproducible, "timeout": timeout,
+        "output": output, "sync": sync, "no_sync": no_sync, "returns": returns,
+        "no_return": no_return, "command": command,
+    }
+    script.write_text(SCRIPT_TEMPLATE.format(
+        command=command, python=platform.python_version(), torch=torch.__version__,
+        enot_nb=__version__, namespace_name=namespace_file.name,
+        results_name=_beside(script, "results.pkl").name, script_name=script.name,
+        cell=code, options=options))
+    script.chmod(0o755)
+    exported = ExportedCell(script, namespace_file, _beside(script, "results.pkl"), command)
+    for name, reason in left_out.items():
+        print(f"enot_nb: {name!r} was not exported: {reason}", file=sys.stderr)
+    return exported
+
+
+def load_results(path: str | os.PathLike) -> dict[str, Any]:
+    """What the master of an exported run saved: each returned name to its value (tensors on
+    the CPU). ``path`` is the exported script's path, as given to export_cell or --export."""
+    results = _beside(Path(path).resolve(), "results.pkl")
+    if not results.exists():
+        raise FileNotFoundError(f"{results} does not exist: run the exported script with torchrun "
+                                "first (the master writes it when the cell succeeds)")
+    with open(results, "rb") as f:
+        return pickle.load(f)
+
+
+# ----------------------------------------------------------------------------- in the script
+
+
+def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
+    """Run an exported cell as this torchrun process, then leave as enot_nb's workers do."""
+    from enot_nb import _cell, _worker
+    from enot_nb.distributed import get_rank, init_torch
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size == 1 and options["world_size"] > 1:
+        print(f"enot_nb: this cell was exported for {options['world_size']} processes, but runs as "
+              f"one plain process, where it would wait forever for the others. Run it with:\n"
+              f"    {options['command']}", file=sys.stderr)
+        sys.exit(2)
+    exitcode = 1
+    try:
+        path = Path(script).resolve()
+        with open(_beside(path, "namespace.pkl"), "rb") as f:
+            shipped = pickle.load(f)
+        backend = options["backend"] or _default_backend()
+        init_torch(seed=options["seed"], cuda_optimize_for_speed=options["speed"],
+                   cuda_reproducible=options["reproducible"], backend=backend,
+                   timeout=__import__("datetime").timedelta(seconds=options["timeout"]))
+        rank = get_rank()
+        if options["output"] == "none" or (options["output"] == "master" and rank != 0):
+            _silence_stdout()
+        cell_options = _cell.CellOptions(
+            sync=options["sync"], no_sync=options["no_sync"], returns=options["returns"],
+            no_return=options["no_return"], shown=rank == 0 and options["output"] != "none",
+            source_header="%%enot_distributed\n", figure_dir=str(path.parent),
+            figure_prefix=path.stem)
+        namespace = {"__name__": "__main__", "__builtins__": __builtins__, **shipped["values"]}
+        outcome = _cell.run_cell(code, namespace, cell_options)
+        if outcome is not None:
+            _save_results(path, outcome)
+        exitcode = 0
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process leaves
+        traceback.print_exception(type(exc), exc, _worker._user_frames(exc.__traceback__))
+        exitcode = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    _worker._leave(exitcode)
+
+
+def _default_backend() -> str:
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local else "gloo"
+
+
+def _silence_stdout() -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
+    sys.stdout.flush()
+    os.dup2(null, 1)
+    os.close(null)
+
+
+def _save_results(script: Path, outcome: Any) -> None:
+    from enot_nb import _pickling
+
+    state = outcome.state
+    values = {**state.get("bound", {}), **state.get("updated", {})}
+    for name, reason in outcome.not_returned.items():
+        print(f"enot_nb: {name!r} was not saved: {reason}", file=sys.stderr)
+    target = _beside(script, "results.pkl")
+    partial = target.with_name(target.name + ".partial")
+    partial.write_bytes(_pickling.dump_inline(values))
+    partial.replace(target)  # readers never see half a file
+    print(f"enot_nb: saved {', '.join(sorted(values)) or 'nothing'} to {target}", file=sys.stderr)
