@@ -116,6 +116,7 @@ def with_dataloader_children():
     next(it)
     pids = [w.pid for w in it._workers]
     print("children", pids, flush=True)
+    dist.barrier()  # both ranks have their children before rank 1 fails
     if ed.get_rank() == 1:
         raise RuntimeError("failing with children")
     dist.barrier()
