@@ -2,6 +2,7 @@
 
 * State return: a cell that creates a ResNet-50-sized model, with and without bringing it
   back; the difference against a local cloudpickle round trip of the same object.
+* A spawned cell reading a 2 GiB notebook tensor, against one local copy of that tensor.
 * Output: 100,000 printed lines from the master against the same cell run locally; and the
   delay from a worker's print to its arrival at the notebook client.
 * Training: DDP steps per second in a cell against the same code under torchrun.
@@ -50,6 +51,24 @@ print("RESULT", json.dumps([without, with_return, local]))""")
             local, "s", "local round trip", 1.0, "", repeats),
         Row("state return (ResNet-50-sized model, 102 MB)", "bringing it back from the master",
             cost, "s", "local round trip", cost / local, "<= 2x", repeats),
+    ]
+
+
+def big_tensor(kernel, repeats: int) -> list[Row]:
+    """A spawned cell (as when CUDA is initialized in the kernel) that reads a 2 GB tensor."""
+    found = kernel_json(kernel, f"""
+big = torch.zeros(2**29)  # 2 GiB of float32
+reads = times(cell("--start-method spawn --no-return", "first = big[0].item()"), {repeats})
+skips = times(cell("--start-method spawn --no-return", "first = 0.0"), {repeats})
+copy = times(lambda: big.clone(), {repeats})
+del big
+print("RESULT", json.dumps([reads, skips, copy]))""")
+    reads, skips, copy = (median(v) for v in found)
+    return [
+        Row("a spawned cell reading a 2 GiB notebook tensor", "one local copy of it (reference)", copy,
+            "s", "one copy", 1.0, "", repeats),
+        Row("a spawned cell reading a 2 GiB notebook tensor", "extra time over a cell that does not",
+            reads - skips, "s", "one copy", (reads - skips) / copy, "<= 1 copy", repeats),
     ]
 
 
@@ -107,6 +126,7 @@ def run(repeats: int = 5) -> list[Row]:
     kernel = start_kernel()
     try:
         kernel.ok(SETUP)
-        return state_return(kernel, repeats) + output(kernel, max(3, repeats // 2)) + training(kernel)
+        return (state_return(kernel, repeats) + big_tensor(kernel, max(3, repeats // 2))
+                + output(kernel, max(3, repeats // 2)) + training(kernel))
     finally:
         kernel.shutdown()

@@ -23,7 +23,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from enot_nb import _cell, _pickling, _worker
 from enot_nb.errors import LaunchError
-from enot_nb.launcher import LaunchConfigError, launch_job, plan_launch
+from enot_nb.launcher import LaunchConfigError, LaunchPlan, launch_job, plan_launch
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -73,12 +73,8 @@ class EnotMagics(Magics):
     @cell_magic
     def enot_distributed(self, line: str, cell: str) -> Any:
         """Run this cell on several processes; the master's results come back to the notebook."""
-        args = parse_argstring(self.enot_distributed, line)
-        if args.sync and args.no_sync:
-            raise UsageError("--sync and --no-sync contradict each other; keep one")
-        if args.returns and args.no_return:
-            raise UsageError("--return and --no-return contradict each other; keep one")
-        return run_distributed_cell(self.shell, cell, args, line)
+        args, plan = parse_options(line)
+        return run_distributed_cell(self.shell, cell, args, plan, line)
 
 
 @dataclass
@@ -92,11 +88,15 @@ class _Bundle:
         return self.data, self.metadata
 
 
-def run_distributed_cell(shell: Any, cell: str, args: Any, line: str = "") -> Any:
-    """Run ``cell`` on the processes ``args`` asks for; apply the master's state to the notebook."""
-    if shell is None:
-        raise UsageError("%%enot_distributed runs inside IPython or Jupyter; elsewhere call "
-                         "enot_nb.notebook_launcher(fn, nprocs=N)")
+def parse_options(line: str) -> tuple[Any, LaunchPlan]:
+    """The magic's options and the launch they describe; UsageError (no traceback) if bad."""
+    args = parse_argstring(EnotMagics.enot_distributed, line)
+    if args.sync and args.no_sync:
+        raise UsageError("--sync and --no-sync contradict each other; keep one")
+    if args.returns and args.no_return:
+        raise UsageError("--return and --no-return contradict each other; keep one")
+    _names(args.sync)
+    _names(args.returns)
     try:
         plan = plan_launch(args.nprocs, args.backend, args.seed, args.speed, args.reproducible,
                            args.start_method, args.output, args.master_addr, args.master_port,
@@ -105,6 +105,14 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, line: str = "") -> An
         raise UsageError(f"%%enot_distributed: {err}".replace("nprocs=N", "-n N")) from None
     except RuntimeError as err:  # both CUDA flags
         raise UsageError(f"%%enot_distributed: {err} (--speed, --reproducible)") from None
+    return args, plan
+
+
+def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan, line: str = "") -> Any:
+    """Run ``cell`` as ``args``/``plan`` ask; apply the master's state to the notebook."""
+    if shell is None:
+        raise UsageError("%%enot_distributed runs inside IPython or Jupyter; elsewhere call "
+                         "enot_nb.notebook_launcher(fn, nprocs=N)")
     code = shell.transform_cell(cell)
     if args.export:
         return _export(shell, code, args)

@@ -46,3 +46,13 @@ def run_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 def read_ranks(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def record_figure(key: str, value: object) -> None:
+    """Append a measured figure to $ENOT_NB_RELIABILITY_FIGURES (for RELIABILITY.md), if set."""
+    path = os.environ.get("ENOT_NB_RELIABILITY_FIGURES")
+    if not path:
+        return
+    figures = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    figures.setdefault(key, []).append(value)
+    Path(path).write_text(json.dumps(figures, indent=1))

@@ -8,6 +8,10 @@ import time
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", help="run the 200-launch soak (slow)")
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.conftest import descendants, is_fork_server_of
+from tests._util import record_figure
 from tests.kernel import Kernel
 
 pytestmark = pytest.mark.timeout(120)
@@ -202,6 +203,7 @@ def test_interrupt_button_stops_a_long_cell(method):
 
         run = k.run(LONG_CELL.replace("--output all", f"--output all --start-method {method}"),
                     on_output=interrupt_when_started)
+        record_figure("interrupt_to_error_kernel_s", time.monotonic() - seen["t"])
         assert time.monotonic() - seen["t"] < 5
         assert run.error["ename"] == "KeyboardInterrupt"
         assert "where each of the 2 running rank(s) is" in run.stderr
@@ -224,7 +226,9 @@ def test_kernel_restart_ends_the_workers():
             if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
                 pids += [int(p) for p in re.findall(r"worker-pid (\d+)", msg["content"]["text"])]
         k.manager.restart_kernel(now=True)
+        start = time.monotonic()
         assert gone(pids, 5)
+        record_figure("kernel_restart_cleanup_s", time.monotonic() - start)
     finally:
         k.shutdown()
 

@@ -17,7 +17,8 @@ import torch
 import enot_nb
 from enot_nb import WorkerFailedError
 from enot_nb.errors import LaunchError
-from tests._util import HELPERS, free_port
+from tests._util import HELPERS, free_port, record_figure
+from tests.conftest import descendants
 from tests.helpers import jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -313,6 +314,7 @@ def test_sigint_to_the_launcher_shows_stacks_and_stops_everything(method):
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=10)
+    record_figure("interrupt_to_exit_plain_s", time.monotonic() - start)
     assert time.monotonic() - start < 5
     assert "KeyboardInterrupt" in err
     assert "where each of the 2 running rank(s) is" in err
@@ -323,9 +325,12 @@ def test_sigint_to_the_launcher_shows_stacks_and_stops_everything(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_sigkill_of_the_launcher_leaves_no_worker(method):
     proc, pids = start_script(method)
+    helpers = descendants(proc.pid)  # the workers, and the fork server under spawn
     proc.kill()
     proc.communicate(timeout=10)
-    assert wait_gone(pids, 5)
+    start = time.monotonic()
+    assert wait_gone(helpers, 5)
+    record_figure("parent_sigkill_cleanup_s", time.monotonic() - start)
 
 
 def test_two_nodes_on_localhost(tmp_path):
