@@ -22,13 +22,7 @@ def free_port():
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-def times(fn, repeats, warmup=1):
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter(); fn(); out.append(time.perf_counter() - start)
-    return out
+from benchmarks.harness import timed as times
 
 def fork_floor():
     """The least any fork-based launcher can do: fork, set the env, join, reduce, exit."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from enot_nb import distributed as ed
 
-STEPS, WARMUP = 200, 20
+STEPS, WARMUP = 600, 30
 
 
 def steps_per_second(steps: int = STEPS, warmup: int = WARMUP) -> float:
