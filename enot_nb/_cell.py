@@ -196,6 +196,7 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions) -> Cell
     body, last, suppressed = split_cell(code, options.first_line)
     used = names_used(code)
     namespace.setdefault("get_ipython", lambda: shell)
+    shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
     _sync_models(namespace, used, options)
     before = {name: id(value) for name, value in namespace.items()}
     tracked = {name: fingerprint(namespace[name]) for name in used if name in namespace}

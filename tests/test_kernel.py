@@ -143,9 +143,11 @@ def test_bad_options_are_usage_errors(kernel, line, words):
     assert words in run.stderr and "Traceback" not in run.stderr
 
 
-def test_line_magics_and_shell_lines(kernel):
-    run = kernel.ok(f"{MAGIC}\n%time t = 1 + 1\n!echo shell-ok\nprint('t =', t)")
-    assert "shell-ok" in run.stdout and "t = 2" in run.stdout
+@pytest.mark.parametrize("method", METHODS)
+def test_line_magics_and_shell_lines(kernel, method):
+    run = kernel.ok(f"{MAGIC} --start-method {method}\n%time t = 1 + 1\n!echo shell-ok\n"
+                    "print('t =', t)\nnames = %who_ls\nprint('who:', 't' in names)")
+    assert "shell-ok" in run.stdout and "t = 2" in run.stdout and "who: True" in run.stdout
 
 
 def test_notebook_function_through_launcher_under_spawn(kernel):
