@@ -53,5 +53,4 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
                 lambda: torch.nn.parallel.DistributedDataParallel(
                     model, device_ids=[device.index] if device.type == "cuda" else None), repeats),
         }
-        del model, flat
     return results

@@ -3,8 +3,6 @@ localhost) produces the same model as the same cell run by the magic in a kernel
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 
