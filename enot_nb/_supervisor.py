@@ -117,6 +117,9 @@ class _ForkedGroup:
     def sources(self) -> list[int]:
         return list(self.pidfds)
 
+    def pending(self) -> bool:
+        return False
+
     poll_interval = None if hasattr(os, "pidfd_open") else 0.05
 
     def exits(self, ready: int | None) -> list[tuple[int, int]]:
@@ -157,9 +160,13 @@ class _ServerGroup:
     def sources(self) -> list[socket.socket]:
         return [self.server.sock]
 
+    def pending(self) -> bool:
+        """Messages already read off the socket (behind "started", say) that select cannot see."""
+        return bool(self.server.reader.pending)
+
     def exits(self, ready: Any) -> list[tuple[int, int]]:
-        """Read the server's next message, and every one already buffered behind it."""
-        messages = [self.server.next_message()]
+        """The buffered messages, or else the server's next one (blocking)."""
+        messages = [] if self.server.reader.pending else [self.server.next_message()]
         while self.server.reader.pending:
             messages.append(self.server.reader.pending.popleft())
         ended = []
@@ -256,13 +263,21 @@ class Attempt:
                     self._signal_running(signal.SIGKILL)
                     left = STOP_GRACE
                 timeout = left if timeout is None else min(timeout, left)
-            events = self.selector.select(timeout)
+            events = self._select(timeout)
             self._handle(events)
             if not events and self.group.poll_interval is not None:
                 self._on_exits(self.group.exits(None))
             if self.failures and self.stopping_since is None:
                 self.stopping_since = time.monotonic()
                 self._signal_running(signal.SIGTERM)
+
+    def _select(self, timeout: float | None) -> list:
+        """Wait for events; exits the group already holds are handled first, without waiting."""
+        assert self.group is not None
+        if self.group.pending():
+            self._on_exits(self.group.exits(None))
+            timeout = 0
+        return self.selector.select(timeout)
 
     def _handle(self, events: list, force_show: bool = False) -> None:
         assert self.group is not None
@@ -379,7 +394,7 @@ class Attempt:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            events = self.selector.select(min(left, quiet_after_output) if force_show else left)
+            events = self._select(min(left, quiet_after_output) if force_show else left)
             if not events and force_show:
                 return
             self._handle(events, force_show)
