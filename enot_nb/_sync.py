@@ -4,7 +4,8 @@ Per-tensor collectives pay a fixed latency per tensor (161 of them in a ResNet-5
 are grouped by (device, dtype, mode) and packed into bounded buckets, while a large contiguous
 tensor is synced alone and in place (packing it would only add two copies). Two collectives are
 kept in flight and two bucket buffers are reused, so packing, dividing and unpacking one item
-overlaps with the communication of the other.
+overlaps with the communication of the other. Under nccl, CPU tensors (a model not yet moved
+to its GPU) are staged through this rank's GPU, since nccl only reduces device memory.
 
 Before any data moves, ranks compare a 64-bit fingerprint of the structure (names, shapes,
 dtypes, modes). A mismatch raises on every rank naming the first tensor that differs: a
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -149,14 +150,15 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _plan(tensors: list[torch.Tensor], capacity: int) -> list[list[torch.Tensor]]:
-    """Group tensors into collectives: a large contiguous tensor alone, in place (no copies);
+def _plan(tensors: list[torch.Tensor], capacity: int,
+          in_place: Callable[[torch.Tensor], bool]) -> list[list[torch.Tensor]]:
+    """Group tensors into collectives: a tensor that ``in_place`` accepts alone (no copies);
     the others packed in order into buckets of at most ``capacity`` elements."""
     items: list[list[torch.Tensor]] = []
     bucket: list[torch.Tensor] = []
     filled = 0
     for tensor in tensors:
-        if tensor.is_contiguous() and tensor.nbytes >= DIRECT_BYTES:
+        if in_place(tensor):
             items.append([tensor])
             continue
         if bucket and filled + tensor.numel() > capacity:
@@ -169,14 +171,25 @@ def _plan(tensors: list[torch.Tensor], capacity: int) -> list[list[torch.Tensor]
     return items
 
 
+def _communication_device(device: torch.device) -> torch.device:
+    """Where the collective runs: nccl cannot reduce CPU tensors, so those go through the GPU."""
+    if device.type == "cpu" and dist.get_backend() == "nccl":
+        return collective_device()
+    return device
+
+
 def _sync_group(tensors: list[torch.Tensor], mode: str) -> None:
     """One collective per item of _plan, two in flight: packing (or dividing, unpacking) one
     overlaps with the communication of the other; two bucket buffers are reused."""
-    capacity = max(1, BUCKET_BYTES // tensors[0].element_size())
-    items = _plan(tensors, capacity)
-    packed = [item for item in items if len(item) > 1 or not _is_direct(item[0])]
+    device = _communication_device(tensors[0].device)
+
+    def in_place(tensor: torch.Tensor) -> bool:
+        return tensor.device == device and tensor.is_contiguous() and tensor.nbytes >= DIRECT_BYTES
+
+    items = _plan(tensors, max(1, BUCKET_BYTES // tensors[0].element_size()), in_place)
+    packed = [item for item in items if len(item) > 1 or not in_place(item[0])]
     largest = max((sum(t.numel() for t in item) for item in packed), default=0)
-    buffers = [torch.empty(largest, dtype=tensors[0].dtype, device=tensors[0].device)
+    buffers = [torch.empty(largest, dtype=tensors[0].dtype, device=device)
                for _ in range(min(2, len(packed)))]
     world_size, is_source = dist.get_world_size(), dist.get_rank() == 0
     in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor] | None]] = []
@@ -184,12 +197,12 @@ def _sync_group(tensors: list[torch.Tensor], mode: str) -> None:
     for item in items:
         if len(in_flight) == 2:
             _finish(*in_flight.pop(0), mode, world_size, is_source)
-        if len(item) == 1 and _is_direct(item[0]):
+        if len(item) == 1 and in_place(item[0]):
             flat, unpack = item[0], None
         else:
             flat = buffers[used % len(buffers)][: sum(t.numel() for t in item)]
             used += 1
-            torch.cat([t.reshape(-1) for t in item], out=flat)
+            _pack(item, flat)
             unpack = item
         if mode == _REDUCE:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
@@ -200,8 +213,14 @@ def _sync_group(tensors: list[torch.Tensor], mode: str) -> None:
         _finish(*entry, mode, world_size, is_source)
 
 
-def _is_direct(tensor: torch.Tensor) -> bool:
-    return tensor.is_contiguous() and tensor.nbytes >= DIRECT_BYTES
+def _pack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    if all(t.device == flat.device for t in bucket):
+        torch.cat([t.reshape(-1) for t in bucket], out=flat)  # one kernel
+        return
+    offset = 0
+    for tensor in bucket:  # across devices (CPU tensors under nccl)
+        flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=True)
+        offset += tensor.numel()
 
 
 def _finish(work: dist.Work, flat: torch.Tensor, bucket: list[torch.Tensor] | None, mode: str,
@@ -217,7 +236,7 @@ def _finish(work: dist.Work, flat: torch.Tensor, bucket: list[torch.Tensor] | No
     for tensor in bucket:
         piece = flat[offset : offset + tensor.numel()].view(tensor.shape)
         offset += tensor.numel()
-        if mode == _REDUCE and tensor.is_contiguous():
+        if mode == _REDUCE and tensor.is_contiguous() and tensor.device == piece.device:
             torch.div(piece, world_size, out=tensor)  # average and unpack in one pass
         else:
             tensor.copy_(piece / world_size if mode == _REDUCE else piece)
