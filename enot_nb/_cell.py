@@ -199,7 +199,9 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions) -> Cell
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
     _sync_models(namespace, used, options)
     before = {name: id(value) for name, value in namespace.items()}
-    tracked = {name: fingerprint(namespace[name]) for name in used if name in namespace}
+    # Only the master's results go back, so only it pays for fingerprints (a checksum for arrays).
+    watched = set() if rank != 0 or options.no_return else set(options.returns or used)
+    tracked = {name: fingerprint(namespace[name]) for name in watched if name in namespace}
     figures_before = _open_figures()
     exec(compile(body, CELL_FILENAME, "exec"), namespace)  # noqa: S102 - running the user's cell is the point
     value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None  # noqa: S307

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,3 +79,15 @@ class Kernel:
     def shutdown(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)
+
+
+@contextmanager
+def running_kernel(setup: str = "") -> Iterator[Kernel]:
+    """A fresh kernel that has run ``setup``; shut down (with its processes) on the way out."""
+    kernel = Kernel()
+    try:
+        if setup:
+            kernel.ok(setup)
+        yield kernel
+    finally:
+        kernel.shutdown()

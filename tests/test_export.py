@@ -11,7 +11,7 @@ import torch
 
 import enot_nb
 from tests._util import clean_env, free_port, run_all, torchrun_cmd
-from tests.kernel import ROOT, Kernel
+from tests.kernel import ROOT, running_kernel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,16 +53,12 @@ def exported(tmp_path_factory):
     """Export the cell, then run it with the magic; keep the magic's model."""
     folder = tmp_path_factory.mktemp("export")
     script = folder / "train.py"
-    kernel = Kernel()
-    try:
-        kernel.ok(SETUP)
+    with running_kernel(SETUP) as kernel:
         run = kernel.ok(f"%%enot_distributed -n 2 --backend gloo --seed 0 --output all --export {script}\n{TRAIN}")
         assert "torchrun --nnodes 1 --nproc-per-node 2" in run.stdout and str(script) in run.stdout
         assert "helpers" not in run.stdout  # exporting does not run the cell
         kernel.ok(f"%%enot_distributed -n 2 --backend gloo --seed 0\n{TRAIN}")
         kernel.ok(f"torch.save({{k: v.clone() for k, v in model.state_dict().items()}}, {str(folder / 'magic.pt')!r})")
-    finally:
-        kernel.shutdown()
     return script, torch.load(folder / "magic.pt")
 
 

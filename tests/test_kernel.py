@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import descendants, is_fork_server_of
 from tests._util import record_figure
-from tests.kernel import Kernel
+from tests.kernel import running_kernel
 
 pytestmark = pytest.mark.timeout(120)
 METHODS = ["fork", "spawn"]
@@ -18,10 +18,8 @@ MAGIC = "%%enot_distributed -n 2 --backend gloo"
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
-    k.ok("%load_ext enot_nb\nimport torch\nfrom enot_nb import distributed as ed")
-    yield k
-    k.shutdown()
+    with running_kernel("%load_ext enot_nb\nimport torch\nfrom enot_nb import distributed as ed") as k:
+        yield k
 
 
 def test_only_rank_0_prints(kernel):
@@ -192,9 +190,7 @@ LONG_CELL = (f"{MAGIC} --output all\nimport os, time\nprint('worker-pid', os.get
 
 @pytest.mark.parametrize("method", METHODS)
 def test_interrupt_button_stops_a_long_cell(method):
-    k = Kernel()
-    try:
-        k.ok("%load_ext enot_nb")
+    with running_kernel("%load_ext enot_nb") as k:
         seen = {}
 
         def interrupt_when_started(run):
@@ -213,14 +209,10 @@ def test_interrupt_button_stops_a_long_cell(method):
         assert k.ok("print('alive')").stdout == "alive\n"  # the kernel goes on
         owners = {k.pid}
         assert [p for p in descendants(k.pid) if not is_fork_server_of(p, owners)] == []
-    finally:
-        k.shutdown()
 
 
 def test_kernel_restart_ends_the_workers():
-    k = Kernel()
-    try:
-        k.ok("%load_ext enot_nb")
+    with running_kernel("%load_ext enot_nb") as k:
         pids = []
         msg_id = k.client.execute(LONG_CELL)
         while len(pids) < 2:
@@ -231,8 +223,6 @@ def test_kernel_restart_ends_the_workers():
         start = time.monotonic()
         assert gone(pids, 5)
         record_figure("kernel_restart_cleanup_s", time.monotonic() - start)
-    finally:
-        k.shutdown()
 
 
 def test_large_notebook_tensor_reaches_spawned_workers_through_shared_memory(kernel):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.kernel import ROOT, Kernel
+from tests.kernel import ROOT, running_kernel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -14,11 +14,8 @@ pytestmark = pytest.mark.timeout(180)
 def test_readme_python_blocks_run():
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert len(blocks) >= 4
-    kernel = Kernel()
-    try:
+    with running_kernel() as kernel:
         runs = [kernel.ok(block) for block in blocks]
-    finally:
-        kernel.shutdown()
     magic = next(r for b, r in zip(blocks, runs) if b.startswith("%%enot_distributed"))
     assert magic.stdout.startswith("final loss")
     assert "'ddp' was not brought back" in magic.stderr

@@ -21,7 +21,7 @@ from enot_nb import WorkerFailedError
 from tests.conftest import descendants, is_fork_server_of
 from tests._util import record_figure
 from tests.helpers import faults
-from tests.kernel import Kernel
+from tests.kernel import running_kernel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
 METHODS = ["fork", "spawn"]
@@ -61,10 +61,8 @@ def test_fault_in_plain_python(tmp_path, method, fault, activity):
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
-    k.ok("import enot_nb, json, time, os\nfrom tests.helpers import faults")
-    yield k
-    k.shutdown()
+    with running_kernel("import enot_nb, json, time, os\nfrom tests.helpers import faults") as k:
+        yield k
 
 
 @pytest.mark.parametrize("fault", faults.FAULTS)
