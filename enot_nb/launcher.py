@@ -148,7 +148,7 @@ def launch_job(plan: LaunchPlan, job: _worker.Job) -> Any:
             return run_plan(plan, job, shipped)
         finally:
             if shipped is not None:
-                _pickling.close_all(shipped[1])
+                _pickling.release_later(shipped[1])
 
 
 def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None) -> Any:
