@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import pickle
 import selectors
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,11 @@ if TYPE_CHECKING:
 STOP_GRACE = float(os.environ.get("ENOT_NB_STOP_GRACE", "1.0"))
 # Seconds the workers get to print their stacks after an interrupt.
 STACK_DUMP_WAIT = float(os.environ.get("ENOT_NB_STACK_DUMP_WAIT", "1.0"))
+# Rendezvous of a one-node launch: "file" (a FileStore in a private temporary folder) or "tcp"
+# (torchrun's env://). Measured here on torch 2.13: with the TCP store, init_process_group stalls
+# for 5 s in about 2% of launches (a hand-rolled os.fork launcher too: 4 of 150); with the file
+# store, none in 150. Multi-node launches and an explicit master_port always use TCP.
+RENDEZVOUS = os.environ.get("ENOT_NB_RENDEZVOUS", "file")
 
 # Errors that a rank raises *because* a peer died: never the root cause when another exists.
 _PEER_LOSS_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote process",
@@ -204,6 +211,7 @@ class Attempt:
         self.group: _ForkedGroup | _ServerGroup | None = None
         self.failures: list[WorkerFailure] = []
         self.result_fd: int | None = None
+        self.rendezvous_dir: str | None = None
         self.stopping_since: float | None = None
         self.selector = selectors.DefaultSelector()
 
@@ -225,6 +233,10 @@ class Attempt:
         if plan.node_rank == 0:  # global rank 0 runs here
             self.result_fd = _pickling.result_fd()
         fork = plan.start_method == "fork"
+        init_kwargs = dict(plan.init_kwargs)
+        if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
+            self.rendezvous_dir = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")  # mode 0700
+            init_kwargs["init_method"] = f"file://{self.rendezvous_dir}/store"
         specs = []
         for r in self.ranks:
             others = [fd for o in self.ranks for fd in (p[0] for p in o.pipes.values())]
@@ -232,7 +244,7 @@ class Attempt:
             specs.append(_worker.WorkerSpec(
                 rank=r.rank, env=rank_environment(plan, r.local_rank, port, self.attempt),
                 cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
-                threads=plan.threads, init_kwargs=plan.init_kwargs, parent_pid=os.getpid(),
+                threads=plan.threads, init_kwargs=init_kwargs, parent_pid=os.getpid(),
                 stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1],
                 message_fd=r.pipes["msg"][1], close_fds=others if fork else [],
                 result_fd=self.result_fd,
@@ -433,6 +445,8 @@ class Attempt:
         self.selector.close()
         if self.result_fd is not None:
             os.close(self.result_fd)  # a result already loaded keeps its pages mapped
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
         if self.group is None:  # start failed: our read ends were never registered
             for r in self.ranks:
                 for name in r.open_reads:

@@ -3,6 +3,7 @@ localhost) produces the same model as the same cell run by the magic in a kernel
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ labels = (data.sum(dim=1) > 0).long()
 TRAIN = """\
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-print("helpers", ed.get_rank(), ed.get_local_rank(), ed.is_master(), ed.is_local_master(), flush=True)
+print(f"helpers {ed.get_rank()} {ed.get_local_rank()} {ed.is_master()} {ed.is_local_master()}", flush=True)
 dataset = TensorDataset(data, labels)
 sampler = DistributedSampler(dataset, seed=0)
 ddp = DistributedDataParallel(model)
@@ -45,7 +46,8 @@ final_loss = loss.item()
 
 
 def helper_lines(output: str) -> set[tuple[str, ...]]:
-    return {tuple(line.split()[1:]) for line in output.splitlines() if line.startswith("helpers ")}
+    # Ranks share torchrun's stdout: their writes may interleave mid-line, so match, don't split.
+    return set(re.findall(r"helpers (\d+) (\d+) (True|False) (True|False)", output))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_torchrun_one_node_two_processes(exported):
                             stderr=subprocess.STDOUT, text=True)
     (out,) = run_all([proc], timeout=120)
     assert proc.returncode == 0, out
-    assert helper_lines(out) == {("0", "0", "True", "True"), ("1", "1", "False", "False")}
+    assert helper_lines(out) == {("0", "0", "True", "True"), ("1", "1", "False", "False")}, out
     check_same_model(script, magic_state)
 
 
