@@ -1,6 +1,6 @@
 """Run every benchmark in one go; print a table, write JSON, a Markdown table and a chart.
 
-Usage: .venv/bin/python benchmarks/run_all.py [--repeats N]
+Usage: .venv/bin/python benchmarks/run_all.py [--repeats N] [--chart-only]
 Accelerate is measured when installed (pip install -e ".[bench]"); it is never a runtime need.
 """
 
@@ -47,8 +47,8 @@ def chart(rows: list[Row], path: Path) -> None:
              and r.ratio < 100]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(shown) + 1))
     labels = [f"{r.benchmark.replace(', 2 processes', '').split(' (')[0]}: {r.variant}" for r in shown]
-    colors = ["tab:green" if "enot" in r.variant.lower() or "sync_model," in r.variant
-              or "%%" in r.variant or "bringing" in r.variant else "tab:gray" for r in shown]
+    others = ("Accelerate", "torch.multiprocessing", "torchrun", "per-tensor", "DistributedDataParallel")
+    colors = ["tab:gray" if any(o in r.variant for o in others) else "tab:green" for r in shown]
     ax.barh(range(len(shown)), [r.ratio for r in shown], color=colors)
     ax.set_yticks(range(len(shown)), labels, fontsize=7)
     ax.invert_yaxis()
@@ -63,7 +63,12 @@ def chart(rows: list[Row], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--chart-only", action="store_true", help="redraw the chart from results.json")
     args = parser.parse_args()
+    if args.chart_only:
+        saved = json.loads((OUT / "results.json").read_text())["rows"]
+        chart([Row(**row) for row in saved], OUT / "chart.png")
+        return
     rows = bench_launch.run(args.repeats) + bench_sync.run(args.repeats) + bench_cells.run(args.repeats)
     OUT.mkdir(parents=True, exist_ok=True)
     machine = {"python": platform.python_version(), "platform": platform.platform(),
