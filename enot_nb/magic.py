@@ -88,8 +88,9 @@ class _Bundle:
         return self.data, self.metadata
 
 
-def parse_options(line: str) -> tuple[Any, LaunchPlan]:
-    """The magic's options and the launch they describe; UsageError (no traceback) if bad."""
+def parse_options(line: str) -> tuple[Any, LaunchPlan | None]:
+    """The magic's options and the launch they describe (None with --export); UsageError
+    (no traceback) if bad."""
     args = parse_argstring(EnotMagics.enot_distributed, line)
     if args.sync and args.no_sync:
         raise UsageError("--sync and --no-sync contradict each other; keep one")
@@ -97,6 +98,10 @@ def parse_options(line: str) -> tuple[Any, LaunchPlan]:
         raise UsageError("--return and --no-return contradict each other; keep one")
     _names(args.sync)
     _names(args.returns)
+    if args.export:  # nothing starts here; torchrun decides the processes (-n may be omitted)
+        if args.speed and args.reproducible:
+            raise UsageError("%%enot_distributed: --speed and --reproducible are mutually exclusive")
+        return args, None
     try:
         plan = plan_launch(args.nprocs, args.backend, args.seed, args.speed, args.reproducible,
                            args.start_method, args.output, args.master_addr, args.master_port,
@@ -108,7 +113,8 @@ def parse_options(line: str) -> tuple[Any, LaunchPlan]:
     return args, plan
 
 
-def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan, line: str = "") -> Any:
+def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | None,
+                         line: str = "") -> Any:
     """Run ``cell`` as ``args``/``plan`` ask; apply the master's state to the notebook."""
     if shell is None:
         raise UsageError("%%enot_distributed runs inside IPython or Jupyter; elsewhere call "
@@ -116,6 +122,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan, lin
     code = shell.transform_cell(cell)
     if args.export:
         return _export(shell, code, args)
+    assert plan is not None
     options = _cell.CellOptions(
         sync=_names(args.sync), no_sync=args.no_sync, returns=_names(args.returns),
         no_return=args.no_return, source_header=f"%%enot_distributed {line}\n",

@@ -125,6 +125,12 @@ def test_export_cell_without_ipython(tmp_path):
     assert torch.equal(enot_nb.load_results(exported.script)["total"], torch.full((4,), 6.0))
 
 
+def test_export_without_nprocs_leaves_the_count_to_torchrun(tmp_path):
+    with running_kernel("%load_ext enot_nb") as kernel:
+        run = kernel.ok(f"%%enot_distributed --export {tmp_path / 'job.py'}\nx = 1")
+    assert "--nproc-per-node gpu" in run.stdout and (tmp_path / "job.py").exists()
+
+
 def test_load_results_before_a_run_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="run the exported script with torchrun"):
         enot_nb.load_results(tmp_path / "never_run.py")
