@@ -88,6 +88,14 @@ def names_used(code: str) -> set[str]:
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
 
 
+def shippable_namespace(namespace: dict[str, Any], code: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The variables the cell uses that can be pickled, and those that cannot (with why)."""
+    used = {n: namespace[n] for n in names_used(code)
+            if n in namespace and not n.startswith("_") and n not in _HIDDEN_NAMES}
+    left_out = _pickling.unpicklable(used)
+    return {n: v for n, v in used.items() if n not in left_out}, left_out
+
+
 def fingerprint(value: Any) -> Any:
     """A cheap token that changes when ``value`` is changed in place (None: not tracked)."""
     torch = sys.modules.get("torch")

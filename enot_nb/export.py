@@ -122,18 +122,14 @@ def export_cell(
         exported = enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)
         print(exported.command)
     """
-    from enot_nb import _cell, _pickling
+    from enot_nb import _cell
 
     if cuda_optimize_for_speed and cuda_reproducible:
         raise ValueError("cuda_optimize_for_speed and cuda_reproducible are mutually exclusive")
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error is reported now, not on the cluster
     script = Path(path).resolve()
     script.parent.mkdir(parents=True, exist_ok=True)
-    namespace = namespace or {}
-    used = {n: namespace[n] for n in _cell.names_used(code)
-            if n in namespace and not n.startswith("_") and n not in _cell._HIDDEN_NAMES}
-    left_out = _pickling.unpicklable(used)
-    values = {n: v for n, v in used.items() if n not in left_out}
+    values, left_out = _cell.shippable_namespace(namespace or {}, code)
     namespace_file = _beside(script, "namespace.pkl")
     with open(namespace_file, "wb") as f:
         cloudpickle.dump({"values": values, "left_out": left_out}, f, protocol=5)

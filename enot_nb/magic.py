@@ -21,7 +21,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from enot_nb import _cell, _pickling, _worker
+from enot_nb import _cell, _worker
 from enot_nb.errors import LaunchError
 from enot_nb.launcher import LaunchConfigError, LaunchPlan, launch_job, plan_launch
 
@@ -137,7 +137,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
     if plan.start_method == "fork":
         job = _worker.Job(_cell.run_cell, (code, shell.user_ns, options))
     else:
-        job = _worker.Job(_run_shipped_cell, _ship_namespace(shell.user_ns, code) + (code, options))
+        job = _worker.Job(_run_shipped_cell, _cell.shippable_namespace(shell.user_ns, code) + (code, options))
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job)
     except LaunchError as err:
@@ -177,14 +177,6 @@ def _show_message(kind: str, payload: Any) -> None:
                              update=payload["update"])
     elif kind == "clear_output":
         clear_output(wait=payload)
-
-
-def _ship_namespace(namespace: dict[str, Any], code: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The notebook variables the cell uses, less those that cannot be sent (named, with why)."""
-    used = {n: namespace[n] for n in _cell.names_used(code)
-            if n in namespace and not n.startswith("_") and n not in _cell._HIDDEN_NAMES}
-    left_out = _pickling.unpicklable(used)
-    return {n: v for n, v in used.items() if n not in left_out}, left_out
 
 
 def _run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], code: str,
