@@ -230,6 +230,22 @@ class Attempt:
         plan = self.plan
         port = plan.master_port or free_port(plan.master_addr)
         self.ranks = _make_ranks(plan)
+        for r in self.ranks:  # from here on, _close closes every read end through the selector
+            for name in ("out", "err", "msg"):
+                os.set_blocking(r.pipes[name][0], False)
+                self.selector.register(r.pipes[name][0], selectors.EVENT_READ, (r, name))
+        try:
+            self._start_group(plan, port)
+        finally:
+            for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
+                for name in ("out", "err", "msg"):
+                    os.close(r.pipes[name][1])
+        assert self.group is not None
+        for source in self.group.sources():
+            self.selector.register(source, selectors.EVENT_READ, None)
+
+    def _start_group(self, plan: LaunchPlan, port: int) -> None:
+        """Describe each rank (environment, descriptors) and start the group."""
         if plan.node_rank == 0:  # global rank 0 runs here
             self.result_fd = _pickling.result_fd()
         fork = plan.start_method == "fork"
@@ -237,10 +253,10 @@ class Attempt:
         if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
             self.rendezvous_dir = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")  # mode 0700
             init_kwargs["init_method"] = f"file://{self.rendezvous_dir}/store"
+        read_ends = [p[0] for r in self.ranks for p in r.pipes.values()]
         specs = []
         for r in self.ranks:
-            others = [fd for o in self.ranks for fd in (p[0] for p in o.pipes.values())]
-            others += [p[1] for o in self.ranks if o is not r for p in o.pipes.values()]
+            others = read_ends + [p[1] for o in self.ranks if o is not r for p in o.pipes.values()]
             specs.append(_worker.WorkerSpec(
                 rank=r.rank, env=rank_environment(plan, r.local_rank, port, self.attempt),
                 cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
@@ -249,21 +265,10 @@ class Attempt:
                 message_fd=r.pipes["msg"][1], close_fds=others if fork else [],
                 result_fd=self.result_fd,
             ))
-        for r in self.ranks:
-            for name in ("out", "err", "msg"):
-                os.set_blocking(r.pipes[name][0], False)
-                self.selector.register(r.pipes[name][0], selectors.EVENT_READ, (r, name))
-        try:
-            if fork:
-                self.group = _ForkedGroup(self.ranks, specs, self.job)
-            else:
-                self.group = _ServerGroup(self.ranks, specs, self.shipped, self.result_fd)
-        finally:
-            for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
-                for name in ("out", "err", "msg"):
-                    os.close(r.pipes[name][1])
-        for source in self.group.sources():
-            self.selector.register(source, selectors.EVENT_READ, None)
+        if fork:
+            self.group = _ForkedGroup(self.ranks, specs, self.job)
+        else:
+            self.group = _ServerGroup(self.ranks, specs, self.shipped, self.result_fd)
 
     def _supervise(self) -> None:
         assert self.group is not None
@@ -324,16 +329,14 @@ class Attempt:
                 if kind == "error":
                     self._record_error(r, payload)
                 elif kind not in ("result", "done") and self.plan.on_message and r.sinks["out"].show:
-                    for stream in ("out", "err"):  # what the worker printed before comes first
-                        while stream in r.open_reads and self._read(r, stream):
-                            pass
+                    self._drain(r, ("out", "err"))  # what the worker printed before comes first
                     self.plan.on_message(kind, payload)
         else:
             r.sinks[name].feed(data, force_show=force_show)
         return True
 
-    def _drain(self, r: _Rank) -> None:
-        for name in ("msg", "out", "err"):
+    def _drain(self, r: _Rank, names: tuple[str, ...] = ("msg", "out", "err")) -> None:
+        for name in names:
             while name in r.open_reads and self._read(r, name):
                 pass
 
@@ -343,7 +346,7 @@ class Attempt:
             r.exitcode = exitcode
             _signal_tree(r.pid, signal.SIGKILL)  # its own children, if it left any
             self._drain(r)
-            if r.outcome in ("result", "done") or r.outcome == "error":
+            if r.outcome is not None:
                 continue  # finished (a crash in teardown does not matter), or already recorded
             if self.stopping_since is not None and exitcode != 0:
                 continue  # stopped by us after another rank failed
@@ -447,13 +450,6 @@ class Attempt:
             os.close(self.result_fd)  # a result already loaded keeps its pages mapped
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
-        if self.group is None:  # start failed: our read ends were never registered
-            for r in self.ranks:
-                for name in r.open_reads:
-                    try:
-                        os.close(r.pipes[name][0])
-                    except OSError:
-                        pass
 
 
 def _root_cause_order(failure: WorkerFailure) -> bool:
