@@ -109,10 +109,11 @@ def fingerprint(value: Any) -> Any:
             state = [t for s in value.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             hyper = repr([{k: v for k, v in g.items() if k != "params"} for g in value.param_groups])
             return ("optimizer", len(value.state), sum(t._version for t in state), hyper)
-    if isinstance(value, (list, dict, set, bytearray)):
+    if isinstance(value, bytearray):
+        return ("bytearray", zlib.crc32(value))
+    if isinstance(value, (list, dict, set)):  # shallow: appends and rebinds, not nested changes
         items = value.items() if isinstance(value, dict) else value
-        return (type(value).__name__, len(value), tuple(map(id, items)) if not isinstance(value, bytearray)
-                else zlib.crc32(value))
+        return (type(value).__name__, len(value), tuple(map(id, items)))
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(value, numpy.ndarray):
         return ("ndarray", value.shape, zlib.crc32(numpy.ascontiguousarray(value).view(numpy.uint8)))

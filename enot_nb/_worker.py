@@ -148,17 +148,18 @@ def _send_result(spec: WorkerSpec, result: Any) -> None:
     if spec.rank != 0:
         _channel.write_message(spec.message_fd, ("done", None))
         return
-    try:
-        main, buffers = _pickling.dump_result(result)
+    try:  # pickled once: in band where no memfd exists, else with tensor data out of band
+        pickled = (_pickling.dump_inline(result) if spec.result_fd is None
+                   else _pickling.dump_result(result))
     except Exception as err:
         raise TypeError(
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
     if spec.result_fd is None:
-        payload = ("inline", _pickling.dump_inline(result))
+        payload = ("inline", pickled)
     else:
-        payload = ("memfd", _pickling.write_result(spec.result_fd, main, buffers))
+        payload = ("memfd", _pickling.write_result(spec.result_fd, *pickled))
     _channel.write_message(spec.message_fd, ("result", payload))
 
 
