@@ -5,11 +5,12 @@ In the worker (every rank)::
     rich output -> a publisher that sends display data over the launcher's message pipe
     sync_model(broadcast) on the modules the cell uses -> exec(cell) -> last expression's value
     figures left open -> PNG display data (master only)
-    master: pickle (one pickle, tensors on the CPU) the names the cell bound and the objects it
-            changed in place -> returned as the launch's result
+    master: what the cell changed (see _objgraph, _state), pickled once against the registry
+            of the notebook's objects -> returned as the launch's result; on an interrupt (or a
+            failure with --on-error keep) the same, sent before the exception is reported
 
-In the notebook, :func:`apply_state` puts the values back, updating existing models, optimizers,
-tensors and containers in place so that other references to them stay valid.
+In the notebook, _state.apply_changes makes the notebook's objects hold what the master's hold,
+in place, so that other references to them stay valid.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ import io
 import linecache
 import sys
 import types
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _pickling, _worker
+from enot_nb import _objgraph, _pickling, _state, _worker
+from enot_nb._objgraph import Registry
 
 CELL_FILENAME = "<enot_distributed cell>"
-_HIDDEN_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
 @dataclass
@@ -47,22 +47,28 @@ class CellOptions:
     figure_dir: str | None = None
     """Outside a launch (an exported script): save images here instead of sending them."""
     figure_prefix: str = "cell"
+    keep_on_error: bool = False
+    """--on-error keep: a failing master sends the state it reached."""
 
 
 @dataclass
 class CellOutcome:
     """The master's result of a cell, pickled back to the notebook."""
 
-    state: dict[str, Any]
-    """{"bound": {...}, "updated": {...}, "value": ...}, pickled with the outcome: one pickle."""
+    state: _state.PickledState | None = None
+    """The changes, pickled against the registry of the notebook's objects."""
     not_returned: dict[str, str] = field(default_factory=dict)
-    """Names that could not come back, with the reason."""
+    """Names (or paths) that could not come back, with the reason."""
     value_bundle: tuple[dict, dict] | None = None
     """The last expression's display data, if it cannot come back as an object."""
     value_name: str | None = None
     """The last expression was this bare name: show the notebook's (updated) object."""
     has_value: bool = False
     moved_to_cpu: int = 0
+    changed_names: list[str] = field(default_factory=list)
+    """The names bound by the cell or whose objects it changed (an exported run saves them)."""
+    missing_returns: list[str] = field(default_factory=list)
+    """Names in --return that the cell left unbound."""
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -88,38 +94,60 @@ def names_used(code: str) -> set[str]:
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
 
 
-def shippable_namespace(namespace: dict[str, Any], code: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The variables the cell uses that can be pickled, and those that cannot (with why)."""
-    used = {n: namespace[n] for n in names_used(code)
-            if n in namespace and not n.startswith("_") and n not in _HIDDEN_NAMES}
-    left_out = _pickling.unpicklable(used)
-    return {n: v for n, v in used.items() if n not in left_out}, left_out
+def global_names(function: Any) -> set[str]:
+    """The global names a function's code (and the code nested in it) may read."""
+    names, todo = set(), [function.__code__]
+    while todo:
+        code = todo.pop()
+        names.update(code.co_names)
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
 
 
-def fingerprint(value: Any) -> Any:
-    """A cheap token that changes when ``value`` is changed in place (None: not tracked)."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if isinstance(value, torch.Tensor):
-            return ("tensor", value._version, value.data_ptr())
-        if isinstance(value, torch.nn.Module):
-            tensors = list(value.parameters()) + list(value.buffers())
-            return ("module", tuple(id(t) for t in tensors), sum(t._version for t in tensors))
-        if isinstance(value, torch.optim.Optimizer):
-            state = [t for s in value.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-            hyper = repr([{k: v for k, v in g.items() if k != "params"} for g in value.param_groups])
-            return ("optimizer", len(value.state), sum(t._version for t in state), hyper)
-    if isinstance(value, bytearray):
-        return ("bytearray", zlib.crc32(value))
-    if isinstance(value, (list, dict, set)):  # shallow: appends and rebinds, not nested changes
-        items = value.items() if isinstance(value, dict) else value
-        return (type(value).__name__, len(value), tuple(map(id, items)))
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(value, numpy.ndarray):
-        return ("ndarray", value.shape, zlib.crc32(numpy.ascontiguousarray(value).view(numpy.uint8)))
-    if hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType, types.FunctionType)):
-        return ("object", tuple((k, id(v)) for k, v in vars(value).items()))
-    return None
+def shippable_namespace(namespace: dict[str, Any], code: str
+                        ) -> tuple[dict[str, Any], dict[str, str], Registry, list[Any]]:
+    """What spawned workers need: the variables the cell uses, and those the notebook's functions
+    it uses read (to any depth), that can be pickled; those that cannot (with why); the registry
+    of every object they reach; and the registry's objects as they travel with the variables
+    (index for index; None where one cannot be pickled on its own)."""
+    hidden = _hidden(namespace)
+    registry = Registry.of_namespace(namespace, [])
+    values: dict[str, Any] = {}
+    left_out: dict[str, str] = {}
+    todo, seen_functions = set(names_used(code)), 0
+    while todo:
+        names = sorted(n for n in todo if n in namespace and _objgraph.is_user_name(n, hidden)
+                       and n not in values and n not in left_out)
+        todo = set()
+        problems = _pickling.unpicklable({n: namespace[n] for n in names})
+        left_out.update(problems)
+        fresh = [n for n in names if n not in problems]
+        values.update({n: namespace[n] for n in fresh})
+        registry.extend(fresh, namespace)
+        for function in registry.notebook_functions[seen_functions:]:
+            todo |= global_names(function)
+        seen_functions = len(registry.notebook_functions)
+    return values, left_out, registry, _shippable_objects(registry, namespace)
+
+
+def _shippable_objects(registry: Registry, namespace: dict[str, Any]) -> list[Any]:
+    ship = {"namespace": namespace, "pickler_class": _pickling.ShipPickler}
+    objects = list(registry.objects)
+    try:
+        _pickling.dry_run(objects, **ship)
+    except Exception:  # noqa: BLE001 - e.g. a lock that its owner's __getstate__ leaves out
+        for i in range(1, len(objects)):
+            if _pickling.unpicklable({"": objects[i]}, **ship):
+                objects[i] = None
+    return objects
+
+
+def _hidden(namespace: dict[str, Any]) -> Any:
+    shell = namespace.get("get_ipython")
+    try:
+        return shell().user_ns_hidden if callable(shell) else ()
+    except Exception:  # noqa: BLE001 - not IPython's
+        return ()
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -194,8 +222,13 @@ def figure_png(figure: Any) -> bytes:
     return buffer.getvalue()
 
 
-def run_cell(code: str, namespace: dict[str, Any], options: CellOptions) -> CellOutcome | None:
-    """Run the cell as this rank; the master returns what goes back to the notebook."""
+def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
+             registry: Registry | None = None) -> CellOutcome | None:
+    """Run the cell as this rank; the master returns what goes back to the notebook.
+
+    ``registry``: the notebook's objects (inherited by fork, or the shipped copies); None in an
+    exported script, where the namespace is this process's own.
+    """
     from enot_nb import distributed
 
     rank = distributed.get_rank()
@@ -203,21 +236,74 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions) -> Cell
     source = options.source_header + code
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     body, last, suppressed = split_cell(code, options.first_line)
-    used = names_used(code)
+    hidden = _hidden(namespace)
     namespace.setdefault("get_ipython", lambda: shell)
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
-    _sync_models(namespace, used, options)
-    before = {name: id(value) for name, value in namespace.items()}
-    # Only the master's results go back, so only it pays for fingerprints (a checksum for arrays).
-    watched = set() if rank != 0 or options.no_return else set(options.returns or used)
-    tracked = {name: fingerprint(namespace[name]) for name in watched if name in namespace}
+    _sync_models(namespace, names_used(code), options)
+    tracker = None
+    if rank == 0 and not options.no_return:  # only the master's state goes back
+        if registry is None:
+            registry = Registry.of_namespace(namespace, [n for n in namespace
+                                                         if _objgraph.is_user_name(n, hidden)])
+        tracker = _Tracker(registry, namespace, hidden)
     figures_before = _open_figures()
-    exec(compile(body, CELL_FILENAME, "exec"), namespace)  # noqa: S102 - running the user's cell is the point
-    value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None  # noqa: S307
+    try:
+        exec(compile(body, CELL_FILENAME, "exec"), namespace)  # noqa: S102 - the user's cell
+        value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None  # noqa: S307
+    except BaseException as exc:
+        if tracker is not None and (isinstance(exc, KeyboardInterrupt) or options.keep_on_error):
+            _send_partial(tracker, options)
+        raise
     _show_new_figures(figures_before, rank == 0 and options.shown)
-    if rank != 0:
-        return None
-    return _outcome(namespace, before, tracked, value, last, suppressed, options, shell)
+    if tracker is None:
+        return None if rank != 0 else CellOutcome()
+    has_value = last is not None and not suppressed and value is not None
+    return tracker.outcome(options, value if has_value else None, has_value, last, shell)
+
+
+class _Tracker:
+    """The master's view of the notebook's objects: a snapshot before, the changes after."""
+
+    def __init__(self, registry: Registry, namespace: dict[str, Any], hidden: Any) -> None:
+        self.registry, self.namespace, self.hidden = registry, namespace, hidden
+        self.names_before = {n: v for n, v in namespace.items() if _objgraph.is_user_name(n, hidden)}
+        self.snapshot = _objgraph.Snapshot.take(registry)
+
+    def outcome(self, options: CellOptions, value: Any, has_value: bool,
+                last: ast.Expression | None, shell: Any) -> CellOutcome:
+        changes, changed = _state.collect(self.registry, self.snapshot, self.names_before,
+                                          self.namespace, self.hidden)
+        outcome = CellOutcome(has_value=has_value)
+        outcome.changed_names = sorted(set(changes.bound) | {
+            name for name in map(self.registry.root_name, changed) if name in self.namespace})
+        if options.returns is not None:
+            outcome.missing_returns = [n for n in options.returns if n not in self.namespace]
+            changes.bound = {n: v for n, v in changes.bound.items() if n in options.returns}
+            changes.deleted = [n for n in changes.deleted if n in options.returns]
+            outcome.changed_names = [n for n in outcome.changed_names if n in options.returns]
+        if has_value and last is not None and isinstance(last.body, ast.Name) \
+                and self.namespace.get(last.body.id) is value:
+            outcome.value_name = last.body.id
+        elif has_value:
+            changes.value, changes.has_value = value, True
+            outcome.value_bundle = shell.display_formatter.format(value) if shell else None
+        outcome.state, outcome.moved_to_cpu = _state.dump(changes, self.registry,
+                                                          outcome.not_returned)
+        return outcome
+
+
+def _send_partial(tracker: _Tracker, options: CellOptions) -> None:
+    """The master failed or was interrupted: send the state it reached, bounded by the launcher's
+    patience (it stops this process after ENOT_NB_INTERRUPT_SAVE_WAIT seconds)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second stop press must not cut this short
+    try:
+        _worker.send_partial(tracker.outcome(options, None, False, None, None))
+    except Exception as err:  # noqa: BLE001 - the original error matters more
+        print(f"enot_nb: the master's state could not be saved ({err})", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _sync_models(namespace: dict[str, Any], used: set[str], options: CellOptions) -> None:
@@ -252,116 +338,3 @@ def _show_new_figures(before: set[int], show: bool) -> None:
         if show:
             publish_figure(pyplot.figure(number))
         pyplot.close(number)
-
-
-def _outcome(namespace: dict[str, Any], before: dict[str, int], tracked: dict[str, Any],
-             value: Any, last: ast.Expression | None, suppressed: bool, options: CellOptions,
-             shell: Any) -> CellOutcome:
-    outcome = CellOutcome(state={})
-    bound, updated = _changes(namespace, before, tracked, options)
-    has_value = last is not None and not suppressed and value is not None
-    outcome.has_value = has_value
-    if has_value and isinstance(last.body, ast.Name) and last.body.id in bound | updated:
-        outcome.value_name = last.body.id
-    state = {"bound": {n: namespace[n] for n in bound}, "updated": {n: namespace[n] for n in updated}}
-    if has_value and outcome.value_name is None:
-        state["value"] = value
-        outcome.value_bundle = shell.display_formatter.format(value)
-    outcome.not_returned, outcome.moved_to_cpu = check_state(state)
-    outcome.state = state
-    return outcome
-
-
-def _changes(namespace: dict[str, Any], before: dict[str, int], tracked: dict[str, Any],
-             options: CellOptions) -> tuple[set[str], set[str]]:
-    if options.no_return:
-        return set(), set()
-    candidates = [n for n in namespace if not n.startswith("_") and n not in _HIDDEN_NAMES]
-    bound = {n for n in candidates if before.get(n) != id(namespace[n])}
-    updated = {n for n, token in tracked.items()
-               if n in namespace and n not in bound and token is not None
-               and fingerprint(namespace[n]) != token}
-    if options.returns is not None:
-        missing = [n for n in options.returns if n not in namespace]
-        if missing:
-            raise NameError(f"--return {','.join(missing)}: the cell defined no such variable")
-        wanted = set(options.returns)
-        return {n for n in wanted if n not in before or before[n] != id(namespace[n])}, \
-               {n for n in wanted if n in before and before[n] == id(namespace[n])}
-    return bound, updated
-
-
-# ----------------------------------------------------------------------------- pickling
-
-
-def check_state(state: dict[str, Any]) -> tuple[dict[str, str], int]:
-    """Leave out (and explain) the names that cannot be pickled; count tensors off the CPU.
-
-    A dry run that skips tensor data: the real pickling happens once, with the outcome.
-    """
-    try:
-        return {}, _pickling.dry_run(state)
-    except Exception:  # noqa: BLE001 - find the culprits below
-        pass
-    not_returned: dict[str, str] = {}
-    for section in ("bound", "updated"):
-        for name, value in list(state[section].items()):
-            try:
-                _pickling.dry_run(value)
-            except Exception as err:  # noqa: BLE001
-                not_returned[name] = f"{type(value).__name__} cannot be pickled: {err}"
-                del state[section][name]
-    if "value" in state:
-        try:
-            _pickling.dry_run(state["value"])
-        except Exception:  # noqa: BLE001 - shown from its display data instead
-            del state["value"]
-    return not_returned, _pickling.dry_run(state)
-
-
-# ----------------------------------------------------------------------------- notebook side
-
-
-def apply_state(namespace: dict[str, Any], state: dict[str, Any]) -> None:
-    """Put the master's values into the notebook; existing objects are updated in place."""
-    for name, value in state["bound"].items():
-        namespace[name] = value
-    for name, value in state["updated"].items():
-        namespace[name] = update_in_place(namespace.get(name), value)
-
-
-def update_in_place(old: Any, new: Any) -> Any:
-    """Copy ``new`` into ``old`` where its type allows, keeping ``old``'s identity; else ``new``."""
-    import torch
-
-    if isinstance(old, torch.nn.Module) and isinstance(new, torch.nn.Module):
-        try:
-            old.load_state_dict(new.state_dict())
-            return old
-        except (RuntimeError, KeyError):
-            return new  # the structure changed in the cell: the new module replaces it
-    if isinstance(old, torch.optim.Optimizer) and isinstance(new, torch.optim.Optimizer):
-        try:
-            old.load_state_dict(new.state_dict())
-            return old
-        except (ValueError, KeyError):
-            return new
-    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
-        if old.shape == new.shape and old.dtype == new.dtype:
-            with torch.no_grad():
-                old.copy_(new)
-            return old
-        return new
-    if type(old) is type(new) and isinstance(old, list):
-        old[:] = new
-    elif type(old) is type(new) and isinstance(old, (dict, set)):
-        old.clear()
-        old.update(new)
-    elif type(old) is type(new) and hasattr(old, "__dict__") and not isinstance(old, type):
-        vars(old).clear()
-        vars(old).update(vars(new))
-    else:
-        return new
-    return old
-
-

@@ -19,16 +19,15 @@ Protocol on the socket (framed pickles, see _channel)::
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import socket
 import sys
 
-from enot_nb import _channel, _worker
+from enot_nb import _channel, _pickling, _worker
 
 
 def _load_job(job_bytes: bytes) -> _worker.Job:
-    return pickle.loads(job_bytes)
+    return _pickling.loads_shipped(job_bytes)
 
 
 def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],

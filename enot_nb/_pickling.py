@@ -9,12 +9,13 @@ one memory copy in all, however many workers read it, and nothing large goes thr
 from __future__ import annotations
 
 import io
-import math
 import mmap
 import os
 import pickle
 import struct
 import threading
+import types
+import weakref
 from typing import Any
 
 import cloudpickle
@@ -25,65 +26,220 @@ RECEIVED_FDS: list[int] = []
 """In a worker: the shared-memory descriptors that came with the job, by index."""
 
 
-def _shareable(value: Any) -> bool:
-    import torch
-
-    return (
-        hasattr(os, "memfd_create")
-        and type(value) in (torch.Tensor, torch.nn.Parameter)
-        and value.device.type == "cpu"
-        and value.layout == torch.strided
-        and value.is_contiguous()
-        and value.is_leaf
-        and value.nbytes >= SHM_MIN_BYTES
-    )
-
-
-def _to_memfd(tensor: Any) -> int:
-    import torch
-
+def _to_memfd(data: Any) -> int:
     fd = os.memfd_create("enot_nb-tensor", os.MFD_CLOEXEC)
-    os.ftruncate(fd, tensor.nbytes)
+    os.ftruncate(fd, data.nbytes)
     # The one copy; pwrite lets the kernel fill the pages (measured ~10% faster than a mapping).
-    _pwrite_all(fd, tensor.detach().reshape(-1).view(torch.uint8).numpy(), 0)
+    _pwrite_all(fd, data, 0)
     return fd
 
 
-def _rebuild(index: int, dtype: Any, shape: tuple, requires_grad: bool, parameter: bool) -> Any:
+# ----------------------------------------------------------------------------- tensors
+
+
+def _rebuild_storage(buffer: Any, device: str = "cpu") -> Any:
     import torch
 
-    flat = torch.from_file(f"/proc/self/fd/{RECEIVED_FDS[index]}", shared=False,  # private: copy-on-write
-                           size=math.prod(shape), dtype=dtype)
-    tensor = flat.view(shape)
+    view = memoryview(buffer).cast("B")
+    if view.readonly:  # in band: the pickle's own bytes
+        view = memoryview(bytearray(view))
+    if view.nbytes:
+        storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+    else:
+        storage = torch.UntypedStorage(0)
+    return _to_device(storage, device)
+
+
+def _storage_from_memfd(index: int, nbytes: int, device: str = "cpu") -> Any:
+    import torch
+
+    storage = torch.from_file(f"/proc/self/fd/{RECEIVED_FDS[index]}", shared=False,  # copy-on-write
+                              size=nbytes, dtype=torch.uint8).untyped_storage()
+    return _to_device(storage, device)
+
+
+def _to_device(storage: Any, device: str) -> Any:
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return storage
+    return storage.cuda(torch.device(device).index)
+
+
+def _rebuild_tensor(storage: Any, offset: int, size: tuple, stride: tuple, dtype: Any,
+                    requires_grad: bool, parameter: bool) -> Any:
+    import torch
+
+    tensor = torch.empty(0, dtype=dtype, device=storage.device)
+    if storage.nbytes():
+        tensor.set_(storage, offset, size, stride)
+    else:
+        tensor = tensor.new_empty(size)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad)
 
 
-class SharedMemoryPickler(cloudpickle.Pickler):
-    """cloudpickle that moves large CPU tensors into memfds (see the module docstring)."""
+def _set_tensor_state(tensor: Any, state: tuple) -> Any:
+    grad, attributes = state
+    if grad is not None:
+        tensor.grad = grad
+    tensor.__dict__.update(attributes)
+    return tensor
 
-    def __init__(self, file: Any) -> None:
-        super().__init__(file, protocol=5)
+
+def _make_weakref(referent: Any) -> Any:
+    return weakref.ref(referent)
+
+
+def _make_function(code: Any, globals_: dict, name: str, closure: tuple | None) -> Any:
+    cells = None if closure is None else tuple(
+        cell if cell is not None else types.CellType() for cell in closure)
+    return types.FunctionType(code, globals_, name, None, cells)
+
+
+def _set_function_state(function: Any, state: dict) -> Any:
+    contents = state.pop("closure_contents")
+    for cell, value in zip(function.__closure__ or (), contents):
+        if value is not _EMPTY_CELL:
+            cell.cell_contents = value
+    attributes = state.pop("__dict__")
+    for key, value in state.items():
+        setattr(function, key, value)
+    function.__dict__.update(attributes)
+    return function
+
+
+class _EmptyCell:
+    def __reduce__(self) -> str:
+        return "_EMPTY_CELL"
+
+
+_EMPTY_CELL = _EmptyCell()
+
+
+class TensorPickler(cloudpickle.Pickler):
+    """cloudpickle that keeps tensor aliasing (a view and its base share one storage after the
+    round trip), sends storage bytes out of band, and keeps the notebook's functions bound to the
+    notebook's globals.
+
+    Modes: ``"ship"`` (notebook -> spawned workers: large storages through memfds), ``"result"``
+    (a worker -> the notebook: storage bytes out of band, CUDA moved to the CPU), ``"dry"`` (only
+    checks what would pickle; no data is touched).
+    """
+
+    def __init__(self, file: Any, mode: str, buffer_callback: Any = None,
+                 namespace: dict | None = None) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
+        self.mode = mode
         self.fds: list[int] = []
+        self.off_cpu = 0
+        self.namespace = namespace
+        """Functions whose globals are this dict are the notebook's: rebuilt on its globals."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if _shareable(obj):
-            self.fds.append(_to_memfd(obj))
-            import torch
+        import torch
 
-            return _rebuild, (len(self.fds) - 1, obj.dtype, tuple(obj.shape), obj.requires_grad,
-                              isinstance(obj, torch.nn.Parameter))
+        t = type(obj)
+        if t in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided \
+                and obj.device.type != "meta":
+            return self._reduce_tensor(obj)
+        if t is torch.UntypedStorage:
+            return self._reduce_storage(obj)
+        if t is types.FunctionType and self.namespace is not None \
+                and obj.__globals__ is self.namespace:
+            return self._reduce_function(obj)
+        if t is weakref.ReferenceType and obj() is not None:
+            return _make_weakref, (obj(),)
+        _refuse_process_bound(obj)
         return super().reducer_override(obj)
 
+    def _reduce_tensor(self, tensor: Any) -> Any:
+        import torch
 
-def dumps(obj: Any) -> tuple[bytes, list[int]]:
-    """Pickle ``obj``; returns the bytes and the shared-memory descriptors they refer to.
+        self.off_cpu += tensor.device.type != "cpu" and self.mode != "ship"
+        args = (tensor.untyped_storage(), tensor.storage_offset(), tuple(tensor.shape),
+                tensor.stride(), tensor.dtype, tensor.requires_grad,
+                type(tensor) is torch.nn.Parameter)
+        attributes = dict(getattr(tensor, "__dict__", {}))
+        grad = tensor.grad if tensor.is_leaf else None
+        if grad is None and not attributes:
+            return _rebuild_tensor, args
+        return _rebuild_tensor, args, (grad, attributes), None, None, _set_tensor_state
+
+    def _reduce_storage(self, storage: Any) -> Any:
+        device = str(storage.device) if self.mode == "ship" else "cpu"
+        if self.mode == "dry":
+            return _rebuild_storage, (b"",)
+        data = storage_bytes(storage)
+        if self.mode == "ship" and data.numel() >= SHM_MIN_BYTES and hasattr(os, "memfd_create"):
+            self.fds.append(_to_memfd(data.numpy()))
+            return _storage_from_memfd, (len(self.fds) - 1, data.numel(), device)
+        raw = data.numpy() if data.numel() else b""
+        return _rebuild_storage, (pickle.PickleBuffer(raw), device)
+
+    def _reduce_function(self, function: Any) -> Any:
+        closure = function.__closure__
+        contents = []
+        for cell in closure or ():
+            try:
+                contents.append(cell.cell_contents)
+            except ValueError:
+                contents.append(_EMPTY_CELL)
+        state = {"__defaults__": function.__defaults__, "__kwdefaults__": function.__kwdefaults__,
+                 "__qualname__": function.__qualname__, "__module__": function.__module__,
+                 "__doc__": function.__doc__, "__annotations__": function.__annotations__,
+                 "__dict__": dict(function.__dict__), "closure_contents": contents}
+        args = (function.__code__, function.__globals__, function.__name__,
+                None if closure is None else (None,) * len(closure))
+        return _make_function, args, state, None, None, _set_function_state
+
+
+def storage_bytes(storage: Any) -> Any:
+    """The bytes of an untyped storage as a CPU uint8 tensor (no copy on the CPU)."""
+    import torch
+
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return flat.cpu() if flat.device.type != "cpu" else flat
+
+
+class ShipPickler(TensorPickler):
+    """Notebook -> spawned workers: the notebook's namespace dict travels as a reference to the
+    worker's own namespace (pickle never calls reducer_override for a dict, so a persistent id)."""
+
+    def __init__(self, file: Any, mode: str = "ship", buffer_callback: Any = None,
+                 namespace: dict | None = None) -> None:
+        super().__init__(file, mode, buffer_callback=buffer_callback, namespace=namespace)
+
+    def persistent_id(self, obj: Any) -> Any:
+        return "namespace" if obj is self.namespace and obj is not None else None
+
+
+WORKER_NAMESPACE: dict[str, Any] = {}
+"""In a spawned worker, the dict the shipped cell runs in: the notebook's namespace, re-created."""
+
+
+class _ShippedUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        if pid != "namespace":
+            raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+        return WORKER_NAMESPACE
+
+
+def loads_shipped(data: bytes) -> Any:
+    """Load what dumps() pickled, in a worker."""
+    return _ShippedUnpickler(io.BytesIO(data)).load()
+
+
+def dumps(obj: Any, namespace: dict | None = None) -> tuple[bytes, list[int]]:
+    """Pickle ``obj`` for spawned workers; returns the bytes and the shared-memory descriptors
+    they refer to. ``namespace``: the notebook's globals, which the workers' copies of its
+    functions share (the worker's namespace dict stands in for it).
 
     The caller owns the descriptors and closes them once the workers have started.
     """
     buffer = io.BytesIO()
-    pickler = SharedMemoryPickler(buffer)
+    pickler = ShipPickler(buffer, namespace=namespace)
     try:
         pickler.dump(obj)
     except BaseException:
@@ -109,37 +265,20 @@ class _Discard(io.RawIOBase):
         return len(memoryview(data))
 
 
-class _DryRunPickler(cloudpickle.Pickler):
-    """Checks picklability without paying for tensor data (tensors always pickle); counts the
-    tensors that a ResultPickler would move off an accelerator."""
-
-    def __init__(self) -> None:
-        super().__init__(_Discard(), protocol=5)
-        self.off_cpu = 0
-
-    def reducer_override(self, obj: Any) -> Any:
-        import torch
-
-        _refuse_process_bound(obj)
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and (obj.is_leaf or not obj.requires_grad):
-            self.off_cpu += obj.device.type not in ("cpu", "meta")
-            return tuple, ()
-        return super().reducer_override(obj)
-
-
-def dry_run(obj: Any) -> int:
+def dry_run(obj: Any, pickler_class: Any = None, **kwargs: Any) -> int:
     """Raise if ``obj`` cannot be pickled; return how many of its tensors are off the CPU."""
-    pickler = _DryRunPickler()
+    pickler = (pickler_class or TensorPickler)(_Discard(), "dry", buffer_callback=lambda b: None,
+                                               **kwargs)
     pickler.dump(obj)
     return pickler.off_cpu
 
 
-def unpicklable(values: dict[str, Any]) -> dict[str, str]:
+def unpicklable(values: dict[str, Any], **kwargs: Any) -> dict[str, str]:
     """The names whose values cannot be pickled, each with the reason."""
     problems = {}
     for name, value in values.items():
         try:
-            dry_run(value)
+            dry_run(value, **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure means it cannot be sent
             problems[name] = f"{type(value).__name__} cannot be pickled ({err})"
     return problems
@@ -161,48 +300,11 @@ def _refuse_process_bound(obj: Any) -> None:
                         ".module (your model) comes back instead when the cell uses it")
 
 
-def _from_buffer(buffer: Any, dtype: Any, shape: tuple, requires_grad: bool, parameter: bool) -> Any:
-    import torch
-
-    raw = memoryview(buffer).cast("B")
-    if len(raw):
-        flat = torch.frombuffer(raw, dtype=torch.uint8)
-        tensor = flat.view(dtype).view(shape)
-    else:
-        tensor = torch.empty(shape, dtype=dtype)
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad)
-
-
-class ResultPickler(cloudpickle.Pickler):
-    """Pickles a worker's result: tensor data out of band (no copy into the pickle), CUDA
-    tensors moved to the CPU (the launching process must not initialize CUDA)."""
-
-    def __init__(self, file: Any, buffer_callback: Any) -> None:
-        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
-        self.moved_to_cpu = 0
-
-    def reducer_override(self, obj: Any) -> Any:
-        import torch
-
-        _refuse_process_bound(obj)
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided \
-                and obj.device.type != "meta" and (obj.is_leaf or not obj.requires_grad):
-            if obj.device.type != "cpu":
-                self.moved_to_cpu += 1
-            data = obj.detach().cpu().contiguous()
-            raw = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
-            return _from_buffer, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape),
-                                  obj.requires_grad, isinstance(obj, torch.nn.Parameter))
-        return super().reducer_override(obj)
-
-
 def dump_result(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle a result; tensor data stays in the returned buffers (not copied)."""
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    ResultPickler(stream, buffers.append).dump(obj)
+    TensorPickler(stream, "result", buffer_callback=buffers.append).dump(obj)
     return stream.getvalue(), buffers
 
 
@@ -264,5 +366,5 @@ def result_fd() -> int | None:
 def dump_inline(obj: Any) -> bytes:
     """Where no memfd exists: the result pickled with its tensor data in band."""
     stream = io.BytesIO()
-    ResultPickler(stream, None).dump(obj)
+    TensorPickler(stream, "result").dump(obj)
     return stream.getvalue()

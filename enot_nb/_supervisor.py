@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from enot_nb import _channel, _pickling, _spawn, _worker
 from enot_nb._output import StreamSink
-from enot_nb.errors import LaunchError, WorkerFailure
+from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
 if TYPE_CHECKING:
     from enot_nb.launcher import LaunchPlan
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 STOP_GRACE = float(os.environ.get("ENOT_NB_STOP_GRACE", "1.0"))
 # Seconds the workers get to print their stacks after an interrupt.
 STACK_DUMP_WAIT = float(os.environ.get("ENOT_NB_STACK_DUMP_WAIT", "1.0"))
+# Seconds an interrupted master gets, alone, to send the state it reached (a stopped cell keeps
+# it, as a local cell would); with the stack dump and the stop of the others, within 5 s.
+INTERRUPT_SAVE_WAIT = float(os.environ.get("ENOT_NB_INTERRUPT_SAVE_WAIT", "2.0"))
 # Rendezvous of a one-node launch: "file" (a FileStore in a private temporary folder) or "tcp"
 # (torchrun's env://). Measured here on torch 2.13: with the TCP store, init_process_group stalls
 # for 5 s in about 2% of launches (a hand-rolled os.fork launcher too: 4 of 150); with the file
@@ -84,6 +87,8 @@ class _Rank:
     exitcode: int | None = None
     outcome: str | None = None  # "result", "done" or "error"
     payload: Any = None
+    partial: Any = None  # rank 0's state at an interrupt or failure ("partial" message)
+    stack_text: str = ""
     open_reads: set[str] = field(default_factory=lambda: {"out", "err", "msg"})
 
     @property
@@ -199,6 +204,7 @@ class _Outcome:
     ok: bool
     result: Any = None
     failures: list[WorkerFailure] = field(default_factory=list)
+    partial: Any = None
 
 
 class Attempt:
@@ -213,6 +219,7 @@ class Attempt:
         self.result_fd: int | None = None
         self.rendezvous_dir: str | None = None
         self.stopping_since: float | None = None
+        self.capturing_stacks = False
         self.selector = selectors.DefaultSelector()
 
     def run(self) -> _Outcome:
@@ -222,7 +229,7 @@ class Attempt:
             return self._collect()
         except KeyboardInterrupt:
             self._interrupt()
-            raise
+            raise LaunchInterrupted(self._partial()) from None
         finally:
             self._close()
 
@@ -326,11 +333,15 @@ class Attempt:
             for kind, payload in r.messages.feed(data):
                 if kind in ("result", "done", "error"):
                     r.outcome, r.payload = kind, payload
-                if kind == "error":
+                if kind == "partial":
+                    r.partial = payload
+                elif kind == "error":
                     self._record_error(r, payload)
                 elif kind not in ("result", "done") and self.plan.on_message and r.sinks["out"].show:
                     self._drain(r, ("out", "err"))  # what the worker printed before comes first
                     self.plan.on_message(kind, payload)
+        elif self.capturing_stacks and name == "err":
+            r.stack_text += data.decode("utf-8", "backslashreplace")
         else:
             r.sinks[name].feed(data, force_show=force_show)
         return True
@@ -383,29 +394,61 @@ class Attempt:
     # ------------------------------------------------------------------------- interrupt
 
     def _interrupt(self) -> None:
-        """Show where every rank is, then stop them: SIGINT, SIGTERM, SIGKILL."""
+        """Show where every rank is; let the master, alone, send the state it reached; then stop
+        everyone: SIGINT, SIGTERM, SIGKILL."""
         self.stopping_since = time.monotonic()  # deaths from here on are our doing
         running = [r for r in self.ranks if r.running]
         if running:
             print(f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:",
                   file=sys.stderr, flush=True)
             for r in running:
-                try:
-                    os.kill(r.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
+                _signal_tree(r.pid, signal.SIGUSR1, group=False)
+            self.capturing_stacks = True
             self._pump(STACK_DUMP_WAIT, force_show=True)
+            self.capturing_stacks = False
+            for r in running:
+                print(stack_report(r.rank, r.stack_text), file=sys.stderr, flush=True)
+        master = next((r for r in self.ranks if r.rank == 0 and r.running), None)
+        if master is not None:
+            _signal_tree(master.pid, signal.SIGINT, group=False)
+            self._pump(INTERRUPT_SAVE_WAIT, force_show=False,
+                       until=lambda: master.partial is not None or not master.running)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             if not any(r.running for r in self.ranks):
                 break
             self._signal_running(signum)
             self._pump(STOP_GRACE, force_show=False)
 
-    def _pump(self, seconds: float, force_show: bool) -> None:
-        """Read output and exits for up to ``seconds``, or until all is quiet."""
+    def _partial(self) -> Any:
+        """Rank 0's state at an interrupt or failure, loaded; None if it sent none."""
+        master = next((r for r in self.ranks if r.rank == 0), None)
+        if master is None or master.partial is None:
+            return None
+        try:
+            return self._load(master.partial)
+        except LaunchError as err:
+            print(f"enot_nb: {err}", file=sys.stderr)
+            return None
+
+    def _load(self, payload: tuple[str, Any]) -> Any:
+        kind, data = payload
+        try:
+            if kind == "memfd":
+                return _pickling.read_result(self.result_fd, data)
+            return pickle.loads(data)
+        except Exception as err:
+            raise LaunchError(f"rank 0's result could not be loaded in this process "
+                              f"({type(err).__name__}: {err}); return plain data, tensors or "
+                              "state dicts") from err
+
+    def _pump(self, seconds: float, force_show: bool, until: Any = None) -> None:
+        """Read output and exits for up to ``seconds``, or until all is quiet (``force_show``),
+        or until ``until()`` holds."""
         deadline = time.monotonic() + seconds
         quiet_after_output = 0.2
         while self.group is not None and any(r.running for r in self.ranks):
+            if until is not None and until():
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -419,21 +462,11 @@ class Attempt:
     def _collect(self) -> _Outcome:
         if self.failures:
             self.failures.sort(key=_root_cause_order)
-            return _Outcome(ok=False, failures=self.failures)
+            return _Outcome(ok=False, failures=self.failures, partial=self._partial())
         master = next((r for r in self.ranks if r.rank == 0), None)
         if master is None:
             return _Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
-        kind, data = master.payload
-        try:
-            if kind == "memfd":
-                result = _pickling.read_result(self.result_fd, data)
-            else:
-                result = pickle.loads(data)
-        except Exception as err:
-            raise LaunchError(f"rank 0's result could not be loaded in this process "
-                              f"({type(err).__name__}: {err}); return plain data, tensors or "
-                              "state dicts") from err
-        return _Outcome(ok=True, result=result)
+        return _Outcome(ok=True, result=self._load(master.payload))
 
     def _close(self) -> None:
         for r in self.ranks:
@@ -458,9 +491,38 @@ def _root_cause_order(failure: WorkerFailure) -> bool:
     return failure.error_type is not None and any(w in text for w in _PEER_LOSS_WORDS)
 
 
-def _signal_tree(pid: int | None, signum: int) -> None:
-    """Signal a worker's whole process group; ignore what is already gone."""
+def stack_report(rank: int, text: str) -> str:
+    """A rank's faulthandler dump, labelled with the rank, without enot_nb's own frames or idle
+    threads (what the user needs is where their code is)."""
+    threads: list[list[str]] = []
+    other = []
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            threads.append([])
+        elif line.startswith('  File "'):
+            path = line.split('"')[1]
+            if not threads:
+                threads.append([])
+            if not path.startswith(_worker.PACKAGE_DIR) and not path.endswith(
+                    ("/threading.py", "/selectors.py")):
+                threads[-1].append(line)
+        elif line.strip():
+            other.append(line)
+    frames = [line for thread in threads if thread for line in thread + [""]]
+    where = "\n".join(frames).rstrip() if frames else "  (no Python frame: in native code)"
+    return "\n".join(other + [f"rank {rank} (most recent call first):", where])
+
+
+def _signal_tree(pid: int | None, signum: int, group: bool = True) -> None:
+    """Signal a worker's whole process group (or the worker alone); ignore what is already
+    gone."""
     if pid is None:
+        return
+    if not group:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
         return
     try:
         os.killpg(pid, signum)

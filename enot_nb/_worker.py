@@ -113,6 +113,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 _message_fd: int | None = None
+_result_fd: int | None = None
 
 
 def send(message: Any) -> None:
@@ -125,8 +126,8 @@ def send(message: Any) -> None:
 
 def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
     """Run the job as rank ``spec.rank`` and exit the process; never returns."""
-    global _message_fd
-    _message_fd = spec.message_fd
+    global _message_fd, _result_fd
+    _message_fd, _result_fd = spec.message_fd, spec.result_fd
     exitcode = 1
     try:
         become_worker(spec)
@@ -148,19 +149,27 @@ def _send_result(spec: WorkerSpec, result: Any) -> None:
     if spec.rank != 0:
         _channel.write_message(spec.message_fd, ("done", None))
         return
-    try:  # pickled once: in band where no memfd exists, else with tensor data out of band
-        pickled = (_pickling.dump_inline(result) if spec.result_fd is None
-                   else _pickling.dump_result(result))
+    try:
+        payload = _result_payload(spec.result_fd, result)
     except Exception as err:
         raise TypeError(
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
-    if spec.result_fd is None:
-        payload = ("inline", pickled)
-    else:
-        payload = ("memfd", _pickling.write_result(spec.result_fd, *pickled))
     _channel.write_message(spec.message_fd, ("result", payload))
+
+
+def _result_payload(result_fd: int | None, result: Any) -> tuple[str, Any]:
+    """Pickled once: in band where no memfd exists, else with tensor data out of band."""
+    if result_fd is None:
+        return ("inline", _pickling.dump_inline(result))
+    return ("memfd", _pickling.write_result(result_fd, *_pickling.dump_result(result)))
+
+
+def send_partial(result: Any) -> None:
+    """The master's state at an interrupt or failure, sent before the error is reported; the
+    launcher may apply it (a stopped cell keeps what it reached)."""
+    send(("partial", _result_payload(_result_fd, result)))
 
 
 def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
@@ -184,12 +193,12 @@ def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
     return code
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _user_frames(tb: Any) -> Any:
     """Skip enot_nb's own frames at the top: the user wants to see their code."""
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         tb = tb.tb_next
     return tb
 

@@ -73,6 +73,22 @@ class WorkerFailure:
         return "\n".join(parts)
 
 
+class LaunchInterrupted(KeyboardInterrupt):
+    """The launch was interrupted (Jupyter's stop button, Ctrl-C); every worker was stopped.
+
+    Attributes:
+        partial_result: what rank 0 sent when it was interrupted (a distributed cell sends the
+            state it reached), or None.
+    """
+
+    def __init__(self, partial_result: object = None) -> None:
+        super().__init__("every worker was stopped")
+        self.partial_result = partial_result
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.partial_result,))
+
+
 class WorkerFailedError(EnotNbError, RuntimeError):
     """A worker process raised or died; raised in the launching process.
 
@@ -83,9 +99,13 @@ class WorkerFailedError(EnotNbError, RuntimeError):
         traceback: the worker's own traceback text, if it raised.
         failures: every failure of the last attempt, root cause first.
         attempts: the root cause of each attempt, oldest first (with ``max_restarts``).
+        partial_result: what rank 0 sent before it failed (a distributed cell with
+            ``--on-error keep`` sends the state it reached), or None.
     """
 
-    def __init__(self, failures: list[WorkerFailure], attempts: list[WorkerFailure] | None = None):
+    def __init__(self, failures: list[WorkerFailure], attempts: list[WorkerFailure] | None = None,
+                 partial_result: object = None):
+        self.partial_result = partial_result
         self.failures = failures
         self.attempts = attempts or [failures[0]]
         root = failures[0]
@@ -94,6 +114,9 @@ class WorkerFailedError(EnotNbError, RuntimeError):
         self.signal_name = root.signal_name
         self.traceback = root.traceback
         super().__init__(self._text())
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.failures, self.attempts, self.partial_result))
 
     def _text(self) -> str:
         lines = [f"worker {self.failures[0].summary()}", "", "Root Cause (first observed failure):"]

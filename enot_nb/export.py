@@ -129,7 +129,7 @@ def export_cell(
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error is reported now, not on the cluster
     script = Path(path).resolve()
     script.parent.mkdir(parents=True, exist_ok=True)
-    values, left_out = _cell.shippable_namespace(namespace or {}, code)
+    values, left_out, _, _ = _cell.shippable_namespace(namespace or {}, code)
     namespace_file = _beside(script, "namespace.pkl")
     with open(namespace_file, "wb") as f:
         cloudpickle.dump({"values": values, "left_out": left_out}, f, protocol=5)
@@ -201,7 +201,7 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
         namespace = {"__name__": "__main__", "__builtins__": __builtins__, **shipped["values"]}
         outcome = _cell.run_cell(code, namespace, cell_options)
         if outcome is not None:
-            _save_results(path, outcome)
+            _save_results(path, outcome, namespace)
         exitcode = 0
     except BaseException as exc:  # noqa: BLE001 - reported, then the process leaves
         traceback.print_exception(type(exc), exc, _worker._user_frames(exc.__traceback__))
@@ -223,11 +223,10 @@ def _silence_stdout() -> None:
     os.close(null)
 
 
-def _save_results(script: Path, outcome: Any) -> None:
+def _save_results(script: Path, outcome: Any, namespace: dict[str, Any]) -> None:
     from enot_nb import _pickling
 
-    state = outcome.state
-    values = {**state.get("bound", {}), **state.get("updated", {})}
+    values = {n: namespace[n] for n in outcome.changed_names if n in namespace}
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not saved: {reason}", file=sys.stderr)
     target = _beside(script, "results.pkl")

@@ -140,10 +140,11 @@ def notebook_launcher(
     return launch_job(plan, _worker.Job(fn, tuple(args), dict(kwargs or {})))
 
 
-def launch_job(plan: LaunchPlan, job: _worker.Job) -> Any:
-    """Run a job under a validated plan, one launch at a time per process."""
+def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None) -> Any:
+    """Run a job under a validated plan, one launch at a time per process. ``namespace``: the
+    notebook's globals, which spawned copies of its functions keep sharing."""
     with _single_launch():
-        shipped = _pickle_job(job) if plan.start_method == "spawn" else None
+        shipped = _pickle_job(job, namespace) if plan.start_method == "spawn" else None
         try:
             return run_plan(plan, job, shipped)
         finally:
@@ -162,7 +163,7 @@ def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]
         if attempt < plan.max_restarts:
             print(f"enot_nb: {outcome.failures[0].summary()}; restarting "
                   f"({attempt + 1} of {plan.max_restarts})", file=sys.stderr, flush=True)
-    raise WorkerFailedError(outcome.failures, root_causes)
+    raise WorkerFailedError(outcome.failures, root_causes, partial_result=outcome.partial)
 
 
 # ----------------------------------------------------------------------------- validate
@@ -306,15 +307,16 @@ def _threads_per_worker(nprocs: int) -> int:
     return max(1, cores // nprocs)
 
 
-def _pickle_job(job: _worker.Job) -> tuple[bytes, list[int]]:
+def _pickle_job(job: _worker.Job, namespace: dict | None = None) -> tuple[bytes, list[int]]:
     """Pickle the job for spawned workers, naming the first piece that cannot be pickled."""
     pieces = {"fn": job.fn} | {f"args[{i}]": a for i, a in enumerate(job.args)}
     pieces |= {f"kwargs[{k!r}]": v for k, v in job.kwargs.items()}
-    for name, reason in _pickling.unpicklable(pieces).items():
+    ship = {"namespace": namespace, "pickler_class": _pickling.ShipPickler}
+    for name, reason in _pickling.unpicklable(pieces, **ship).items():
         raise LaunchConfigError(f"{name}: {reason}, but spawned workers need it pickled. Create it "
                                 "inside fn instead, or use start_method='fork'")
     try:
-        return _pickling.dumps(job)
+        return _pickling.dumps(job, namespace)
     except Exception as err:  # noqa: BLE001 - e.g. a tensor that failed to copy
         raise LaunchConfigError(f"the job cannot be pickled: {err}") from err
 

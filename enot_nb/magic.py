@@ -21,8 +21,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from enot_nb import _cell, _worker
-from enot_nb.errors import LaunchError
+from enot_nb import _cell, _objgraph, _state, _worker
+from enot_nb._objgraph import Registry
+from enot_nb.errors import LaunchInterrupted, WorkerFailedError
 from enot_nb.launcher import LaunchConfigError, LaunchPlan, launch_job, plan_launch
 
 
@@ -60,6 +61,9 @@ class EnotMagics(Magics):
     @argument("--return", dest="returns", default=None, metavar="NAME[,NAME]",
               help="bring back only these variables (default: all the cell bound or changed)")
     @argument("--no-return", action="store_true", help="bring nothing back")
+    @argument("--on-error", choices=["discard", "keep"], default="discard",
+              help="when a rank fails: leave the notebook as it was (discard, the default), or "
+              "keep the state the master reached (best effort)")
     @argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
               help="process group timeout for collectives (default: 1800)")
     @argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
@@ -115,7 +119,7 @@ def parse_options(line: str) -> tuple[Any, LaunchPlan | None]:
 
 def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | None,
                          line: str = "") -> Any:
-    """Run ``cell`` as ``args``/``plan`` ask; apply the master's state to the notebook."""
+    """Run ``cell`` as ``args``/``plan`` ask; make the notebook hold what the master holds."""
     if shell is None:
         raise UsageError("%%enot_distributed runs inside IPython or Jupyter; elsewhere call "
                          "enot_nb.notebook_launcher(fn, nprocs=N)")
@@ -126,28 +130,75 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
     options = _cell.CellOptions(
         sync=_names(args.sync), no_sync=args.no_sync, returns=_names(args.returns),
         no_return=args.no_return, source_header=f"%%enot_distributed {line}\n",
-        shown=args.output != "none",
+        shown=args.output != "none", keep_on_error=args.on_error == "keep",
     )
-    try:
-        compile(code, _cell.CELL_FILENAME, "exec")
-    except SyntaxError:
-        shell.showsyntaxerror()
-        return None
+    compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
     plan.on_message = _show_message
+    namespace = shell.user_ns
+    hidden = shell.user_ns_hidden
     if plan.start_method == "fork":
-        job = _worker.Job(_cell.run_cell, (code, shell.user_ns, options))
+        # The workers inherit these objects at the same addresses: index i names one object on
+        # both sides, so only what changed needs to come back.
+        registry = Registry.of_namespace(namespace, [n for n in namespace
+                                                     if _objgraph.is_user_name(n, hidden)])
+        job = _worker.Job(_cell.run_cell, (code, namespace, options, registry))
     else:
-        job = _worker.Job(_run_shipped_cell, _cell.shippable_namespace(shell.user_ns, code) + (code, options))
+        values, left_out, registry, objects = _cell.shippable_namespace(namespace, code)
+        job = _worker.Job(_run_shipped_cell, (values, left_out, objects, code, options))
     try:
-        outcome: _cell.CellOutcome | None = launch_job(plan, job)
-    except LaunchError as err:
-        if "could not be loaded" in str(err):
-            raise LaunchError(f"{err}. Choose what comes back with --return NAME[,NAME], or skip it "
-                              "with --no-return") from err.__cause__
+        outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace)
+    except LaunchInterrupted as err:
+        _after_interrupt(shell, registry, options, err.partial_result)
+        raise CellInterrupted() from None
+    except WorkerFailedError as err:
+        _after_failure(shell, registry, options, err.partial_result)
         raise
     if outcome is None:  # this node has no global rank 0
         return None
-    return _bring_back(shell, outcome)
+    if args.no_return:
+        print("enot_nb: --no-return: nothing came back; the notebook is as it was before the cell",
+              file=sys.stderr)
+    return _bring_back(shell, registry, outcome, options)
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """A distributed cell was stopped; shown as a local cell's KeyboardInterrupt (no launcher
+    frames: the ranks' own stacks were printed above)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return ["KeyboardInterrupt: the cell was stopped on every rank (their stacks are above)"]
+
+
+CellInterrupted.__name__ = CellInterrupted.__qualname__ = "KeyboardInterrupt"  # as a local cell
+
+
+def _after_interrupt(shell: Any, registry: Registry, options: _cell.CellOptions,
+                     partial: Any) -> None:
+    if options.no_return:
+        return
+    if isinstance(partial, _cell.CellOutcome):
+        _bring_back(shell, registry, partial, options, show_value=False)
+        print("enot_nb: interrupted; the notebook keeps the state rank 0 had reached, as a local "
+              "cell would", file=sys.stderr)
+    else:
+        print("enot_nb: interrupted; rank 0 could not save its state in time (it was probably "
+              "waiting in a collective), so the notebook is unchanged", file=sys.stderr)
+
+
+def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions,
+                   partial: Any) -> None:
+    if options.keep_on_error and isinstance(partial, _cell.CellOutcome):
+        _bring_back(shell, registry, partial, options, show_value=False)
+        print("enot_nb: --on-error keep: the notebook holds the state rank 0 had reached when "
+              "the cell failed", file=sys.stderr)
+        return
+    if options.keep_on_error:
+        print("enot_nb: --on-error keep: rank 0 sent no state (it did not fail in Python); the "
+              "notebook is unchanged", file=sys.stderr)
+    shared = _state.shared_memory_tensors(registry)
+    if shared:
+        print(f"enot_nb: the cell failed, so the notebook is unchanged, except {shared} tensor(s) "
+              "in shared memory (share_memory_()), which may hold partial writes", file=sys.stderr)
 
 
 def _export(shell: Any, code: str, args: Any) -> None:
@@ -179,13 +230,15 @@ def _show_message(kind: str, payload: Any) -> None:
         clear_output(wait=payload)
 
 
-def _run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], code: str,
-                      options: _cell.CellOptions) -> Any:
-    """Worker side under spawn: the shipped variables become the cell's namespace."""
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+def _run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], objects: list[Any],
+                      code: str, options: _cell.CellOptions) -> Any:
+    """Worker side under spawn: the shipped variables become the cell's namespace; ``objects``
+    are the copies of the notebook's registered objects, index for index."""
+    namespace = objects[0]  # the worker's namespace dict (see _pickling.WORKER_NAMESPACE)
+    namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
     namespace.update(values)
     try:
-        return _cell.run_cell(code, namespace, options)
+        return _cell.run_cell(code, namespace, options, Registry.of_objects(objects))
     except NameError as err:
         if err.name in left_out:
             raise NameError(
@@ -195,21 +248,54 @@ def _run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], code: st
         raise
 
 
-def _bring_back(shell: Any, outcome: _cell.CellOutcome) -> Any:
-    state = outcome.state
-    _cell.apply_state(shell.user_ns, state)
+def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
+                options: _cell.CellOptions, show_value: bool = True) -> Any:
+    """Apply the master's changes to the notebook, in place; say what could not come back."""
+    changes = _state.load(outcome.state, registry) if outcome.state is not None else None
+    problems = []
+    if changes is not None:
+        problems = _state.apply_changes(shell.user_ns, registry, changes, options.returns)
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)
+    for line in problems:
+        print(f"enot_nb: {line}", file=sys.stderr)
+    if outcome.missing_returns:
+        print(f"enot_nb: --return {','.join(outcome.missing_returns)}: the cell bound no such "
+              "variable; everything else came back", file=sys.stderr)
     if outcome.moved_to_cpu:
         print(f"enot_nb: {outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel "
               "does not initialize CUDA and later cells still start fast", file=sys.stderr)
-    if not outcome.has_value:
+    if not show_value or not outcome.has_value:
         return None
     if outcome.value_name is not None:
-        return shell.user_ns[outcome.value_name]
-    if "value" in state:
-        return state["value"]
+        return shell.user_ns.get(outcome.value_name)
+    if changes is not None and changes.has_value:
+        return changes.value
     return _Bundle(*outcome.value_bundle) if outcome.value_bundle else None
+
+
+def check_cell_syntax(lines: list[str]) -> list[str]:
+    """An input transformer: a distributed cell's syntax error is raised while IPython prepares
+    the cell, so it is shown and replied to exactly as a local cell's (no magic frames, and the
+    execute reply is an error, which stops Run All, nbclient and papermill)."""
+    if not lines or not lines[0].startswith("%%enot_distributed"):
+        return lines
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return lines
+    try:
+        compile(shell.transform_cell("".join(lines[1:])), "<cell>", "exec")
+    except SyntaxError as err:
+        if err.lineno is not None:
+            err.lineno += 1  # the %%enot_distributed line
+        if isinstance(getattr(err, "end_lineno", None), int):
+            err.end_lineno += 1
+        err.filename = shell.compile.cache("".join(lines), shell.execution_count,
+                                           raw_code="".join(lines))
+        raise
+    return lines
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -217,3 +303,6 @@ def load_ipython_extension(ipython: Any) -> None:
     if ipython is None:
         raise UsageError("enot_nb's magic needs IPython: run `%load_ext enot_nb` in a notebook")
     ipython.register_magics(EnotMagics)
+    cleanup = ipython.input_transformers_cleanup
+    if check_cell_syntax not in cleanup:
+        cleanup.append(check_cell_syntax)

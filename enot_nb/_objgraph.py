@@ -1,0 +1,404 @@
+"""The notebook's objects as a graph: what a distributed cell may change, and what it changed.
+
+A cell runs in a worker, but the notebook must end up as if the cell had run locally: every
+object reachable from the namespace that the cell changed (directly, through a function, in
+place or by rebinding) is changed the same way in the notebook, in place. So, before the cell::
+
+    kernel: walk the namespace -> Registry (every object reachable, by index; tensors' storages)
+    fork:   the master inherits the Registry: same objects, same ids
+    spawn:  the Registry's objects travel with the shipped variables in one pickle, so index i
+            names the worker's copy of the notebook's object i
+    master: Snapshot (a shallow copy of every container and __dict__, tensor metadata, a
+            digest of every storage and array) -> the cell runs -> diff against the snapshot
+
+The diff is a list of (index, new shallow state) plus the storages whose bytes changed; the
+notebook applies it to its own objects (see _state_apply). Pickled references to registered
+objects travel as their index (see _state_pickle), so unchanged objects never travel and
+keep their identity.
+
+The boundary (README, "What comes back"): user objects are the namespace's values and
+everything reachable from them, except Python modules, functions and classes defined outside
+the notebook, and process plumbing (files, locks, sockets, threads, loggers, IPython and
+matplotlib objects), which are referenced, never walked.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+import types
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from enot_nb._pickling import storage_bytes
+
+# Names IPython binds in the namespace for itself: never shipped, compared or brought back.
+_IPYTHON_NAME = re.compile(r"^(_|__|___|_i|_ii|_iii|_i\d+|_\d+|_dh|_oh|_ih|In|Out|exit|quit|"
+                           r"get_ipython|__\w+__)$")
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis),
+          type(NotImplemented), slice)
+# Process plumbing: referenced by identity, never walked (their state is the worker's).
+_PLUMBING_MODULES = ("IPython", "ipykernel", "ipywidgets", "zmq", "tornado", "asyncio", "logging",
+                     "threading", "_thread", "socket", "subprocess", "multiprocessing", "concurrent",
+                     "io", "_io", "matplotlib", "traitlets", "jupyter_client", "comm", "tqdm",
+                     "selectors", "queue", "weakref", "_weakref", "enot_nb")
+_OPAQUE_TYPES = (types.ModuleType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
+                 types.FrameType, types.CodeType, types.TracebackType, types.BuiltinFunctionType,
+                 types.MethodWrapperType, types.WrapperDescriptorType, types.GetSetDescriptorType,
+                 types.MemberDescriptorType, types.MappingProxyType, property, staticmethod,
+                 classmethod, memoryview)
+
+
+def is_user_name(name: str, hidden: Any = ()) -> bool:
+    """A namespace name that belongs to the user (not IPython's own)."""
+    return isinstance(name, str) and name not in hidden and not _IPYTHON_NAME.match(name)
+
+
+def defined_in_notebook(obj: Any) -> bool:
+    """A function or class the user defined in a cell (its module is the notebook's)."""
+    return getattr(obj, "__module__", None) == "__main__"
+
+
+def kind_of(obj: Any) -> str | None:
+    """How the graph treats ``obj``: None for atoms (immutable, never registered)."""
+    t = type(obj)
+    if t in _ATOMS:
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return "tensor"
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        return "ndarray"
+    if isinstance(obj, _OPAQUE_TYPES):
+        return "opaque"
+    if isinstance(obj, types.FunctionType):
+        return "function" if defined_in_notebook(obj) else "opaque"
+    if isinstance(obj, type):
+        return "class" if defined_in_notebook(obj) else "opaque"
+    if isinstance(obj, types.MethodType):
+        return "method"
+    if isinstance(obj, types.CellType):
+        return "cell"
+    if isinstance(obj, dict):
+        return "dict"
+    if isinstance(obj, list):
+        return "list"
+    if isinstance(obj, collections.deque):
+        return "deque"
+    if isinstance(obj, set):
+        return "set"
+    if isinstance(obj, (tuple, frozenset)):
+        return "tuple"
+    if isinstance(obj, bytearray):
+        return "bytearray"
+    module = getattr(t, "__module__", "") or ""
+    if module.split(".", 1)[0] in _PLUMBING_MODULES:
+        return "opaque"
+    if hasattr(obj, "__dict__") or _slot_names(t):
+        return "object"
+    return "opaque"
+
+
+def _slot_names(t: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for klass in getattr(t, "__mro__", ()):
+        slots = klass.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [s for s in slots
+                                                         if s not in ("__dict__", "__weakref__")]
+    return tuple(names)
+
+
+def _object_dict(obj: Any) -> dict | None:
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return d if type(d) is dict else None
+
+
+def _slots(obj: Any) -> dict[str, Any]:
+    values = {}
+    for name in _slot_names(type(obj)):
+        try:
+            values[name] = object.__getattribute__(obj, name)
+        except AttributeError:
+            pass
+    return values
+
+
+def class_attributes(cls: type) -> dict[str, Any]:
+    return {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+
+
+def children(obj: Any, kind: str) -> list[tuple[str, Any]]:
+    """The objects ``obj`` refers to, each with the step of a path to it (for messages)."""
+    if kind == "dict":
+        steps = [(f"[{k!r}]", v) for k, v in list(obj.items())] + [("<key>", k) for k in list(obj)]
+        factory = getattr(obj, "default_factory", None)
+        if factory is not None:
+            steps.append((".default_factory", factory))
+    elif kind in ("list", "deque", "tuple"):
+        steps = [(f"[{i}]", v) for i, v in enumerate(list(obj))]
+    elif kind == "set":
+        steps = [("<item>", v) for v in list(obj)]
+    elif kind == "object":
+        steps = _attribute_steps(obj)
+    elif kind == "tensor":
+        grad = obj.grad if obj.is_leaf else None
+        steps = [(".grad", grad)] if grad is not None else []
+        steps += [(f".{k}", v) for k, v in (_object_dict(obj) or {}).items()]
+    elif kind == "function":
+        steps = [(".__defaults__", obj.__defaults__), (".__kwdefaults__", obj.__kwdefaults__)]
+        steps += [(f".<closure {i}>", c) for i, c in enumerate(obj.__closure__ or ())]
+        steps += [(f".{k}", v) for k, v in obj.__dict__.items()]
+    elif kind == "class":
+        steps = [(f".{k}", v) for k, v in class_attributes(obj).items()]
+    elif kind == "method":
+        steps = [(".__self__", obj.__self__), (".__func__", obj.__func__)]
+    elif kind == "cell":
+        try:
+            steps = [(".cell_contents", obj.cell_contents)]
+        except ValueError:
+            steps = []
+    else:
+        steps = []
+    if kind in ("dict", "list", "deque", "set"):
+        steps += _attribute_steps(obj)
+    return steps
+
+
+def _attribute_steps(obj: Any) -> list[tuple[str, Any]]:
+    steps = [(f".{k}", v) for k, v in (_object_dict(obj) or {}).items()]
+    return steps + [(f".{k}", v) for k, v in _slots(obj).items()]
+
+
+@dataclass
+class Registry:
+    """Every object reachable from the namespace, by index; index 0 is the namespace itself."""
+
+    objects: list[Any] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    parents: list[tuple[int, str]] = field(default_factory=list)
+    """How each object was first reached: (index of the parent, step); (-1, name) for roots."""
+    index: dict[int, int] = field(default_factory=dict)
+    storages: list[Any] = field(default_factory=list)
+    """The untyped storages of the registered tensors, in order of first use."""
+    storage_index: dict[int, int] = field(default_factory=dict)
+    notebook_functions: list[Any] = field(default_factory=list)
+
+    def find(self, obj: Any) -> int | None:
+        i = self.index.get(id(obj))
+        return i if i is not None and self.objects[i] is obj else None
+
+    def find_storage(self, storage: Any) -> int | None:
+        j = self.storage_index.get(id(storage))
+        return j if j is not None and self.storages[j] is storage else None
+
+    def path(self, i: int) -> str:
+        """A readable way to reach object ``i`` from the namespace, e.g. ``model._modules['0']``."""
+        steps = []
+        while i > 0:
+            i, step = self.parents[i]
+            steps.append(step)
+        return "".join(reversed(steps))
+
+    def root_name(self, i: int) -> str | None:
+        while i > 0:
+            parent, step = self.parents[i]
+            if parent <= 0:
+                return step
+            i = parent
+        return None
+
+    def _add(self, obj: Any, kind: str, parent: int, step: str) -> int:
+        i = len(self.objects)
+        self.objects.append(obj)
+        self.kinds.append(kind)
+        self.parents.append((parent, step))
+        self.index[id(obj)] = i
+        if kind == "tensor":
+            self._add_storage(obj)
+        elif kind == "function":
+            self.notebook_functions.append(obj)
+        return i
+
+    def _add_storage(self, tensor: Any) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, meta-less or exotic tensors
+            return
+        if self.find_storage(storage) is None:
+            self.storage_index[id(storage)] = len(self.storages)
+            self.storages.append(storage)
+
+    @classmethod
+    def of_namespace(cls, namespace: dict[str, Any], names: list[str]) -> Registry:
+        """Walk the objects reachable from ``namespace[name]`` for each of ``names``."""
+        registry = cls()
+        registry._add(namespace, "namespace", -1, "")
+        registry.extend(names, namespace)
+        return registry
+
+    def extend(self, names: list[str], namespace: dict[str, Any]) -> None:
+        """Walk more roots (breadth first, so paths are short)."""
+        queue: collections.deque[int] = collections.deque()
+        for name in names:
+            self._visit(namespace[name], 0, name, queue)
+        while queue:
+            i = queue.popleft()
+            try:
+                steps = children(self.objects[i], self.kinds[i])
+            except Exception:  # noqa: BLE001 - an object that resists inspection is left opaque
+                continue
+            for step, child in steps:
+                self._visit(child, i, step, queue)
+
+    def _visit(self, obj: Any, parent: int, step: str, queue: collections.deque[int]) -> None:
+        if type(obj) in _ATOMS or self.find(obj) is not None:
+            return
+        try:
+            kind = kind_of(obj)
+        except Exception:  # noqa: BLE001
+            kind = "opaque"
+        if kind is None:
+            return
+        i = self._add(obj, kind, parent, step)
+        if kind != "opaque":
+            queue.append(i)
+
+    @classmethod
+    def of_objects(cls, objects: list[Any]) -> Registry:
+        """The registry of a spawned worker: the shipped copies, at the notebook's indices."""
+        registry = cls()
+        for obj in objects:
+            kind = "namespace" if not registry.objects else (kind_of(obj) or "opaque")
+            registry._add(obj, kind, -1, "")
+        return registry
+
+
+# ----------------------------------------------------------------------------- snapshot, diff
+
+
+def digest(buffer: Any) -> tuple[int, int]:
+    """A content digest of a memory area (crc32 runs at ~4 GB/s here)."""
+    view = memoryview(buffer).cast("B")
+    return view.nbytes, zlib.crc32(view)
+
+
+def _storage_digest(storage: Any) -> tuple:
+    data = storage_bytes(storage)
+    return (storage.data_ptr(), digest(data.numpy()) if data.numel() else (0, 0))
+
+
+def _array_digest(array: Any) -> tuple:
+    import numpy
+
+    if array.dtype.hasobject:
+        return (array.shape, array.strides, array.dtype, tuple(map(id, array.ravel().tolist())))
+    return (array.shape, array.strides, array.dtype,
+            digest(numpy.ascontiguousarray(array).view(numpy.uint8).ravel()))
+
+
+def shallow_state(obj: Any, kind: str) -> Any:
+    """What a change to ``obj`` itself (not to the objects it refers to) would change."""
+    if kind == "dict":
+        return (list(obj.items()), getattr(obj, "default_factory", None), _attrs(obj))
+    if kind in ("list", "deque", "set"):
+        return (list(obj), _attrs(obj))
+    if kind == "object":
+        return (type(obj), _attrs(obj))
+    if kind == "tensor":
+        return tensor_meta(obj)
+    if kind == "ndarray":
+        return _array_digest(obj)
+    if kind == "bytearray":
+        return digest(obj)
+    if kind == "function":
+        return (obj.__code__, obj.__defaults__, obj.__kwdefaults__, dict(obj.__dict__))
+    if kind == "class":
+        return class_attributes(obj)
+    if kind == "cell":
+        try:
+            return (obj.cell_contents,)
+        except ValueError:
+            return ()
+    return None
+
+
+def _attrs(obj: Any) -> tuple[dict | None, dict]:
+    d = _object_dict(obj)
+    return (dict(d) if d is not None else None, _slots(obj))
+
+
+def tensor_meta(t: Any) -> tuple:
+    try:
+        storage = t.untyped_storage()
+        layout = (storage, t.storage_offset(), tuple(t.shape), t.stride())
+    except (RuntimeError, NotImplementedError):
+        storage, layout = None, (None, 0, tuple(t.shape), None)
+    return (type(t), *layout, t.dtype, t.device, t.requires_grad, t.grad if t.is_leaf else None,
+            dict(_object_dict(t) or {}))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Shallow identity: containers equal item by item by identity; atoms by value."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) in _ATOMS:
+        return a == b  # two equal floats or strings are the same value
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(same(ka, kb) and same(va, vb)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+    if type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in ("torch",
+                                                                                      "numpy"):
+        return a == b  # equal dtypes and devices need not be one object
+    return False
+
+
+@dataclass
+class Snapshot:
+    """The master's record of the registry before the cell."""
+
+    states: list[Any]
+    storages: list[tuple]
+
+    @classmethod
+    def take(cls, registry: Registry) -> Snapshot:
+        states = []
+        for obj, kind in zip(registry.objects, registry.kinds):
+            try:
+                states.append(shallow_state(obj, kind))
+            except Exception:  # noqa: BLE001 - left untracked, as an opaque object
+                states.append(None)
+        return cls(states, [_storage_digest(s) for s in registry.storages])
+
+    def changed_objects(self, registry: Registry) -> list[int]:
+        changed = []
+        for i, (obj, kind) in enumerate(zip(registry.objects, registry.kinds)):
+            before = self.states[i]
+            if before is None or kind in ("namespace", "opaque", "method", "tuple"):
+                continue
+            try:
+                now = shallow_state(obj, kind)
+            except Exception:  # noqa: BLE001
+                continue
+            if kind == "set":
+                unchanged = ({id(x) for x in before[0]} == {id(x) for x in now[0]}
+                             and same(before[1], now[1]))
+            else:
+                unchanged = same(before, now)
+            if not unchanged:
+                changed.append(i)
+        return changed
+
+    def changed_storages(self, registry: Registry) -> list[int]:
+        return [j for j, storage in enumerate(registry.storages)
+                if _storage_digest(storage) != self.storages[j]]
