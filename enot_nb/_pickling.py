@@ -88,14 +88,34 @@ def _set_tensor_state(tensor: Any, state: tuple) -> Any:
     return tensor
 
 
+def _reduce_numpy_view(array: Any, is_known: Any) -> Any:
+    """A NumPy view travels as a view of the array that owns its memory, or of the nearest
+    array the notebook already holds (aliasing kept)."""
+    import numpy
+
+    root = array
+    while isinstance(root.base, numpy.ndarray):
+        root = root.base
+    known = is_known(array, root)
+    root = root if known is None else known
+    if root is array or not root.flags.c_contiguous:
+        return None
+    offset = array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return _numpy_view, (root, offset, array.shape, array.strides, array.dtype)
+
+
+def _numpy_view(root: Any, offset: int, shape: tuple, strides: tuple, dtype: Any) -> Any:
+    import numpy
+
+    return numpy.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
+
+
 def _make_weakref(referent: Any) -> Any:
     return weakref.ref(referent)
 
 
 def _make_function(code: Any, globals_: dict, name: str, closure: tuple | None) -> Any:
-    cells = None if closure is None else tuple(
-        cell if cell is not None else types.CellType() for cell in closure)
-    return types.FunctionType(code, globals_, name, None, cells)
+    return types.FunctionType(code, globals_, name, None, closure)
 
 
 def _set_function_state(function: Any, state: dict) -> Any:
@@ -136,6 +156,12 @@ class TensorPickler(cloudpickle.Pickler):
         self.off_cpu = 0
         self.namespace = namespace
         """Functions whose globals are this dict are the notebook's: rebuilt on its globals."""
+        self._function_cells: set[int] = set()
+
+    def is_known(self, array: Any, root: Any) -> Any:
+        """An array the receiver holds whose memory holds ``array`` (a view of ``root``), or
+        None."""
+        return None
 
     def reducer_override(self, obj: Any) -> Any:
         import torch
@@ -149,6 +175,12 @@ class TensorPickler(cloudpickle.Pickler):
         if t is types.FunctionType and self.namespace is not None \
                 and obj.__globals__ is self.namespace:
             return self._reduce_function(obj)
+        if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+            view = _reduce_numpy_view(obj, self.is_known)
+            if view is not None:
+                return view
+        if t is types.CellType and id(obj) in self._function_cells:
+            return types.CellType, ()
         if t is weakref.ReferenceType and obj() is not None:
             return _make_weakref, (obj(),)
         _refuse_process_bound(obj)
@@ -190,8 +222,10 @@ class TensorPickler(cloudpickle.Pickler):
                  "__qualname__": function.__qualname__, "__module__": function.__module__,
                  "__doc__": function.__doc__, "__annotations__": function.__annotations__,
                  "__dict__": dict(function.__dict__), "closure_contents": contents}
-        args = (function.__code__, function.__globals__, function.__name__,
-                None if closure is None else (None,) * len(closure))
+        # The cells themselves travel (empty, filled by the state): one cell shared by two
+        # closures, or registered by the object graph, stays one cell.
+        self._function_cells.update(map(id, closure or ()))
+        args = (function.__code__, function.__globals__, function.__name__, closure)
         return _make_function, args, state, None, None, _set_function_state
 
 

@@ -97,6 +97,20 @@ class StatePickler(_pickling.TensorPickler):
     def __init__(self, file: Any, mode: str, registry: Registry, buffer_callback: Any = None) -> None:
         super().__init__(file, mode, buffer_callback=buffer_callback, namespace=registry.objects[0])
         self.registry = registry
+        self._arrays: dict[int, list[Any]] | None = None
+
+    def is_known(self, array: Any, root: Any) -> Any:
+        if self._arrays is None:
+            self._arrays = {}
+            for obj, kind in zip(self.registry.objects, self.registry.kinds):
+                if kind == "ndarray" and obj.flags.c_contiguous:
+                    self._arrays.setdefault(id(_owner(obj)), []).append(obj)
+        start, end = _extent(array)
+        for known in self._arrays.get(id(root), ()):
+            known_start, known_end = _extent(known)
+            if known_start <= start and end <= known_end:
+                return known
+        return None
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) in _ATOMS:
@@ -111,6 +125,23 @@ class StatePickler(_pickling.TensorPickler):
 
 
 _ATOMS = (type(None), bool, int, float, str, bytes)
+
+
+def _owner(array: Any) -> Any:
+    while type(array.base).__name__ == "ndarray":
+        array = array.base
+    return array
+
+
+def _extent(array: Any) -> tuple[int, int]:
+    """The addresses of the first and after the last byte an array can reach."""
+    start = end = array.__array_interface__["data"][0]
+    for size, stride in zip(array.shape, array.strides):
+        if size == 0:
+            return start, start
+        reach = (size - 1) * stride
+        start, end = (start + reach, end) if stride < 0 else (start, end + reach)
+    return start, end + array.itemsize
 
 
 def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> tuple[PickledState, int]:

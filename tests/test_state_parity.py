@@ -1,0 +1,279 @@
+"""A distributed cell is a local cell: the differential suite.
+
+Each case runs its set-up in two real kernels; one runs the cell plainly, the other under
+``%%enot_distributed -n 2 --backend gloo`` (fork and spawn); then the same probe expressions are
+evaluated in both and their reprs compared. A difference is data loss.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.kernel import running_kernel
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+METHODS = ["fork", "spawn"]
+PRELUDE = ("import torch, copy, collections, dataclasses, numpy as np\n"
+           "from enot_nb import distributed as ed\ntorch.manual_seed(0)\n")
+LINEAR = "model = torch.nn.Linear(2, 2)\n"
+
+# (id, set-up, cell, probes, code run in both kernels after the cell and before the probes)
+CASES = [
+    ("function-scales-global-model", LINEAR + "def scale(f):\n    model.weight.data.mul_(f)\n",
+     "scale(10.0)", ["model.weight.tolist()"], ""),
+    ("function-appends-to-global-list", "logged = []\ndef log(v):\n    logged.append(v)\n",
+     "log(5)\nlog(6)", ["logged"], ""),
+    ("function-fills-global-tensor", "buf = torch.zeros(3)\ndef fill():\n    buf.fill_(2.5)\n",
+     "fill()", ["buf.tolist()"], ""),
+    ("data-fill", LINEAR, "model.weight.data.fill_(3.0)", ["model.weight.tolist()"], ""),
+    ("eval-mode", "net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())\n",
+     "net.eval()", ["net.training", "net[1].training"], ""),
+    ("requires-grad-off", LINEAR, "model.weight.requires_grad_(False)",
+     ["model.weight.requires_grad", "model.bias.requires_grad"], ""),
+    ("module-double", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+     "model.double()", ["model.weight.dtype", "opt.param_groups[0]['params'][0] is model.weight",
+                        "model.weight.tolist()"], ""),
+    ("module-half-then-float", LINEAR, "model.to(torch.float16)\nmodel.float()",
+     ["model.weight.dtype", "model.weight.tolist()"], ""),
+    ("grad-assigned", LINEAR, "model.weight.grad = torch.ones_like(model.weight)",
+     ["model.weight.grad.tolist()", "model.bias.grad"], ""),
+    ("grad-from-backward", LINEAR, "model(torch.ones(3, 2)).sum().backward()",
+     ["model.weight.grad.tolist()", "model.bias.grad.tolist()"], ""),
+    ("module-attribute", LINEAR, "model.note = 'hi'", ["model.note"], ""),
+    ("replaced-submodule", "net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())\n"
+     "alias = net\n", "net[1] = torch.nn.Tanh()",
+     ["type(net[1]).__name__", "alias is net", "len(list(net.modules()))"], ""),
+    ("model-through-list", "models = [torch.nn.Linear(2, 2)]\nfirst = models[0]\n",
+     "models[0].weight.data.zero_()", ["first.weight.tolist()", "models[0] is first"], ""),
+    ("instance-of-notebook-class", "class Box:\n    def __init__(self, v):\n        self.v = v\n",
+     "b = Box(1)", ["isinstance(b, Box)", "b.v", "type(b) is Box"], ""),
+    ("config-attribute", "class Cfg:\n    lr = 0.1\ncfg = Cfg()\n", "cfg.lr = 0.5",
+     ["type(cfg) is Cfg", "cfg.lr", "Cfg.lr"], ""),
+    ("dict-only-read", LINEAR + "reg = {'m': model}\n", "total = float(reg['m'].weight.sum())",
+     ["reg['m'] is model", "total"], ""),
+    ("scheduler-and-optimizer", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n"
+     "sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)\n",
+     "opt.step()\nsched.step()", ["sched.optimizer is opt", "opt.param_groups[0]['lr']",
+                                 "sched.last_epoch"], ""),
+    ("scheduler-built-in-cell", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n",
+     "sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)\nopt.step()\nsched.step()",
+     ["sched.optimizer is opt", "opt.param_groups[0]['lr']"], ""),
+    ("del-name", "x = 1\ny = [1]\n", "del x\ndel y", ["'x' in dir()", "'y' in dir()"], ""),
+    ("cell-function-reads-notebook-globals", "scale_v = 1\n",
+     "def get_scale():\n    return scale_v", ["get_scale()"], "scale_v = 2"),
+    ("cell-function-calls-later-function", "",
+     "def outer():\n    return later() + 1", ["outer()"], "def later():\n    return 41"),
+    ("global-through-function", "counter = 0\ndef bump():\n    global counter\n    counter += 1\n",
+     "bump()\nbump()", ["counter"], ""),
+    ("optimizer-built-in-cell", LINEAR,
+     "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
+     ["optimizer.param_groups[0]['params'][0] is model.weight", "model.weight.tolist()"],
+     "model.weight.grad = torch.ones_like(model.weight)\noptimizer.step()"),
+    ("training-loop", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+     "data = torch.arange(6.0).reshape(3, 2)\nlosses = []\n",
+     "for step in range(3):\n    loss = model(data).pow(2).mean()\n    opt.zero_grad()\n"
+     "    loss.backward()\n    opt.step()\n    losses.append(round(loss.item(), 5))",
+     ["model.weight.tolist()", "losses", "opt.state[model.weight]['momentum_buffer'].tolist()",
+      "round(loss.item(), 5)", "step"], ""),
+    ("ema-copy", LINEAR + "ema = copy.deepcopy(model)\nmodel.weight.data.add_(1.0)\n",
+     "for e, p in zip(ema.parameters(), model.parameters()):\n"
+     "    e.data.mul_(0.5).add_(p.data, alpha=0.5)",
+     ["ema.weight.tolist()", "model.weight.tolist()"], ""),
+    ("ema-made-in-cell", LINEAR, "ema = copy.deepcopy(model)\nema.weight.data.zero_()",
+     ["ema.weight.tolist()", "ema is model", "model.weight.sum().item() != 0"], ""),
+    ("dataclass-config", "@dataclasses.dataclass\nclass Config:\n    lr: float = 0.1\n"
+     "    epochs: int = 1\nconfig = Config()\n", "config.epochs += 1\nother = Config(lr=0.3)",
+     ["config", "other", "isinstance(other, Config)"], ""),
+    ("numpy-in-place", "arr = np.zeros(4)\n", "arr[1] = 5\narr2 = arr * 2",
+     ["arr.tolist()", "arr2.tolist()"], ""),
+    ("numpy-view-of-notebook-array", "arr = np.zeros(4)\n", "view = arr[:2]",
+     ["np.shares_memory(view, arr)", "view.tolist()"], "arr[0] = 9"),
+    ("nested-containers", "d = {'a': [1, {'b': []}]}\ninner = d['a'][1]\n",
+     "d['a'][1]['b'].append(3)\nd['c'] = (4, [5])", ["d", "inner is d['a'][1]"], ""),
+    ("closure-mutable-cell", "def make():\n    c = [0]\n    def inc():\n        c[0] += 1\n"
+     "        return c[0]\n    return inc\ninc = make()\n", "inc()\ninc()", ["inc()"], ""),
+    ("closure-nonlocal", "def make():\n    n = 0\n    def inc():\n        nonlocal n\n        n += 1\n"
+     "        return n\n    return inc\ninc = make()\n", "inc()", ["inc()"], ""),
+    ("generator-left-alone", "gen = (i for i in range(10))\nnext(gen)\n", "x = 1",
+     ["next(gen)", "x"], ""),
+    ("tensor-view-and-base", "base = torch.zeros(4)\nv = base[:2]\n", "v.fill_(1)",
+     ["base.tolist()", "v.data_ptr() == base.data_ptr()"], ""),
+    ("new-view-of-notebook-tensor", "base = torch.zeros(4)\n", "w = base[1:3]",
+     ["w.tolist()"], "base.fill_(7)"),
+    ("two-names-one-tensor", "", "a = torch.ones(2)\nb = a\nc = a[1:]",
+     ["a is b", "c.data_ptr() == a.data_ptr() + 4"], "a.add_(1)"),
+    ("rebinding", "x = 1\n", "x = x + 1", ["x"], ""),
+    ("set-add", "s = {1}\nt = s\n", "s.add(2)", ["sorted(t)", "t is s"], ""),
+    ("deque-append", "dq = collections.deque([1], maxlen=3)\n", "dq.append(2)\ndq.append(3)\n"
+     "dq.append(4)", ["list(dq)", "dq.maxlen"], ""),
+    ("bytearray", "ba = bytearray(b'abc')\n", "ba[0] = 120\nba.extend(b'!')", ["bytes(ba)"], ""),
+    ("class-attribute", "class Box:\n    count = 0\n", "Box.count = 5\nBox.extra = 'x'",
+     ["Box.count", "Box.extra"], ""),
+    ("mutable-default", "def f(acc=[]):\n    acc.append(1)\n    return acc\n", "f()\nf()",
+     ["f()"], ""),
+    ("holder-of-notebook-model", LINEAR + "class Holder:\n    def __init__(self, m):\n"
+     "        self.m = m\n", "holder = Holder(model)", ["holder.m is model", "isinstance(holder, Holder)"],
+     ""),
+    ("deleted-attribute", "class C:\n    pass\nc = C()\nc.extra = 1\nc.keep = 2\n", "del c.extra",
+     ["hasattr(c, 'extra')", "c.keep"], ""),
+    ("register-buffer", LINEAR, "model.register_buffer('count', torch.zeros(1))\nmodel.count += 3",
+     ["model.count.tolist()", "[n for n, _ in model.named_buffers()]"], ""),
+    ("notebook-module-class", "class Net(torch.nn.Module):\n    def __init__(self):\n"
+     "        super().__init__()\n        self.fc = torch.nn.Linear(2, 1)\n",
+     "torch.manual_seed(1)\nnet = Net()", ["isinstance(net, Net)", "net.fc.weight.tolist()"], ""),
+    ("load-state-dict", LINEAR + "torch.manual_seed(5)\nother = torch.nn.Linear(2, 2)\n",
+     "model.load_state_dict(other.state_dict())", ["torch.equal(model.weight, other.weight)"], ""),
+    ("replace-list-item", "models = [torch.nn.Linear(2, 2)]\nalias = models\n",
+     "torch.manual_seed(3)\nmodels[0] = torch.nn.Linear(2, 2)",
+     ["alias is models", "models[0].weight.tolist()"], ""),
+    ("lambda-in-cell", "k = 3\n", "times_k = lambda v: v * k", ["times_k(2)"], "k = 4"),
+    ("dict-of-tensors-key-order", "state = {'b': torch.zeros(1), 'a': torch.ones(1)}\n",
+     "state.pop('b')\nstate['b'] = torch.full((1,), 2.0)", ["list(state)", "state['b'].tolist()"], ""),
+    ("in-place-add-through-alias", "w = torch.zeros(2)\nalias = w\n", "w += 1",
+     ["alias.tolist()", "alias is w"], ""),
+]
+
+
+def _probe_code(probes: list[str]) -> str:
+    return ("import json as __json\n__r = []\nfor __e in " + repr(probes) + ":\n"
+            "    try:\n        __r.append(repr(eval(__e)))\n"
+            "    except Exception as __x:\n        __r.append('error: ' + type(__x).__name__)\n"
+            "print(__json.dumps(__r))")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    with running_kernel() as local, running_kernel("%load_ext enot_nb") as dist:
+        yield local, dist
+
+
+def _fresh(kernel) -> None:
+    kernel.ok("%reset -f\n" + PRELUDE)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case_id, setup, cell, probes, after", CASES, ids=[c[0] for c in CASES])
+def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell, probes, after):
+    local, dist = kernels
+    results = []
+    for kernel, header in ((local, ""), (dist, f"%%enot_distributed -n 2 --backend gloo "
+                                               f"--start-method {method}\n")):
+        _fresh(kernel)
+        if setup:
+            kernel.ok(setup)
+        run = kernel.run(header + cell)
+        assert run.error is None, run.traceback + run.stderr
+        if after:
+            kernel.ok(after)
+        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
+    assert results[1] == results[0], f"{case_id} differs: local {results[0]}, distributed {results[1]}"
+
+
+def test_the_suite_is_big_enough():
+    assert len(CASES) >= 40
+
+
+# ----------------------------------------------------------------------------- beyond a local cell
+
+
+MAGIC = "%%enot_distributed -n 2 --backend gloo"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with running_kernel("%load_ext enot_nb\n" + PRELUDE) as k:
+        yield k
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_failed_cell_changes_nothing_and_says_so_for_shared_memory(kernel, method):
+    kernel.ok(LINEAR + "shared = torch.zeros(2).share_memory_()\nkept = [1]\nw0 = model.weight.clone()")
+    run = kernel.run(f"{MAGIC} --start-method {method}\nmodel.weight.data.fill_(5)\nkept.append(2)\n"
+                     "new_name = 1\nshared.fill_(1)\nraise ValueError('boom')")
+    assert run.error["ename"] == "WorkerFailedError"
+    assert "may hold partial writes" in run.stderr
+    check = kernel.ok("print(torch.equal(model.weight, w0), kept, 'new_name' in dir())")
+    assert check.stdout == "True [1] False\n"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_on_error_keep_brings_back_the_state_at_the_failure(kernel, method):
+    kernel.ok(LINEAR + "kept = [1]")
+    run = kernel.run(f"{MAGIC} --start-method {method} --on-error keep\nmodel.weight.data.fill_(5)\n"
+                     "kept.append(2)\nepoch = 7\nif ed.is_master():\n    raise ValueError('boom')")
+    assert run.error["ename"] == "WorkerFailedError"
+    assert "--on-error keep" in run.stderr
+    check = kernel.ok("print(model.weight.tolist(), kept, epoch)")
+    assert check.stdout == "[[5.0, 5.0], [5.0, 5.0]] [1, 2] 7\n"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_interrupt_keeps_what_the_master_reached(method):
+    with running_kernel("%load_ext enot_nb\n" + PRELUDE + LINEAR) as k:
+        k.ok("w0 = model.weight.detach().clone()")
+        seen = {}
+
+        def interrupt_when_running(run):
+            if "running" in run.stdout and "t" not in seen:
+                seen["t"] = time.monotonic()
+                k.manager.interrupt_kernel()
+
+        cell = (f"{MAGIC} --start-method {method}\nimport time\nsteps_done = 0\n"
+                "for step in range(100000):\n    model.weight.data.add_(1.0)\n"
+                "    steps_done = step + 1\n    if step == 20:\n        print('running', flush=True)\n"
+                "    time.sleep(0.01)\n")
+        run = k.run(cell, timeout=60, on_output=interrupt_when_running)
+        assert time.monotonic() - seen["t"] < 5
+        assert run.error["ename"] == "KeyboardInterrupt"
+        assert "keeps the state rank 0 had reached" in run.stderr
+        assert "rank 0 (most recent call first)" in run.stderr
+        assert "rank 1 (most recent call first)" in run.stderr
+        assert "_supervisor.py" not in run.stderr and "_worker.py" not in run.stderr
+        tb = run.traceback
+        assert "magic.py" not in tb and "launcher.py" not in tb and "selectors.py" not in tb
+        moved = k.ok("print(int((model.weight - w0)[0, 0].item()), steps_done)").stdout.split()
+        assert int(moved[1]) > 20 and abs(int(moved[0]) - int(moved[1])) <= 1
+
+
+@pytest.mark.parametrize("code, ename", [("x = (1,\n", "SyntaxError"),
+                                          ("if True:\nprint(1)\n", "IndentationError")])
+def test_syntax_errors_are_shown_and_replied_as_in_a_local_cell(kernel, code, ename):
+    run = kernel.run(f"{MAGIC}\n{code}")
+    assert run.status == "error" and run.error["ename"] == ename
+    assert "magic.py" not in run.traceback and "interactiveshell" not in run.traceback
+    assert len(run.traceback.splitlines()) < 10
+
+
+def test_return_narrows_names_but_never_loses_in_place_changes(kernel):
+    kernel.ok(LINEAR + "w0 = model.weight.clone()")
+    run = kernel.ok(f"{MAGIC} --return loss\nmodel.weight.data.add_(1)\nloss = 3\nother = 4")
+    assert "was not" not in run.stderr
+    check = kernel.ok("print(torch.allclose(model.weight, w0 + 1), loss, 'other' in dir())")
+    assert check.stdout == "True 3 False\n"
+    run = kernel.ok(f"{MAGIC} --return modle,loss\nmodel.weight.data.add_(1)\nloss = 5")
+    assert "--return modle: the cell bound no such variable" in run.stderr
+    assert kernel.ok("print(torch.allclose(model.weight, w0 + 2), loss)").stdout == "True 5\n"
+
+
+def test_no_return_says_so(kernel):
+    kernel.ok("z = [0]")
+    run = kernel.ok(f"{MAGIC} --no-return\nz.append(1)\nq = 1")
+    assert "--no-return: nothing came back" in run.stderr
+    assert kernel.ok("print(z, 'q' in dir())").stdout == "[0] False\n"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_optimizer_built_from_ddp_parameters_drives_the_notebook_model(kernel, method):
+    kernel.ok(LINEAR)
+    run = kernel.ok(f"{MAGIC} --start-method {method}\n"
+                    "ddp = torch.nn.parallel.DistributedDataParallel(model)\n"
+                    "optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
+                    "ddp(torch.ones(4, 2)).sum().backward()\noptimizer.step()")
+    assert "'ddp' was not brought back" in run.stderr
+    check = kernel.ok("w = model.weight.clone()\nprint(optimizer.param_groups[0]['params'][0] is "
+                      "model.weight)\nmodel.weight.grad = torch.ones_like(w)\noptimizer.step()\n"
+                      "print(torch.allclose(model.weight, w - 0.1))")
+    assert check.stdout == "True\nTrue\n"
