@@ -3,6 +3,9 @@
 * State return: a cell that creates a ResNet-50-sized model, with and without bringing it
   back; the difference against a local cloudpickle round trip of the same object.
 * A spawned cell reading a 2 GiB notebook tensor, against one local copy of that tensor.
+* State parity: a cell that changes nothing in a notebook holding 2 GiB of tensors, against the
+  same trivial cell in a notebook holding none; a cell that updates a ResNet-50-sized model in
+  place, against a local cloudpickle round trip; memory in use (PSS of kernel and workers).
 * Output: 100,000 printed lines from the master against the same cell run locally; and the
   delay from a worker's print to its arrival at the notebook client.
 * Training: DDP steps per second in a cell against the same code under torchrun.
@@ -46,6 +49,57 @@ print("RESULT", json.dumps([without, with_return, local]))""")
             local, "s", "local round trip", 1.0, "", repeats),
         Row("state return (ResNet-50-sized model, 102 MB)", "bringing it back from the master",
             cost, "s", "local round trip", cost / local, "<= 2x", repeats),
+    ]
+
+
+PSS = r'''
+def pss_kb():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("Pss:"))
+PROBE = ("\nimport torch.distributed as dist\n"
+         "__pss = [None] * dist.get_world_size()\n"
+         "dist.all_gather_object(__pss, pss_kb())\nworkers_pss_kb = sum(__pss)")
+'''
+
+
+def state_parity(kernel, repeats: int) -> list[Row]:
+    """What tracking the notebook's objects costs: nothing changed, and a model changed in place."""
+    found = kernel_json(kernel, PSS + f"""
+TRIVIAL = "x = 1"
+empty = times(cell("", TRIVIAL), {repeats})
+held = {{i: torch.zeros(2**26) for i in range(8)}}  # 8 x 256 MiB = 2 GiB of float32
+heavy = times(cell("", TRIVIAL), {repeats})
+get_ipython().run_cell_magic("enot_distributed", f"-n {{NPROCS}}", TRIVIAL + PROBE)
+heavy_pss = pss_kb() + workers_pss_kb
+del held
+net = resnet50_like()
+UPDATE = "for p in net.parameters():\n    p.data.add_(0.01)"
+update_without = times(cell("--no-return", UPDATE), {repeats})
+update_with = times(cell("", UPDATE), {repeats})
+get_ipython().run_cell_magic("enot_distributed", f"-n {{NPROCS}}", UPDATE + PROBE)
+update_pss = pss_kb() + workers_pss_kb
+local = times(lambda: cloudpickle.loads(cloudpickle.dumps(net)), {repeats})
+del net
+print("RESULT", json.dumps([empty, heavy, heavy_pss, update_without, update_with, update_pss,
+                            local]))""")
+    empty, heavy, heavy_pss, without, with_return, update_pss, local = found
+    empty, heavy, without, with_return, local = map(median, (empty, heavy, without, with_return, local))
+    name = "state parity: a cell that changes nothing, 2 GiB of tensors in the notebook"
+    update = "state parity: a ResNet-50-sized model (102 MB) updated in place in a cell"
+    cost = with_return - without
+    return [
+        Row(name, "trivial cell, nothing in the notebook (reference)", empty, "s", "trivial cell",
+            1.0, "", repeats),
+        Row(name, "the same cell, 2 GiB of tensors in the notebook", heavy, "s", "trivial cell",
+            heavy / empty, "<= 1.2x", repeats),
+        Row(name, "memory in use at the end (PSS: kernel + workers)", heavy_pss / 2**20, "GiB", "",
+            None, "", 1),
+        Row(update, "local cloudpickle round trip (reference)", local, "s", "local round trip", 1.0,
+            "", repeats),
+        Row(update, "bringing the changes back from the master", cost, "s", "local round trip",
+            cost / local, "<= 0.68x", repeats),
+        Row(update, "memory in use at the end (PSS: kernel + workers)", update_pss / 2**20, "GiB", "",
+            None, "", 1),
     ]
 
 
@@ -124,7 +178,18 @@ def run(repeats: int = 5) -> list[Row]:
     kernel = start_kernel()
     try:
         kernel.ok(SETUP)
-        return (state_return(kernel, repeats) + big_tensor(kernel, max(3, repeats // 2))
+        return (state_return(kernel, repeats) + state_parity(kernel, repeats)
+                + big_tensor(kernel, max(3, repeats // 2))
                 + output(kernel, max(3, repeats // 2)) + training(kernel))
+    finally:
+        kernel.shutdown()
+
+
+def run_state(repeats: int = 5) -> list[Row]:
+    """Only the state-return and state-parity rows (``run_all.py --only state``)."""
+    kernel = start_kernel()
+    try:
+        kernel.ok(SETUP)
+        return state_return(kernel, repeats) + state_parity(kernel, repeats)
     finally:
         kernel.shutdown()

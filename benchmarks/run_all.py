@@ -26,6 +26,8 @@ def fmt(row: Row) -> str:
         value = f"{row.median * 1000:.1f} ms"
     elif row.unit == "x":
         value = f"{row.median:.2f}x"
+    elif row.unit == "GiB":
+        value = f"{row.median:.2f} GiB"
     else:
         value = f"{row.median:,.0f} {row.unit}"
     ratio = f"{row.ratio:.2f}" if row.ratio is not None else ""
@@ -64,10 +66,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chart-only", action="store_true", help="redraw the chart from results.json")
+    parser.add_argument("--only", choices=["state"], help="run one group and print it (no files)")
     args = parser.parse_args()
     if args.chart_only:
         saved = json.loads((OUT / "results.json").read_text())["rows"]
         chart([Row(**row) for row in saved], OUT / "chart.png")
+        return
+    if args.only == "state":
+        print(table(bench_cells.run_state(args.repeats)))
         return
     rows = bench_launch.run(args.repeats) + bench_sync.run(args.repeats) + bench_cells.run(args.repeats)
     OUT.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from enot_nb import _pagemap
 from enot_nb._pickling import storage_bytes
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
@@ -289,9 +290,30 @@ def digest(buffer: Any) -> tuple[int, int]:
     return view.nbytes, zlib.crc32(view)
 
 
+# A CPU storage this large is checked page by page (see _pagemap) instead of hashed.
+PAGE_TRACK_MIN = 64 * 1024
+
+
 def _storage_digest(storage: Any) -> tuple:
+    """How to tell later whether the storage's bytes changed: by its pages or by a digest."""
+    nbytes = storage.nbytes()
+    if storage.device.type == "cpu" and nbytes >= PAGE_TRACK_MIN \
+            and _pagemap.written_pages(storage.data_ptr(), nbytes) == 0:
+        return ("pages", storage.data_ptr(), nbytes)
+    return _content_digest(storage)
+
+
+def _content_digest(storage: Any) -> tuple:
     data = storage_bytes(storage)
-    return (storage.data_ptr(), digest(data.numpy()) if data.numel() else (0, 0))
+    return ("digest", storage.data_ptr(), digest(data.numpy()) if data.numel() else (0, 0))
+
+
+def _storage_changed(storage: Any, before: tuple) -> bool:
+    if before[0] == "pages":
+        nbytes = storage.nbytes()
+        return (storage.data_ptr(), nbytes) != before[1:] or \
+            _pagemap.written_pages(storage.data_ptr(), nbytes) != 0
+    return _content_digest(storage) != before
 
 
 def _array_digest(array: Any) -> tuple:
@@ -401,4 +423,4 @@ class Snapshot:
 
     def changed_storages(self, registry: Registry) -> list[int]:
         return [j for j, storage in enumerate(registry.storages)
-                if _storage_digest(storage) != self.storages[j]]
+                if _storage_changed(storage, self.storages[j])]

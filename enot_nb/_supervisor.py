@@ -508,9 +508,11 @@ def stack_report(rank: int, text: str) -> str:
                 threads[-1].append(line)
         elif line.strip():
             other.append(line)
-    frames = [line for thread in threads if thread for line in thread + [""]]
-    where = "\n".join(frames).rstrip() if frames else "  (no Python frame: in native code)"
-    return "\n".join(other + [f"rank {rank} (most recent call first):", where])
+    frames = [line for thread in threads if thread for line in thread]
+    label = f"[rank {rank}]"
+    lines = [f"{label} where it was (most recent call first):"]
+    lines += [f"{label} {line}" for line in frames] or [f"{label}   (no Python frame: in native code)"]
+    return "\n".join(other + lines)
 
 
 def _signal_tree(pid: int | None, signum: int, group: bool = True) -> None:

@@ -82,7 +82,7 @@ class LaunchInterrupted(KeyboardInterrupt):
     """
 
     def __init__(self, partial_result: object = None) -> None:
-        super().__init__("every worker was stopped")
+        super().__init__("KeyboardInterrupt: every worker was stopped")
         self.partial_result = partial_result
 
     def __reduce__(self) -> tuple:

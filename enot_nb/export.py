@@ -226,7 +226,8 @@ def _silence_stdout() -> None:
 def _save_results(script: Path, outcome: Any, namespace: dict[str, Any]) -> None:
     from enot_nb import _pickling
 
-    values = {n: namespace[n] for n in outcome.changed_names if n in namespace}
+    values = {n: namespace[n] for n in outcome.changed_names
+              if n in namespace and n not in outcome.not_returned}
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not saved: {reason}", file=sys.stderr)
     target = _beside(script, "results.pkl")

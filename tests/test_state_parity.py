@@ -229,8 +229,9 @@ def test_interrupt_keeps_what_the_master_reached(method):
         assert time.monotonic() - seen["t"] < 5
         assert run.error["ename"] == "KeyboardInterrupt"
         assert "keeps the state rank 0 had reached" in run.stderr
-        assert "rank 0 (most recent call first)" in run.stderr
-        assert "rank 1 (most recent call first)" in run.stderr
+        assert "[rank 0] where it was (most recent call first)" in run.stderr
+        assert "[rank 1] where it was (most recent call first)" in run.stderr
+        assert "in <module>" in run.stderr  # the cell's own frame
         assert "_supervisor.py" not in run.stderr and "_worker.py" not in run.stderr
         tb = run.traceback
         assert "magic.py" not in tb and "launcher.py" not in tb and "selectors.py" not in tb
