@@ -290,30 +290,33 @@ def digest(buffer: Any) -> tuple[int, int]:
     return view.nbytes, zlib.crc32(view)
 
 
-# A CPU storage this large is checked page by page (see _pagemap) instead of hashed.
-PAGE_TRACK_MIN = 64 * 1024
+def _storage_area(storage: Any) -> tuple[int, int]:
+    return (storage.data_ptr(), storage.nbytes()) if storage.device.type == "cpu" else (0, 0)
 
 
-def _storage_digest(storage: Any) -> tuple:
-    """How to tell later whether the storage's bytes changed: by its pages or by a digest."""
-    nbytes = storage.nbytes()
-    if storage.device.type == "cpu" and nbytes >= PAGE_TRACK_MIN \
-            and _pagemap.written_pages(storage.data_ptr(), nbytes) == 0:
-        return ("pages", storage.data_ptr(), nbytes)
-    return _content_digest(storage)
+def _storage_digests(storages: list[Any]) -> list[tuple]:
+    cpu = [j for j, s in enumerate(storages) if s.device.type == "cpu"]
+    found = dict(zip(cpu, _area_digests([_storage_area(storages[j]) for j in cpu],
+                                        [storages[j] for j in cpu])))
+    return [found[j] if j in found else ("device", _device_digest(s)) for j, s in enumerate(storages)]
 
 
-def _content_digest(storage: Any) -> tuple:
-    data = storage_bytes(storage)
-    return ("digest", storage.data_ptr(), digest(data.numpy()) if data.numel() else (0, 0))
+def _device_digest(storage: Any) -> tuple:
+    return (storage.data_ptr(), storage.nbytes(), digest(storage_bytes(storage).numpy()))
 
 
-def _storage_changed(storage: Any, before: tuple) -> bool:
-    if before[0] == "pages":
-        nbytes = storage.nbytes()
-        return (storage.data_ptr(), nbytes) != before[1:] or \
-            _pagemap.written_pages(storage.data_ptr(), nbytes) != 0
-    return _content_digest(storage) != before
+def _changed_storages(storages: list[Any], before: list[tuple]) -> list[int]:
+    cpu = [j for j, b in enumerate(before) if b[0] != "device" and storages[j].device.type == "cpu"]
+    flags = dict(zip(cpu, _areas_changed([_storage_area(storages[j]) for j in cpu],
+                                         [storages[j] for j in cpu], [before[j] for j in cpu])))
+    changed = []
+    for j, storage in enumerate(storages):
+        if before[j][0] == "device":
+            if ("device", _device_digest(storage)) != before[j]:
+                changed.append(j)
+        elif flags.get(j, True):
+            changed.append(j)
+    return changed
 
 
 def _array_digest(array: Any) -> tuple:
@@ -321,8 +324,73 @@ def _array_digest(array: Any) -> tuple:
 
     if array.dtype.hasobject:
         return (array.shape, array.strides, array.dtype, tuple(map(id, array.ravel().tolist())))
+    if array.flags.c_contiguous:
+        area = (array.__array_interface__["data"][0], array.nbytes)
+        return (array.shape, array.strides, array.dtype, *_area_digests([area], [array])[0])
     return (array.shape, array.strides, array.dtype,
             digest(numpy.ascontiguousarray(array).view(numpy.uint8).ravel()))
+
+
+def _array_changed(array: Any, before: tuple) -> bool:
+    if array.dtype.hasobject or not array.flags.c_contiguous:
+        return not same(before, _array_digest(array))
+    area = (array.__array_interface__["data"][0], array.nbytes)
+    return (array.shape, array.strides, array.dtype) != before[:3] or \
+        _areas_changed([area], [array], [before[3:]])[0]
+
+
+def _bytes_of(obj: Any) -> Any:
+    """A flat uint8 view of a CPU storage or contiguous array."""
+    import numpy
+
+    if type(obj).__name__ == "ndarray":
+        return obj.reshape(-1).view(numpy.uint8)
+    return storage_bytes(obj).numpy()
+
+
+def _area_digests(areas: list[tuple[int, int]], owners: list[Any]) -> list[tuple]:
+    """What tells later whether an area's bytes changed: where pagemap works, the pages this
+    process already owns (with a digest of just their bytes); elsewhere a digest of it all."""
+    masks = _pagemap.own_pages(areas) if any(n for _, n in areas) else None
+    digests = []
+    for j, (area, owner) in enumerate(zip(areas, owners)):
+        if masks is None or not area[1]:
+            digests.append(("digest", *area, digest(_bytes_of(owner)) if area[1] else (0, 0)))
+        else:
+            # The first and last pages may be shared with neighbours, which the cell may write:
+            # their bytes are compared, like the pages already this process's own.
+            mask = masks[j].copy()
+            mask[0] = mask[-1] = True
+            digests.append(("pages", *area, mask, _digest_pages(area, owner, mask)))
+    return digests
+
+
+def _digest_pages(area: tuple[int, int], owner: Any, mask: Any) -> tuple:
+    if not mask.any():
+        return (0, 0)
+    data = _bytes_of(owner)
+    page, start = _pagemap.PAGE, area[0] // _pagemap.PAGE * _pagemap.PAGE
+    crc, total = 0, 0
+    for index in mask.nonzero()[0]:
+        low = max(0, start + int(index) * page - area[0])
+        chunk = data[low : start + (int(index) + 1) * page - area[0]]
+        crc, total = zlib.crc32(chunk, crc), total + chunk.nbytes
+    return (total, crc)
+
+
+def _areas_changed(areas: list[tuple[int, int]], owners: list[Any], before: list[tuple]) -> list[bool]:
+    paged = [j for j, b in enumerate(before) if b[0] == "pages" and tuple(b[1:3]) == areas[j]]
+    masks = _pagemap.own_pages([areas[j] for j in paged]) if paged else []
+    changed = [True] * len(areas)
+    for j, mask in zip(paged, masks or [None] * len(paged)):
+        was = before[j][3]
+        changed[j] = mask is None or bool((mask & ~was).any()) or \
+            _digest_pages(areas[j], owners[j], was) != before[j][4]
+    for j, b in enumerate(before):
+        if b[0] == "digest":
+            changed[j] = tuple(b[1:3]) != areas[j] or \
+                b[3] != (digest(_bytes_of(owners[j])) if areas[j][1] else (0, 0))
+    return changed
 
 
 def shallow_state(obj: Any, kind: str) -> Any:
@@ -400,7 +468,7 @@ class Snapshot:
                 states.append(shallow_state(obj, kind))
             except Exception:  # noqa: BLE001 - left untracked, as an opaque object
                 states.append(None)
-        return cls(states, [_storage_digest(s) for s in registry.storages])
+        return cls(states, _storage_digests(registry.storages))
 
     def changed_objects(self, registry: Registry) -> list[int]:
         changed = []
@@ -409,6 +477,10 @@ class Snapshot:
             if before is None or kind in ("namespace", "opaque", "method", "tuple"):
                 continue
             try:
+                if kind == "ndarray":
+                    if _array_changed(obj, before):
+                        changed.append(i)
+                    continue
                 now = shallow_state(obj, kind)
             except Exception:  # noqa: BLE001
                 continue
@@ -422,5 +494,4 @@ class Snapshot:
         return changed
 
     def changed_storages(self, registry: Registry) -> list[int]:
-        return [j for j, storage in enumerate(registry.storages)
-                if _storage_changed(storage, self.storages[j])]
+        return _changed_storages(registry.storages, self.storages)
