@@ -11,9 +11,13 @@ import pickle
 import socket
 import struct
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 _HEADER = struct.Struct("<Q")
+# One sendmsg carries at most SCM_MAX_FD (253) descriptors: more travel in batches, each
+# attached to a FDS_BATCH message that follows the message they belong to.
+MAXFDS_PER_SEND = 250
+FDS_BATCH = "fds"
 
 
 def encode(message: Any) -> bytes:
@@ -30,12 +34,14 @@ def write_message(fd: int, message: Any) -> None:
 
 
 def send_message(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
-    """Send one framed message on a Unix socket, with ``fds`` attached to its first byte."""
-    data = encode(message)
-    if fds:
-        sent = socket.send_fds(sock, [data[:1]], fds)
-        data = data[sent:]
-    sock.sendall(data)
+    """Send one framed message on a Unix socket, then ``fds`` in batches (see recv_fds)."""
+    sock.sendall(encode(message))
+    fds = list(fds or [])
+    for start in range(0, len(fds), MAXFDS_PER_SEND):
+        batch = fds[start : start + MAXFDS_PER_SEND]
+        data = encode((FDS_BATCH, len(batch)))
+        sent = socket.send_fds(sock, [data[:1]], batch)
+        sock.sendall(data[sent:])
 
 
 class MessageReader:
@@ -44,6 +50,7 @@ class MessageReader:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self.pending: deque[Any] = deque()  # complete messages not yet taken by recv_message
+        self.fds: list[int] = []  # descriptors received and not yet taken by recv_fds
 
     def feed(self, chunk: bytes) -> list[Any]:
         """Add bytes just read; return every message now complete."""
@@ -59,20 +66,64 @@ class MessageReader:
         return messages
 
 
-def recv_message(sock: socket.socket, reader: MessageReader, maxfds: int = 0) -> tuple[Any, list[int]]:
-    """Block until one whole message is available on ``sock``; return it and any attached fds.
+def _read_some(sock: socket.socket, reader: MessageReader) -> None:
+    # Always ready for descriptors: bytes read without them would close the ones they carry.
+    chunk, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAXFDS_PER_SEND + 3)
+    reader.fds += fds
+    if not chunk:
+        raise EOFError("the peer closed the connection")
+    reader.pending.extend(reader.feed(chunk))
+
+
+def recv_message(sock: socket.socket, reader: MessageReader) -> Any:
+    """Block until one whole message (not a descriptor batch) is available on ``sock``.
 
     Raises:
         EOFError: the peer closed the socket.
     """
-    fds: list[int] = []
-    while not reader.pending:
-        if maxfds:
-            chunk, new_fds, _, _ = socket.recv_fds(sock, 1 << 20, maxfds)
-            fds += new_fds
-        else:
-            chunk = sock.recv(1 << 20)
-        if not chunk:
-            raise EOFError("the peer closed the connection")
-        reader.pending.extend(reader.feed(chunk))
-    return reader.pending.popleft(), fds
+    while True:
+        while not reader.pending:
+            _read_some(sock, reader)
+        message = reader.pending.popleft()
+        if not _is_batch(message):
+            return message
+
+
+def _is_batch(message: Any) -> bool:
+    return isinstance(message, tuple) and message[:1] == (FDS_BATCH,)
+
+
+def recv_fds(sock: socket.socket, reader: MessageReader, count: int) -> list[int]:
+    """The ``count`` descriptors sent with the message just received, in order: the batches
+    that carry them are read whole, so nothing of them is left for the next reader."""
+    batches = -(-count // MAXFDS_PER_SEND)
+    while batches:
+        while not reader.pending:
+            _read_some(sock, reader)
+        message = reader.pending.popleft()
+        if not _is_batch(message):
+            raise EOFError(f"expected {count} descriptors, got the message {message[:1]!r}")
+        batches -= 1
+    taken, reader.fds = reader.fds[:count], reader.fds[count:]
+    return taken
+
+
+class LaunchFds(NamedTuple):
+    """How the descriptors of a spawned launch are laid out: 3 per rank (stdout, stderr,
+    messages), then ``results`` (0 or 1) result memfd, then ``shared`` (0 or 1) memfd of the
+    shipped tensors. Defined once, for both ends (_supervisor and _forkserver)."""
+
+    ranks: int
+    results: int
+    shared: int
+
+    @property
+    def count(self) -> int:
+        return 3 * self.ranks + self.results + self.shared
+
+    def split(self, fds: list[int]) -> tuple[list[list[int]], int | None, int | None]:
+        pipes = [fds[3 * i : 3 * i + 3] for i in range(self.ranks)]
+        rest = fds[3 * self.ranks :]
+        result = rest[0] if self.results else None
+        shared = rest[self.results] if self.shared else None
+        return pipes, result, shared

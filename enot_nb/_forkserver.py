@@ -7,13 +7,17 @@ never runs a torch op or touches CUDA, then forks workers for each launch: the w
 clean and quickly. The job arrives pickled (cloudpickle), the workers' pipes arrive as file
 descriptors over a Unix socket that only the launching process holds.
 
-Protocol on the socket (framed pickles, see _channel)::
+Protocol on the socket (framed pickles, descriptors in batches after their message; see
+_channel)::
 
     server -> caller  ("ready", pid)
-    caller -> server  ("launch", id, [WorkerSpec], job_bytes, n)  + 3 fds per rank (out, err, msg)
-                                                        + n (0 or 1) result memfd + the job's memfds
-    server -> caller  ("started", id, [pid per rank])
-    server -> caller  ("exit", id, rank, exitcode)               once per rank, as each is reaped
+    caller -> server  ("launch", id, [WorkerSpec], job_bytes, LaunchFds)   + the descriptors
+    server -> caller  ("started", id, {rank: pid})       + a pidfd per rank, in rank order
+                   or ("start_failed", id, errno, reason)  (nothing of the launch is left)
+    server -> caller  ("exit", id, rank, exitcode)       once per rank, as each is reaped
+
+A worker's process group is killed (its DataLoader workers, its subprocesses) before the worker
+is reaped: while the leader is a zombie, its group id cannot be anybody else's.
 """
 
 from __future__ import annotations
@@ -22,34 +26,63 @@ import os
 import signal
 import socket
 import sys
-
 from enot_nb import _channel, _pickling, _worker
+from enot_nb._channel import LaunchFds
+
+
+def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],
+                  job_bytes: bytes, layout: LaunchFds) -> dict[int, tuple[int, int]]:
+    """Fork one worker per spec; {pid: (rank, pidfd)}. On failure nothing is left running."""
+    pipes, result_fd, shared_fd = layout.split(fds)
+    started: dict[int, tuple[int, int]] = {}
+    try:
+        for index, spec in enumerate(specs):
+            spec.stdout_fd, spec.stderr_fd, spec.message_fd = pipes[index]
+            spec.close_fds = [fd for i, trio in enumerate(pipes) if i != index for fd in trio]
+            spec.shared_memory_fd = shared_fd
+            spec.result_fd = result_fd
+            spec.parent_pid = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                _worker.run(spec, lambda: _load_job(job_bytes))
+            _set_group(pid)
+            started[pid] = (spec.rank, -1)
+            started[pid] = (spec.rank, os.pidfd_open(pid))
+    except BaseException:
+        _kill_and_reap(started)
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return started
 
 
 def _load_job(job_bytes: bytes) -> _worker.Job:
     return _pickling.loads_shipped(job_bytes)
 
 
-def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],
-                  job_bytes: bytes, result_fds: int) -> dict[int, int]:
-    pids: dict[int, int] = {}
-    pipes, extra = fds[: 3 * len(specs)], fds[3 * len(specs) :]
-    result_fd = extra[0] if result_fds else None
-    shared_memory = extra[result_fds:]
-    for index, spec in enumerate(specs):
-        spec.stdout_fd, spec.stderr_fd, spec.message_fd = pipes[3 * index : 3 * index + 3]
-        spec.close_fds = [fd for fd in pipes if fd not in pipes[3 * index : 3 * index + 3]]
-        spec.shared_memory_fds = shared_memory
-        spec.result_fd = result_fd
-        spec.parent_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            _worker.run(spec, lambda: _load_job(job_bytes))
-        pids[pid] = spec.rank
-    for fd in fds:
-        os.close(fd)
-    return pids
+def _set_group(pid: int) -> None:
+    try:
+        os.setpgid(pid, pid)  # also done by the child; whoever runs first wins
+    except OSError:
+        pass
+
+
+def _kill_and_reap(started: dict[int, tuple[int, int]]) -> None:
+    for pid, (_, pidfd) in started.items():
+        _kill_group(pid)
+        os.waitpid(pid, 0)
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a worker's group; the worker is ours and not yet reaped, so the group is too."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def serve(sock: socket.socket) -> None:
@@ -57,15 +90,28 @@ def serve(sock: socket.socket) -> None:
     reader = _channel.MessageReader()
     while True:
         try:
-            message, fds = _channel.recv_message(sock, reader, maxfds=253)
+            _, launch_id, specs, job_bytes, layout = _channel.recv_message(sock, reader)
+            fds = _channel.recv_fds(sock, reader, layout.count)
         except EOFError:
             return
-        _, launch_id, specs, job_bytes, result_fds = message
-        pids = _fork_workers(sock, specs, fds, job_bytes, result_fds)
-        _channel.send_message(sock, ("started", launch_id, {rank: pid for pid, rank in pids.items()}))
-        while pids:
-            pid, status = os.wait()
-            rank = pids.pop(pid, None)
+        try:
+            started = _fork_workers(sock, specs, fds, job_bytes, layout)
+        except OSError as err:
+            _channel.send_message(sock, ("start_failed", launch_id, err.errno, str(err)))
+            continue
+        by_rank = sorted(started.items(), key=lambda item: item[1][0])
+        _channel.send_message(sock, ("started", launch_id, {rank: pid for pid, (rank, _) in by_rank}),
+                              [pidfd for _, (_, pidfd) in by_rank])
+        for _, pidfd in started.values():
+            os.close(pidfd)  # the caller has its own copies
+        while started:
+            # See the exit first without reaping: the group is still the worker's to kill.
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            if info is None:
+                continue
+            _kill_group(info.si_pid)
+            _, status = os.waitpid(info.si_pid, 0)
+            rank = started.pop(info.si_pid, (None,))[0]
             if rank is not None:
                 _channel.send_message(sock, ("exit", launch_id, rank, os.waitstatus_to_exitcode(status)))
 

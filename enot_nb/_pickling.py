@@ -1,13 +1,19 @@
-"""Pickling between the notebook and spawned workers: large tensors through shared memory.
+"""Pickling between the notebook and its workers: tensor aliasing kept, tensor bytes out of band.
 
-A CPU tensor of ``SHM_MIN_BYTES`` or more is copied once into an anonymous shared-memory file
-(memfd) instead of into the pickle; the file descriptor travels beside the pickle (to the fork
-server over a Unix socket, then inherited by the workers) and each worker maps it copy-on-write:
-one memory copy in all, however many workers read it, and nothing large goes through a pipe.
+To spawned workers: a CPU storage of ``SHM_MIN_BYTES`` or more is copied once into one
+anonymous shared-memory file (memfd) per launch, at a page-aligned offset, instead of into the
+pickle; the one descriptor travels beside the pickle (to the fork server, then inherited by the
+workers) and each worker maps its part copy-on-write: one memory copy in all, however many
+workers read it and however many tensors there are, and nothing large goes through a pipe.
+
+Back from a worker: tensor bytes go out of band into a result memfd that the notebook maps
+privately. Mappings are made with libc's mmap, which (unlike Python's mmap module) keeps no
+descriptor open: a kept result pins memory, never a file descriptor.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import os
@@ -22,16 +28,46 @@ import cloudpickle
 
 SHM_MIN_BYTES = int(float(os.environ.get("ENOT_NB_SHM_MIN_MB", "1")) * 2**20)
 
-RECEIVED_FDS: list[int] = []
-"""In a worker: the shared-memory descriptors that came with the job, by index."""
+SHARED_FD: list[int] = []
+"""In a spawned worker: the memfd of the shipped tensors, if any came."""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _to_memfd(data: Any) -> int:
-    fd = os.memfd_create("enot_nb-tensor", os.MFD_CLOEXEC)
-    os.ftruncate(fd, data.nbytes)
-    # The one copy; pwrite lets the kernel fill the pages (measured ~10% faster than a mapping).
-    _pwrite_all(fd, data, 0)
-    return fd
+def map_private(fd: int, length: int, offset: int = 0) -> Any:
+    """A private, writable (copy-on-write) mapping of ``fd``; unmapped when no longer referenced,
+    and holding no descriptor (Python's mmap keeps a duplicate of the fd open)."""
+    if length == 0:
+        return bytearray()
+    address = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
+    if address in (None, _MAP_FAILED):
+        errno_ = ctypes.get_errno()
+        raise OSError(errno_, f"mmap of {length} bytes failed: {os.strerror(errno_)}")
+    area = (ctypes.c_char * length).from_address(address)
+    weakref.finalize(area, _libc.munmap, address, length)
+    return area
+
+
+class _SharedFile:
+    """The one memfd of a launch's shipped tensors, filled as the pickler meets them."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("enot_nb-tensor", os.MFD_CLOEXEC)
+        self.size = 0
+
+    def add(self, data: Any) -> int:
+        """Copy ``data`` in at the next page boundary; returns its offset."""
+        offset = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = offset + data.nbytes
+        os.ftruncate(self.fd, self.size)
+        # The one copy; pwrite lets the kernel fill the pages (measured ~10% faster than a mapping).
+        _pwrite_all(self.fd, data, offset)
+        return offset
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -50,12 +86,11 @@ def _rebuild_storage(buffer: Any, device: str = "cpu") -> Any:
     return _to_device(storage, device)
 
 
-def _storage_from_memfd(index: int, nbytes: int, device: str = "cpu") -> Any:
+def _storage_from_shared(offset: int, nbytes: int, device: str = "cpu") -> Any:
     import torch
 
-    storage = torch.from_file(f"/proc/self/fd/{RECEIVED_FDS[index]}", shared=False,  # copy-on-write
-                              size=nbytes, dtype=torch.uint8).untyped_storage()
-    return _to_device(storage, device)
+    area = map_private(SHARED_FD[0], nbytes, offset)  # copy-on-write: the workers share it
+    return _to_device(torch.frombuffer(area, dtype=torch.uint8).untyped_storage(), device)
 
 
 def _to_device(storage: Any, device: str) -> Any:
@@ -152,7 +187,7 @@ class TensorPickler(cloudpickle.Pickler):
                  namespace: dict | None = None) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self.mode = mode
-        self.fds: list[int] = []
+        self.shared: _SharedFile | None = None
         self.off_cpu = 0
         self.namespace = namespace
         """Functions whose globals are this dict are the notebook's: rebuilt on its globals."""
@@ -205,8 +240,9 @@ class TensorPickler(cloudpickle.Pickler):
             return _rebuild_storage, (b"",)
         data = storage_bytes(storage)
         if self.mode == "ship" and data.numel() >= SHM_MIN_BYTES and hasattr(os, "memfd_create"):
-            self.fds.append(_to_memfd(data.numpy()))
-            return _storage_from_memfd, (len(self.fds) - 1, data.numel(), device)
+            if self.shared is None:
+                self.shared = _SharedFile()
+            return _storage_from_shared, (self.shared.add(data.numpy()), data.numel(), device)
         raw = data.numpy() if data.numel() else b""
         return _rebuild_storage, (pickle.PickleBuffer(raw), device)
 
@@ -277,9 +313,10 @@ def dumps(obj: Any, namespace: dict | None = None) -> tuple[bytes, list[int]]:
     try:
         pickler.dump(obj)
     except BaseException:
-        close_all(pickler.fds)
+        if pickler.shared is not None:
+            os.close(pickler.shared.fd)
         raise
-    return buffer.getvalue(), pickler.fds
+    return buffer.getvalue(), [pickler.shared.fd] if pickler.shared is not None else []
 
 
 def close_all(fds: list[int]) -> None:
@@ -383,8 +420,7 @@ def read_result(fd: int, size: int) -> Any:
     """Load a result written by write_result; tensors map its pages (copy-on-write, no copy)."""
     if size == 0:
         raise EOFError("the result file is empty")
-    area = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    view = memoryview(area)
+    view = memoryview(map_private(fd, size)).cast("B")
     main_length, count = _RESULT_HEADER.unpack_from(view)
     pairs = struct.unpack_from(f"<{2 * count}Q", view, _RESULT_HEADER.size)
     start = _data_start(count)

@@ -10,28 +10,50 @@ Two traps make forking a Jupyter kernel hang or fail, and each has its own way o
   signal fires when the *thread* that forked exits).
 * CUDA: a forked child cannot use CUDA once the caller initialized it. Then workers are forked
   by the fork server (see _forkserver), a fresh interpreter that never touches CUDA.
+
+A start is a transaction: every process is recorded (pid and pidfd) the moment it exists, so
+whatever interrupts the start (the stop button, a failed fork) the caller can stop and reap
+exactly what was started, and nothing else.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from enot_nb import _channel
+from enot_nb._channel import LaunchFds
 from enot_nb.errors import LaunchError
 
 T = TypeVar("T")
 
 # Seconds to wait for a new fork server to import torch and say it is ready.
 SERVER_START_TIMEOUT = float(os.environ.get("ENOT_NB_SERVER_START_TIMEOUT", "120"))
+# Seconds a stopped launch gets to bring the fork server back in step before it is replaced.
+SERVER_RECOVERY_TIMEOUT = 5.0
+
+TEST_HOOKS: dict[str, Callable[..., None]] = {}
+"""Fault injection for the reliability tests: named points of a start call these, if set
+("before_forks", "between_forks", "after_forks", "fork" (with the rank), "server_starting",
+"launch_sent")."""
+
+
+def hook(name: str, *args: Any) -> None:
+    if TEST_HOOKS:
+        function = TEST_HOOKS.get(name)
+        if function is not None:
+            function(*args)
 
 
 class _CleanThread:
@@ -50,40 +72,91 @@ class _CleanThread:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
 
-    def call(self, fn: Callable[[], T]) -> T:
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._requests.put((fn, future))
-        return future.result()
+        return future
 
 
 _clean_thread: _CleanThread | None = None
 _clean_thread_lock = threading.Lock()
 
 
-def on_clean_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on the clean process-starting thread and return its result."""
+def _submit(fn: Callable[[], T]) -> concurrent.futures.Future:
     global _clean_thread
     with _clean_thread_lock:
         if _clean_thread is None:
             _clean_thread = _CleanThread()
-    return _clean_thread.call(fn)
+    return _clean_thread.submit(fn)
 
 
-def fork(child: Callable[[], Any]) -> int:
-    """Fork from the clean thread; the child runs ``child`` (which must not return)."""
+def on_clean_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on the clean process-starting thread and return its result."""
+    return _submit(fn).result()
 
-    def do_fork() -> int:
-        with warnings.catch_warnings():  # Python 3.12+ warns about forking with threads
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:
+
+def settle(future: concurrent.futures.Future | None) -> None:
+    """Wait for a clean-thread call to end, whatever it raised, through repeated interrupts:
+    what it started must be known before it is stopped."""
+    while future is not None:
+        try:
+            future.exception()
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def fork_all(children: list[tuple[int, Callable[[], Any]]],
+             started: list[tuple[int, int, int]]) -> concurrent.futures.Future:
+    """Fork one process per (rank, child) on the clean thread; each child leads its own process
+    group. ``(rank, pid, pidfd)`` is appended to ``started`` the moment a child exists."""
+
+    def run() -> None:
+        hook("before_forks")
+        for index, (rank, child) in enumerate(children):
+            if index:
+                hook("between_forks")
+            hook("fork", rank)
+            with warnings.catch_warnings():  # Python 3.12+ warns about forking with threads
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                try:
+                    child()
+                finally:
+                    os._exit(70)  # only reached if child() returned or raised before reporting
             try:
-                child()
-            finally:
-                os._exit(70)  # only reached if child() returned or raised before reporting
-        return pid
+                os.setpgid(pid, pid)  # also done by the child; whoever runs first wins
+            except OSError:
+                pass
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still ours
+                os.waitpid(pid, 0)
+                raise
+            started.append((rank, pid, pidfd))
+        hook("after_forks")
 
-    return on_clean_thread(do_fork)
+    return _submit(run)
+
+
+def start_error(err: OSError, what: str) -> LaunchError:
+    """A resource error at start, as one clear LaunchError naming the limit and the fix."""
+    if err.errno == errno.EMFILE or err.errno == errno.ENFILE:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return LaunchError(
+            f"{what}: too many open files (the limit is {soft}; each worker needs 3 pipes, the "
+            "launcher a few more). Lower nprocs, or raise the limit: `ulimit -n 65536` before "
+            "starting Jupyter, or resource.setrlimit(resource.RLIMIT_NOFILE, ...)")
+    if err.errno in (errno.EAGAIN, errno.ENOMEM):
+        return LaunchError(
+            f"{what}: the system refused a new process ({os.strerror(err.errno)}): the limit on "
+            "processes per user (`ulimit -u`, RLIMIT_NPROC) or memory is reached. Lower nprocs, "
+            "or raise the limit")
+    return LaunchError(f"{what}: {type(err).__name__}: {err}")
 
 
 class ForkServer:
@@ -101,49 +174,80 @@ class ForkServer:
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             )
 
-        self.process = on_clean_thread(start)
-        theirs.close()
         self.sock = ours
         self.reader = _channel.MessageReader()
         self._launch_id = 0
-        self.sock.settimeout(SERVER_START_TIMEOUT)
+        self.broken = False
+        """The protocol lost step (a send or receive cut short): replace the server."""
         try:
-            message, _ = _channel.recv_message(self.sock, self.reader)
+            self.process = on_clean_thread(start)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        try:
+            hook("server_starting")
+            self.sock.settimeout(SERVER_START_TIMEOUT)
+            _channel.recv_message(self.sock, self.reader)
         except (OSError, EOFError) as err:
             self.close()
             raise LaunchError(
                 f"the enot_nb fork server did not start ({err}); check that `{sys.executable} -c "
                 "'import torch, enot_nb'` works"
             ) from err
+        except BaseException:  # an interrupt while the server imports torch: leave nothing
+            self.close()
+            raise
         self.sock.settimeout(None)
-        self.pid = message[1]
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return not self.broken and self.process.poll() is None
 
-    def launch(self, specs: list[Any], fds: list[int], job_bytes: bytes,
-               result_fds: int) -> tuple[int, dict[int, int]]:
-        """Ask for one worker per spec; returns the launch id and each rank's pid.
-
-        ``fds``: 3 pipes per rank, then ``result_fds`` (0 or 1) result memfd, then shared memory.
-        """
+    def send_launch(self, specs: list[Any], fds: list[int], job_bytes: bytes, layout: LaunchFds) -> int:
+        """Ask for one worker per spec; returns the launch id (see wait_started)."""
         self._launch_id += 1
-        _channel.send_message(self.sock, ("launch", self._launch_id, specs, job_bytes, result_fds), fds)
-        while True:
-            message = self.next_message()
-            if message[0] == "started" and message[1] == self._launch_id:
-                return self._launch_id, message[2]
+        self.broken = True  # until the whole request is out
+        _channel.send_message(self.sock, ("launch", self._launch_id, specs, job_bytes, layout), fds)
+        self.broken = False
+        return self._launch_id
 
-    def next_message(self) -> tuple:
-        """Block for the next message from the server."""
+    def wait_started(self, launch_id: int, timeout: float | None = None) -> tuple[dict[int, int], dict[int, int]]:
+        """Each rank's pid and pidfd once the server forked them; LaunchError if it could not."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            message = self.next_message(deadline)
+            if message[0] == "started" and message[1] == launch_id:
+                pids = message[2]
+                self.broken = True  # until the pidfds are in
+                pidfds = _channel.recv_fds(self.sock, self.reader, len(pids))
+                self.broken = False
+                return pids, dict(zip(sorted(pids), pidfds))
+            if message[0] == "start_failed" and message[1] == launch_id:
+                raise start_error(OSError(message[2], message[3]),
+                                  "the fork server could not start the workers")
+
+    def next_message(self, deadline: float | None = None) -> tuple:
+        """Block for the next message from the server (until ``deadline``, a monotonic time)."""
         try:
-            message, _ = _channel.recv_message(self.sock, self.reader)
+            if deadline is not None:
+                self.sock.settimeout(max(0.0, deadline - time.monotonic()))
+            return _channel.recv_message(self.sock, self.reader)
         except EOFError as err:
+            self.broken = True
             raise LaunchError("the enot_nb fork server died; the next launch starts a new one") from err
-        return message
+        except TimeoutError as err:
+            self.broken = True
+            raise LaunchError("the enot_nb fork server did not answer in time") from err
+        finally:
+            if deadline is not None:
+                self.sock.settimeout(None)
 
     def close(self) -> None:
         self.sock.close()
+        for fd in self.reader.fds:
+            os.close(fd)
+        self.reader.fds = []
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
@@ -158,13 +262,9 @@ def fork_server() -> ForkServer:
     if _server is None or not _server.alive():
         if _server is not None:
             _server.close()
+            _server = None
         _server = ForkServer()
     return _server
-
-
-def server_pid() -> int | None:
-    """Pid of the fork server if one runs (it lives as long as this process)."""
-    return _server.process.pid if _server is not None and _server.alive() else None
 
 
 def shutdown_server() -> None:
@@ -173,3 +273,39 @@ def shutdown_server() -> None:
     if _server is not None:
         _server.close()
         _server = None
+
+
+class Watchdog:
+    """The launching process's end of its watchdog (see _watchdog), started on first use."""
+
+    def __init__(self) -> None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
+
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(
+                [sys.executable, "-I", path, str(os.getpid())], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+        self.process = on_clean_thread(start)
+        assert self.process.stdin is not None
+        self.fd = self.process.stdin.fileno()
+
+    def tell(self, *lines: str) -> None:
+        try:
+            os.write(self.fd, "".join(f"{line}\n" for line in lines).encode())
+        except OSError:  # it died: the next launch starts another
+            self.process.poll()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+_watchdog: Watchdog | None = None
+
+
+def watchdog() -> Watchdog:
+    """This process's watchdog, started on first use (again if it died)."""
+    global _watchdog
+    if _watchdog is None or not _watchdog.alive():
+        _watchdog = Watchdog()
+    return _watchdog

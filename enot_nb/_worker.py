@@ -59,8 +59,8 @@ class WorkerSpec:
     """Launcher descriptors of other ranks, closed in this worker."""
     result_fd: int | None = None
     """A memfd for rank 0's result (see _pickling.write_result); None: through the pipe."""
-    shared_memory_fds: list[int] = field(default_factory=list)
-    """Tensors of a spawned job (see _pickling), mapped when the job is unpickled."""
+    shared_memory_fd: int | None = None
+    """The memfd of a spawned job's tensors (see _pickling), mapped when the job is unpickled."""
 
 
 def become_worker(spec: WorkerSpec) -> None:
@@ -131,10 +131,12 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
     exitcode = 1
     try:
         become_worker(spec)
-        _pickling.RECEIVED_FDS[:] = spec.shared_memory_fds
+        _pickling.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
         job = load_job()
+        from enot_nb import _rendezvous
         from enot_nb.distributed import init_torch
 
+        _rendezvous.register()
         init_torch(**spec.init_kwargs)
         result = job.fn(*job.args, **job.kwargs)
         _send_result(spec, result)

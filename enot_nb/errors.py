@@ -34,6 +34,11 @@ _SIGNAL_HINTS = {
 }
 
 
+_PEER_LOSS_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote process",
+                    "communicator was aborted", "Socket Timeout", "ECONNRESET", "Connection refused",
+                    "closed by peer", "unexpected EOF")
+
+
 @dataclass
 class WorkerFailure:
     """What one worker's failure looked like from the launcher."""
@@ -50,6 +55,38 @@ class WorkerFailure:
     attempt: int = 0
     output_tail: str = ""
     """The last lines the worker wrote to stderr (shown when it died without a traceback)."""
+
+    @classmethod
+    def raised(cls, rank: int, info: dict, attempt: int, output_tail: str) -> WorkerFailure:
+        """A worker reported an exception (its "error" message)."""
+        return cls(rank=rank, exitcode=info["exitcode"], signal_name=None, error_type=info["type"],
+                   message=info["message"], traceback=info["traceback"], attempt=attempt,
+                   output_tail=output_tail)
+
+    @classmethod
+    def died(cls, rank: int, exitcode: int, attempt: int, output_tail: str) -> WorkerFailure:
+        """A worker ended without reporting (a signal, ``os._exit``, a crash)."""
+        signal_name = None
+        message = ""
+        if exitcode < 0:
+            import signal
+
+            try:
+                signal_name = signal.Signals(-exitcode).name
+            except ValueError:
+                signal_name = f"signal {-exitcode}"
+        elif exitcode == 0:
+            message = "exited with code 0 before its function returned (os._exit?)"
+        else:
+            message = f"exited with code {exitcode} without a Python traceback"
+        return cls(rank=rank, exitcode=exitcode, signal_name=signal_name, error_type=None,
+                   message=message, traceback=None, attempt=attempt, output_tail=output_tail)
+
+    def caused_by_a_lost_peer(self) -> bool:
+        """An error a rank raises *because* a peer died: never the root cause when another
+        exists."""
+        text = f"{self.message} {self.traceback or ''}"
+        return self.error_type is not None and any(w in text for w in _PEER_LOSS_WORDS)
 
     def summary(self) -> str:
         """One line: rank, attempt and cause."""

@@ -30,8 +30,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb import _pickling, _worker
-from enot_nb._supervisor import Attempt, bind_port
+import math
+
+from enot_nb import _pickling, _rendezvous, _worker
+from enot_nb._supervisor import Attempt
 from enot_nb.errors import (
     EnotNbError,
     LaunchError,
@@ -66,8 +68,6 @@ class LaunchPlan:
     threads: int
     init_kwargs: dict[str, Any]
     max_restarts: int
-    on_message: Callable[[str, Any], None] | None = None
-    """Called with other messages ("display", ...) of the ranks whose output is shown."""
 
     @property
     def world_size(self) -> int:
@@ -134,29 +134,39 @@ def notebook_launcher(
     """
     if not callable(fn):
         raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        hint = (f"; to start {args} processes pass nprocs={args}" if isinstance(args, int)
+                and not isinstance(args, bool) else "")
+        raise LaunchConfigError(f"args={args!r} must be a tuple of fn's arguments, e.g. "
+                                f"args=(0.1,){hint}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise LaunchConfigError(f"kwargs={kwargs!r} must be a dict of fn's keyword arguments")
     plan = plan_launch(nprocs, backend, seed, cuda_optimize_for_speed, cuda_reproducible,
                        start_method, output, master_addr, master_port, nnodes, node_rank,
                        max_restarts, timeout)
     return launch_job(plan, _worker.Job(fn, tuple(args), dict(kwargs or {})))
 
 
-def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None) -> Any:
+def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None,
+               on_message: Callable[[str, Any], None] | None = None) -> Any:
     """Run a job under a validated plan, one launch at a time per process. ``namespace``: the
-    notebook's globals, which spawned copies of its functions keep sharing."""
+    notebook's globals, which spawned copies of its functions keep sharing. ``on_message``:
+    called with the other messages ("display", ...) of the ranks whose output is shown."""
     with _single_launch():
         shipped = _pickle_job(job, namespace) if plan.start_method == "spawn" else None
         try:
-            return run_plan(plan, job, shipped)
+            return run_plan(plan, job, shipped, on_message)
         finally:
             if shipped is not None:
                 _pickling.release_later(shipped[1])
 
 
-def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None) -> Any:
+def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
+             on_message: Callable[[str, Any], None] | None = None) -> Any:
     """Run every attempt of a validated plan; return rank 0's result or raise the last failure."""
     root_causes: list[WorkerFailure] = []
     for attempt in range(plan.max_restarts + 1):
-        outcome = Attempt(plan, job, shipped, attempt).run()
+        outcome = Attempt(plan, job, shipped, attempt, on_message).run()
         if outcome.ok:
             return outcome.result
         root_causes.append(outcome.failures[0])
@@ -190,6 +200,9 @@ def plan_launch(
     _check_int("max_restarts", max_restarts, low=0)
     if seed is not None:
         _check_int("seed", seed, low=0)
+        if seed >= 2**32:
+            raise LaunchConfigError(f"seed={seed} must be below 2**32 (NumPy's limit); pick a "
+                                    "smaller seed")
     if output not in _OUTPUT_MODES:
         raise LaunchConfigError(f"output={output!r} is not one of {', '.join(_OUTPUT_MODES)}")
     if start_method not in _START_METHODS:
@@ -203,14 +216,14 @@ def plan_launch(
     _check_int("nprocs", nprocs, low=1)
     if backend is None:
         backend = "nccl" if gpus >= nprocs else "gloo"
-    if not isinstance(backend, str) or not backend:
-        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'")
     if backend == "nccl" and nprocs > gpus:
         raise LaunchConfigError(f"backend='nccl' needs one GPU per process, but nprocs={nprocs} and "
                                 f"{gpus} GPU(s) are visible; lower nprocs or use backend='gloo'")
+    _check_backend(backend)
     timeout = _as_timedelta(timeout)
-    start_method = _choose_start_method(start_method)
+    master_addr = _resolve(master_addr)
     _check_port(master_addr, master_port, nnodes, node_rank)
+    start_method = _choose_start_method(start_method)
     return LaunchPlan(
         nprocs=nprocs, nnodes=nnodes, node_rank=node_rank, backend=backend,
         start_method=start_method, output=output, master_addr=master_addr,
@@ -232,9 +245,42 @@ def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
         seconds = float(timeout)
     else:
         raise LaunchConfigError(f"timeout={timeout!r} must be a datetime.timedelta or seconds")
-    if seconds <= 0:
-        raise LaunchConfigError(f"timeout={timeout!r} must be positive")
+    if not (math.isfinite(seconds) and 0 < seconds <= _MAX_TIMEOUT_S):
+        raise LaunchConfigError(f"timeout={timeout!r} must be positive and finite: seconds above 0 "
+                                f"and at most {_MAX_TIMEOUT_S} (a year)")
     return datetime.timedelta(seconds=seconds)
+
+
+_MAX_TIMEOUT_S = 365 * 24 * 3600
+
+
+def _check_backend(backend: Any) -> None:
+    """A backend torch.distributed has here (plugins registered with it included)."""
+    import torch.distributed as dist
+
+    if not isinstance(backend, str) or not backend:
+        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'")
+    try:
+        available = dist.is_available() and dist.is_backend_available(backend)
+    except Exception:  # noqa: BLE001 - an unknown name may raise instead of answering False
+        available = False
+    if not available:
+        known = [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if dist.is_available()
+                 and dist.is_backend_available(b)]
+        raise LaunchConfigError(f"backend={backend!r} is not available in this PyTorch build; "
+                                f"available here: {', '.join(known) or 'none'}")
+
+
+def _resolve(master_addr: Any) -> str:
+    """master_addr as an IP literal, resolved once, here, before anything starts."""
+    if not isinstance(master_addr, str) or not master_addr:
+        raise LaunchConfigError(f"master_addr={master_addr!r} must be a host name or an IP address "
+                                "(node 0's, as every node reaches it)")
+    try:
+        return _rendezvous.resolve(master_addr)
+    except OSError as err:
+        raise LaunchConfigError(f"master_addr={master_addr!r} cannot be resolved ({err}); give "
+                                "node 0's IP address instead") from err
 
 
 def visible_gpu_count() -> int:
@@ -288,8 +334,9 @@ def _check_port(master_addr: str, master_port: int | None, nnodes: int, node_ran
     if master_port > 65535:
         raise LaunchConfigError(f"master_port={master_port} must be at most 65535")
     if node_rank == 0:
+        address = master_addr if nnodes > 1 else _rendezvous.loopback_for(master_addr)
         try:
-            bind_port(master_addr, master_port).close()
+            _rendezvous.listen(address, master_port).close()
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
                 raise LaunchConfigError(

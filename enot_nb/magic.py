@@ -133,7 +133,6 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         shown=args.output != "none", keep_on_error=args.on_error == "keep",
     )
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
-    plan.on_message = _show_message
     namespace = shell.user_ns
     hidden = shell.user_ns_hidden
     if plan.start_method == "fork":
@@ -146,7 +145,8 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         values, left_out, registry, objects = _cell.shippable_namespace(namespace, code)
         job = _worker.Job(_run_shipped_cell, (values, left_out, objects, code, options))
     try:
-        outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace)
+        outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace,
+                                                       on_message=_show_message)
     except LaunchInterrupted as err:
         _after_interrupt(shell, registry, options, err.partial_result)
         raise CellInterrupted() from None

@@ -1,0 +1,199 @@
+"""The processes of one attempt, behind one interface (as torch elastic's ``PContext``).
+
+Two implementations: workers forked here (from the clean thread), and workers forked by the fork
+server. Both keep the same rules, which is what makes stopping them safe:
+
+* A worker is signalled through its pidfd, never through a bare pid: a pid may be reused once
+  the process is reaped, a pidfd never names another process.
+* A worker's process group (the worker leads it; its DataLoader workers and subprocesses are in
+  it) is signalled only while the worker is not reaped yet: a zombie leader keeps the group id.
+  Before a worker is reaped, its group is SIGKILLed, so no descendant outlives it.
+* The watchdog (see _watchdog) knows every group while it runs: if this process dies, however
+  it dies, the groups die too.
+* ``close`` works in any state of ``start`` (interrupted before, between or after the forks,
+  while the fork server starts or answers): it stops and reaps exactly what was started.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from enot_nb import _spawn
+from enot_nb._channel import LaunchFds
+from enot_nb.errors import LaunchError
+
+
+class WorkerGroup(Protocol):
+    """What the supervisor needs from a group of workers."""
+
+    def start(self) -> dict[int, int]:
+        """Start every worker; each rank's pid. Raises LaunchError (nothing left running)."""
+
+    def sources(self) -> list[Any]:
+        """Objects to select on: one becomes readable when a worker exits."""
+
+    def pending(self) -> bool:
+        """Exits already received that select cannot see."""
+
+    def exits(self, ready: Any) -> list[tuple[int, int]]:
+        """(rank, exit code; -N for signal N) of workers that ended, reaped; ``ready`` is the
+        source that fired."""
+
+    def signal(self, rank: int, signum: int) -> None:
+        """Signal a running worker (and its process group where that is safe); nothing once it
+        is reaped."""
+
+    def close(self) -> None:
+        """Kill and reap whatever was started; the group is then empty."""
+
+
+def _exit_code(info: Any) -> int:
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _kill_group(leader: int, signum: int = signal.SIGKILL) -> bool:
+    try:
+        os.killpg(leader, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _pidfd_signal(pidfd: int, signum: int) -> None:
+    try:
+        signal.pidfd_send_signal(pidfd, signum)
+    except ProcessLookupError:
+        pass
+
+
+class ForkedGroup:
+    """Workers forked from this process; exits seen through their pidfds."""
+
+    def __init__(self, children: list[tuple[int, Callable[[], Any]]]) -> None:
+        self._children = children
+        self._started: list[tuple[int, int, int]] = []  # (rank, pid, pidfd), filled as forked
+        self._future: concurrent.futures.Future | None = None
+        self._exited: dict[int, int] = {}
+
+    def start(self) -> dict[int, int]:
+        self._future = _spawn.fork_all(self._children, self._started)
+        try:
+            self._future.result()
+        except OSError as err:
+            raise _spawn.start_error(err, f"rank {len(self._started)} could not be started") from err
+        finally:
+            _spawn.watchdog().tell(*(f"watch {pid}" for _, pid, _ in self._started))
+        return {rank: pid for rank, pid, _ in self._started}
+
+    def sources(self) -> list[int]:
+        return [pidfd for rank, _, pidfd in self._started if rank not in self._exited]
+
+    def pending(self) -> bool:
+        return False
+
+    def exits(self, ready: Any) -> list[tuple[int, int]]:
+        return [self._reap(entry) for entry in self._started if entry[2] == ready]
+
+    def _reap(self, entry: tuple[int, int, int]) -> tuple[int, int]:
+        rank, pid, pidfd = entry
+        _kill_group(pid)  # its descendants: the leader is not reaped yet, so the group is ours
+        code = _exit_code(os.waitid(os.P_PIDFD, pidfd, os.WEXITED))
+        os.close(pidfd)
+        self._exited[rank] = code
+        _spawn.watchdog().tell(f"forget {pid}")
+        return rank, code
+
+    def signal(self, rank: int, signum: int) -> None:
+        for r, pid, pidfd in self._started:
+            if r == rank and r not in self._exited and not _kill_group(pid, signum):
+                _pidfd_signal(pidfd, signum)
+
+    def close(self) -> None:
+        _spawn.settle(self._future)  # forks still in flight: know them all first
+        for entry in self._started:
+            if entry[0] not in self._exited:
+                _pidfd_signal(entry[2], signal.SIGKILL)
+                self._reap(entry)
+
+
+class ServerGroup:
+    """Workers forked by the fork server; exits arrive as its messages."""
+
+    def __init__(self, specs: list[Any], fds: list[int], job_bytes: bytes, layout: LaunchFds) -> None:
+        self._request = (specs, fds, job_bytes, layout)
+        self.server: _spawn.ForkServer | None = None
+        self.launch_id: int | None = None
+        self.pids: dict[int, int] | None = None
+        self.pidfds: dict[int, int] = {}
+        self._exited: dict[int, int] = {}
+
+    def start(self) -> dict[int, int]:
+        self.server = _spawn.fork_server()
+        self.launch_id = self.server.send_launch(*self._request)
+        _spawn.hook("launch_sent")
+        self._started(*self.server.wait_started(self.launch_id))
+        assert self.pids is not None
+        return self.pids
+
+    def _started(self, pids: dict[int, int], pidfds: dict[int, int]) -> None:
+        self.pids, self.pidfds = pids, pidfds
+        _spawn.watchdog().tell(*(f"watch {pid}" for pid in pids.values()))
+
+    def sources(self) -> list[socket.socket]:
+        return [self.server.sock] if self.server is not None else []
+
+    def pending(self) -> bool:
+        """Messages already read off the socket (behind "started", say) that select cannot see."""
+        return self.server is not None and bool(self.server.reader.pending)
+
+    def exits(self, ready: Any, deadline: float | None = None) -> list[tuple[int, int]]:
+        """The buffered messages, or else the server's next one (blocking)."""
+        assert self.server is not None
+        reader = self.server.reader
+        messages = [] if reader.pending else [self.server.next_message(deadline)]
+        while reader.pending:
+            messages.append(reader.pending.popleft())
+        ended = []
+        for message in messages:
+            if message[0] == "exit" and message[1] == self.launch_id:
+                rank, code = message[2], message[3]
+                self._exited[rank] = code
+                os.close(self.pidfds.pop(rank))
+                if self.pids is not None:
+                    _spawn.watchdog().tell(f"forget {self.pids[rank]}")
+                ended.append((rank, code))
+        return ended
+
+    def signal(self, rank: int, signum: int) -> None:
+        # Only the worker: the server reaps it, so its group is the server's to kill (it does,
+        # before reaping).
+        if rank in self.pidfds:
+            _pidfd_signal(self.pidfds[rank], signum)
+
+    def close(self) -> None:
+        if self.server is None or self.launch_id is None:
+            return
+        deadline = time.monotonic() + _spawn.SERVER_RECOVERY_TIMEOUT
+        try:
+            if self.server.broken:
+                raise LaunchError("the request to the fork server was cut short")
+            if self.pids is None:  # interrupted between the request and the answer
+                self._started(*self.server.wait_started(self.launch_id, _spawn.SERVER_RECOVERY_TIMEOUT))
+            for pidfd in self.pidfds.values():
+                _pidfd_signal(pidfd, signal.SIGKILL)
+            while self.pids is not None and len(self._exited) < len(self.pids):
+                self.exits(None, deadline)  # keep the protocol in step for the next launch
+        except (LaunchError, OSError):
+            _spawn.shutdown_server()  # its workers die with it (parent-death signal)
+        finally:
+            for pidfd in self.pidfds.values():
+                os.close(pidfd)
+            self.pidfds = {}
+            if self.pids:
+                _spawn.watchdog().tell(*(f"forget {pid}" for pid in self.pids.values()))

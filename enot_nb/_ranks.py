@@ -1,0 +1,125 @@
+"""The launcher's view of each worker: its pipes, what it printed, what it sent.
+
+Each rank has three pipes (stdout, stderr, messages). ``RankIO`` reads whichever is ready,
+forwards output to the sinks (shown or not by the output mode), and keeps the rank's outcome
+("result", "done" or "error"), its partial state ("partial") and any other message, which goes
+to ``on_message`` (display data, ...) after the output written before it.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from enot_nb import _channel, _spawn
+from enot_nb._output import StreamSink
+
+STREAMS = ("out", "err", "msg")
+
+
+@dataclass
+class Rank:
+    """One worker, as the launcher sees it."""
+
+    rank: int
+    local_rank: int
+    pipes: dict[str, tuple[int, int]]  # "out"/"err"/"msg" -> (read end, write end)
+    sinks: dict[str, StreamSink]
+    messages: _channel.MessageReader = field(default_factory=_channel.MessageReader)
+    pid: int | None = None
+    exitcode: int | None = None
+    outcome: str | None = None  # "result", "done" or "error"
+    payload: Any = None
+    partial: Any = None  # rank 0's state at an interrupt or failure ("partial" message)
+    stack_text: str = ""
+    open_reads: set[str] = field(default_factory=lambda: set(STREAMS))
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None and self.exitcode is None
+
+
+def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:
+    """A Rank, with its pipes, per local rank; on failure (EMFILE) every pipe made is closed."""
+    ranks: list[Rank] = []
+    made: list[int] = []
+    try:
+        for local_rank in range(nprocs):
+            rank = node_rank * nprocs + local_rank
+            show = output == "all" or (output == "master" and rank == 0)
+            prefix = f"[rank {rank}] " if output == "all" else ""
+            pipes = {}
+            for name in STREAMS:
+                pipes[name] = os.pipe()
+                made += pipes[name]
+            ranks.append(Rank(rank=rank, local_rank=local_rank, pipes=pipes,
+                              sinks={"out": StreamSink("stdout", show, prefix),
+                                     "err": StreamSink("stderr", show, prefix)}))
+    except OSError as err:
+        for fd in made:
+            os.close(fd)
+        raise _spawn.start_error(err, f"the pipes of {nprocs} workers could not be made") from err
+    return ranks
+
+
+class RankIO:
+    """Reads every rank's pipes through one selector (which also watches the group's exits)."""
+
+    def __init__(self, ranks: list[Rank], on_message: Callable[[str, Any], None] | None,
+                 on_error: Callable[[Rank, dict], None]) -> None:
+        self.ranks, self.on_message, self.on_error = ranks, on_message, on_error
+        self.selector = selectors.DefaultSelector()
+        self.capturing_stacks = False
+        for r in ranks:  # from here on, close() closes every read end through the selector
+            for name in STREAMS:
+                os.set_blocking(r.pipes[name][0], False)
+                self.selector.register(r.pipes[name][0], selectors.EVENT_READ, (r, name))
+
+    def read(self, r: Rank, name: str, force_show: bool = False) -> bool:
+        """Read what is available from one pipe; False once it is closed or empty."""
+        fd = r.pipes[name][0]
+        try:
+            data = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return False
+        if not data:
+            self.selector.unregister(fd)
+            os.close(fd)
+            r.open_reads.discard(name)
+            if name != "msg":
+                r.sinks[name].feed(b"", final=True, force_show=force_show)
+            return False
+        if name == "msg":
+            for kind, payload in r.messages.feed(data):
+                self._message(r, kind, payload)
+        elif self.capturing_stacks and name == "err":
+            r.stack_text += data.decode("utf-8", "backslashreplace")
+        else:
+            r.sinks[name].feed(data, force_show=force_show)
+        return True
+
+    def _message(self, r: Rank, kind: str, payload: Any) -> None:
+        if kind in ("result", "done", "error"):
+            r.outcome, r.payload = kind, payload
+        if kind == "partial":
+            r.partial = payload
+        elif kind == "error":
+            self.on_error(r, payload)
+        elif kind not in ("result", "done") and self.on_message and r.sinks["out"].show:
+            self.drain(r, ("out", "err"))  # what the worker printed before comes first
+            self.on_message(kind, payload)
+
+    def drain(self, r: Rank, names: tuple[str, ...] = STREAMS) -> None:
+        for name in names:
+            while name in r.open_reads and self.read(r, name):
+                pass
+
+    def close(self) -> None:
+        for key in list(self.selector.get_map().values()):
+            self.selector.unregister(key.fileobj)
+            if key.data is not None:
+                os.close(key.fd)
+        self.selector.close()

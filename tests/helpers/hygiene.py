@@ -1,0 +1,216 @@
+"""Plain Python launchers for the process-hygiene tests; each scenario prints what it saw.
+
+Usage: python -m tests.helpers.hygiene SCENARIO START_METHOD [ARG]
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import enot_nb
+from enot_nb import _spawn
+from enot_nb import distributed as ed
+from tests.conftest import descendants, is_fork_server_of
+
+
+def say(*words: object) -> None:
+    print(*words, flush=True)
+
+
+def leftovers(seconds: float = 5.0) -> list[int]:
+    """Our descendants other than the fork server and the watchdog, after up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [p for p in descendants() if not is_fork_server_of(p, {os.getpid()})]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# ----------------------------------------------------------------------------- jobs (top level)
+
+
+def early_return_then_fail(flag: str) -> None:
+    """Rank 1 returns at once (and is reaped); rank 0 waits for ``flag``, then fails."""
+    say(f"rank {ed.get_rank()} pid {os.getpid()}")
+    if ed.get_rank() == 0:
+        while not os.path.exists(flag):
+            time.sleep(0.01)
+        raise RuntimeError("rank 0 fails after rank 1 returned")
+
+
+def with_descendants() -> None:
+    """Each worker starts a child and a grandchild (in its own process group), then blocks."""
+    child = subprocess.Popen(["sleep", "300"])
+    grand = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE,
+                             text=True)
+    grandchild = int(grand.stdout.readline())
+    say(f"tree {os.getpid()} {child.pid} {grand.pid} {grandchild}")
+    time.sleep(3600)
+
+
+def trivial() -> int:
+    return ed.get_rank() + 41
+
+
+def ranks_total(tensors: list) -> float:
+    return float(sum(t.sum().item() for t in tensors))
+
+
+def sockets_used() -> dict:
+    """The local addresses of every TCP socket this worker has, and the store's listeners."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    mine, listening = [], []
+    port = int(os.environ["MASTER_PORT"])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                address, state, inode = fields[1], fields[3], fields[9]
+                host, port_hex = address.rsplit(":", 1)
+                if inode in inodes:
+                    mine.append(host)
+                if state == "0A" and int(port_hex, 16) == port:
+                    listening.append(host)
+    return {"mine": mine, "listening": listening}
+
+
+def big_result() -> object:
+    import torch
+
+    return torch.full((2**19,), float(ed.get_rank()))  # 2 MiB
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def pid_reuse(method: str, flag: str) -> None:
+    try:
+        enot_nb.notebook_launcher(early_return_then_fail, args=(flag,), nprocs=2, backend="gloo",
+                                  start_method=method, output="all")
+    except enot_nb.WorkerFailedError as err:
+        say("failed", err.rank)
+
+
+def interrupt_at(method: str, step: str) -> None:
+    """SIGINT delivered at a named step of the start; then a normal launch must work."""
+    def interrupt(*_: object) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    _spawn.TEST_HOOKS[step] = interrupt
+    if step == "server_starting":
+        _spawn.shutdown_server()  # the hook fires while a new one starts
+    try:
+        enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
+        say("not interrupted")
+    except KeyboardInterrupt:
+        say("interrupted")
+    _spawn.TEST_HOOKS.clear()
+    left = leftovers()
+    say("left", json.dumps(left))
+    start = time.monotonic()
+    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method),
+        round(time.monotonic() - start, 2))
+
+
+def interrupt_sweep(method: str, tries: str) -> None:
+    """Wait for "go" on stdin, launch; the test sends SIGINT at a random moment."""
+    for _ in range(int(tries)):
+        say("ready")
+        sys.stdin.readline()
+        try:
+            enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
+            say("finished")
+        except KeyboardInterrupt:
+            say("interrupted")
+        say("left", json.dumps(leftovers()))
+    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+
+
+def descendants_then_block(method: str) -> None:
+    enot_nb.notebook_launcher(with_descendants, nprocs=2, backend="gloo", start_method=method,
+                              output="all")
+
+
+def fd_limit(method: str) -> None:
+    import resource
+
+    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)  # warm
+    before = open_fds()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (before + 40, hard))
+    try:
+        enot_nb.notebook_launcher(trivial, nprocs=30, backend="gloo", start_method=method)
+        say("started anyway")
+    except enot_nb.LaunchError as err:
+        say("error", json.dumps(str(err)))
+    say("fds", before, open_fds())
+    say("left", json.dumps(leftovers()))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+
+
+def fork_fails(method: str) -> None:
+    def refuse(rank: int) -> None:
+        if rank == 1:
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)  # warm
+    before = open_fds()
+    _spawn.TEST_HOOKS["fork"] = refuse
+    try:
+        enot_nb.notebook_launcher(trivial, nprocs=3, backend="gloo", start_method=method)
+        say("started anyway")
+    except enot_nb.LaunchError as err:
+        say("error", json.dumps(str(err)))
+    _spawn.TEST_HOOKS.clear()
+    say("fds", before, open_fds())
+    say("left", json.dumps(leftovers()))
+    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+
+
+def sockets(method: str, port: str) -> None:
+    kwargs = {"master_port": int(port)} if port != "none" else {}
+    result = enot_nb.notebook_launcher(sockets_used, nprocs=2, backend="gloo", start_method=method,
+                                       **kwargs)
+    say("sockets", json.dumps(result))
+
+
+def kept_results(method: str) -> None:
+    kept = [enot_nb.notebook_launcher(big_result, nprocs=2, backend="gloo", start_method=method)]
+    before = open_fds()
+    for _ in range(49):
+        kept.append(enot_nb.notebook_launcher(big_result, nprocs=2, backend="gloo",
+                                              start_method=method))
+    say("fds", before, open_fds(), len(kept), float(sum(t.sum() for t in kept)))
+
+
+def many_tensors(method: str) -> None:
+    import torch
+
+    tensors = [torch.full((2**18,), float(i)) for i in range(300)]  # 300 x 1 MiB
+    total = enot_nb.notebook_launcher(ranks_total, args=(tensors,), nprocs=2, backend="gloo",
+                                      start_method=method)
+    say("total", total, float(sum(t.sum().item() for t in tensors)))
+
+
+if __name__ == "__main__":
+    scenario, *arguments = sys.argv[1:]
+    globals()[scenario](*arguments)

@@ -1,0 +1,238 @@
+"""Process hygiene and security: never signal a stranger, never leave a process, never leak.
+
+Each test runs a plain Python launcher (tests/helpers/hygiene.py) in a subprocess, injects the
+fault, and reads what it saw; figures go to RELIABILITY.md (ENOT_NB_RELIABILITY_FIGURES).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._util import free_port, record_figure
+from tests.kernel import ROOT
+
+pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
+METHODS = ["fork", "spawn"]
+
+
+def helper(*args: str, stdin: int | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.helpers.hygiene", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True,
+                            env=os.environ | {"PYTHONPATH": str(ROOT)})
+
+
+def lines_of(proc: subprocess.Popen, timeout: float = 90) -> dict[str, list[str]]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out + err
+    seen: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        word, _, rest = line.partition(" ")
+        seen.setdefault(word, []).append(rest)
+    return seen
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def gone_within(pids: list[int], seconds: float) -> float | None:
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        if not any(alive(p) for p in pids):
+            return time.monotonic() - start
+        time.sleep(0.01)
+    return None
+
+
+# ----------------------------------------------------------------------------- 1. pid reuse
+
+
+def _take_pid(pid: int) -> subprocess.Popen | None:
+    """Start an unrelated `sleep` with exactly ``pid`` (root: /proc/sys/kernel/ns_last_pid)."""
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        stranger = subprocess.Popen(["sleep", "30"])
+        if stranger.pid == pid:
+            return stranger
+        stranger.kill()
+        stranger.wait()
+    return None
+
+
+@pytest.mark.skipif(not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
+                    reason="choosing the next pid needs root (/proc/sys/kernel/ns_last_pid)")
+@pytest.mark.parametrize("method", METHODS)
+def test_a_reused_pid_is_never_signalled(method, tmp_path):
+    flag = tmp_path / "go"
+    proc = helper("pid_reuse", method, str(flag))
+    pid = None
+    while pid is None:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        if "rank 1 pid" in line:
+            pid = int(line.split()[-1])
+    assert gone_within([pid], 10) is not None and not os.path.exists(f"/proc/{pid}")
+    stranger = _take_pid(pid)
+    assert stranger is not None, "could not start a process with the freed pid"
+    try:
+        flag.touch()  # rank 0 fails now: the launcher stops and closes everything
+        assert "failed" in lines_of(proc)
+        time.sleep(0.2)
+        assert stranger.poll() is None, f"the stranger that took pid {pid} was signalled"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# ----------------------------------------------------------------------------- 2. interrupts at start
+
+
+STEPS = {"fork": ["before_forks", "between_forks", "after_forks"],
+         "spawn": ["server_starting", "launch_sent", "fork"]}
+
+
+@pytest.mark.parametrize("method, step", [(m, s) for m in METHODS for s in STEPS[m]])
+def test_an_interrupt_at_each_step_of_a_start_leaves_nothing(method, step):
+    seen = lines_of(helper("interrupt_at", method, step))
+    assert "interrupted" in seen, seen
+    assert json.loads(seen["left"][0]) == []
+    result, seconds = seen["next"][0].split()
+    assert result == "41" and float(seconds) < 10  # the fork server is idle and usable
+    record_figure(f"interrupt_at_{method}_{step}_next_launch_s", float(seconds))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_interrupts_at_random_moments_leave_nothing(method):
+    tries = 8
+    proc = helper("interrupt_sweep", method, str(tries), stdin=subprocess.PIPE)
+    rng = random.Random(12)
+    interrupted = 0
+    for _ in range(tries):
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(rng.uniform(0.0, 0.25))
+        proc.send_signal(signal.SIGINT)
+        outcome = proc.stdout.readline().strip()
+        interrupted += outcome == "interrupted"
+        left = proc.stdout.readline().strip()
+        assert left == "left []", left
+    proc.stdin.close()
+    seen = lines_of(proc)
+    assert seen["next"] == ["41"]
+    assert interrupted >= 1
+
+
+# ----------------------------------------------------------------------------- 3. descendants
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sigkill_of_the_launcher_takes_grandchildren_and_rendezvous_down(method):
+    before = set(Path(tempfile.gettempdir()).glob("enot_nb-rendezvous-*"))
+    proc = helper("descendants_then_block", method)
+    trees = []
+    while len(trees) < 2:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        if "tree " in line:
+            trees.append([int(p) for p in line.split("tree ")[1].split()])
+    pids = [p for tree in trees for p in tree]
+    proc.kill()
+    proc.communicate(timeout=10)
+    took = gone_within(pids, 5)
+    assert took is not None, [p for p in pids if alive(p)]
+    record_figure(f"launcher_sigkill_tree_gone_{method}_s", took)
+    deadline = time.monotonic() + 5
+    while set(Path(tempfile.gettempdir()).glob("enot_nb-rendezvous-*")) - before:
+        assert time.monotonic() < deadline, "the rendezvous folder outlived the launcher"
+        time.sleep(0.02)
+
+
+# ----------------------------------------------------------------------------- 4, 5. resources
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_too_few_file_descriptors_is_one_clear_error_and_leaks_nothing(method):
+    seen = lines_of(helper("fd_limit", method))
+    error = json.loads(seen["error"][0])
+    assert "too many open files" in error and "ulimit -n" in error
+    before, after = map(int, seen["fds"][0].split())
+    assert after == before
+    assert json.loads(seen["left"][0]) == []
+    assert seen["next"] == ["41"]
+    record_figure(f"fd_limit_fds_{method}", [before, after])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_fork_that_fails_part_way_is_one_clear_error_and_leaves_nothing(method):
+    if method == "spawn":
+        pytest.skip("the fork server's forks are injected through ENOT_NB_TEST_FORK_FAIL_AT")
+    seen = lines_of(helper("fork_fails", method))
+    error = json.loads(seen["error"][0])
+    assert "RLIMIT_NPROC" in error and "rank 1" in error
+    before, after = map(int, seen["fds"][0].split())
+    assert after == before
+    assert json.loads(seen["left"][0]) == []
+    assert seen["next"] == ["41"]
+
+
+def test_a_fork_server_fork_that_fails_part_way(monkeypatch):
+    monkeypatch.setenv("ENOT_NB_TEST_FORK_FAIL_AT", "1")
+    seen = lines_of(helper("fork_fails", "spawn"))
+    error = json.loads(seen["error"][0])
+    assert "RLIMIT_NPROC" in error
+    before, after = map(int, seen["fds"][0].split())
+    assert after == before
+    assert json.loads(seen["left"][0]) == []
+
+
+# ----------------------------------------------------------------------------- 6. binding
+
+
+def _is_loopback(hex_address: str) -> bool:
+    if len(hex_address) == 8:  # IPv4, little-endian
+        return hex_address.endswith("7F")
+    return hex_address in ("00000000000000000000000001000000",) or \
+        hex_address.startswith("0000000000000000FFFF0000") and hex_address.endswith("7F")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("port", ["none", "explicit"])
+def test_one_node_listens_and_talks_on_loopback_only(method, port):
+    seen = lines_of(helper("sockets", method, str(free_port()) if port == "explicit" else "none"))
+    found = json.loads(seen["sockets"][0])
+    assert found["mine"], "the worker has no TCP socket at all?"
+    assert all(_is_loopback(a) for a in found["mine"]), found
+    if port == "explicit":
+        assert found["listening"] and all(_is_loopback(a) for a in found["listening"]), found
+
+
+# ----------------------------------------------------------------------------- 7, 8. many things
+
+
+def test_three_hundred_tensors_reach_spawned_workers():
+    total, expected = map(float, lines_of(helper("many_tensors", "spawn"))["total"][0].split())
+    assert total == expected
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_kept_results_hold_no_file_descriptor(method):
+    before, after, kept, total = lines_of(helper("kept_results", method))["fds"][0].split()
+    assert int(kept) == 50 and float(total) == 0.0
+    assert int(after) - int(before) <= 2, (before, after)
+    record_figure(f"kept_results_fds_{method}", [int(before), int(after)])
