@@ -22,6 +22,7 @@ is reaped: while the leader is a zombie, its group id cannot be anybody else's.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -35,8 +36,11 @@ def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: lis
     """Fork one worker per spec; {pid: (rank, pidfd)}. On failure nothing is left running."""
     pipes, result_fd, shared_fd = layout.split(fds)
     started: dict[int, tuple[int, int]] = {}
+    fail_at = os.environ.get("ENOT_NB_TEST_FORK_FAIL_AT")  # fault injection for the tests
     try:
         for index, spec in enumerate(specs):
+            if fail_at is not None and spec.rank == int(fail_at):
+                raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
             spec.stdout_fd, spec.stderr_fd, spec.message_fd = pipes[index]
             spec.close_fds = [fd for i, trio in enumerate(pipes) if i != index for fd in trio]
             spec.shared_memory_fd = shared_fd

@@ -135,9 +135,16 @@ class ServerGroup:
 
     def start(self) -> dict[int, int]:
         self.server = _spawn.fork_server()
+        _spawn.hook("before_launch")
         self.launch_id = self.server.send_launch(*self._request)
         _spawn.hook("launch_sent")
-        self._started(*self.server.wait_started(self.launch_id))
+        try:
+            started = self.server.wait_started(self.launch_id)
+        except _spawn.StartRefused:
+            self.pids = {}  # the server left nothing running, and is in step
+            raise
+        self._started(*started)
+        _spawn.hook("started")
         assert self.pids is not None
         return self.pids
 

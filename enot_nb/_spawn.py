@@ -45,8 +45,8 @@ SERVER_RECOVERY_TIMEOUT = 5.0
 
 TEST_HOOKS: dict[str, Callable[..., None]] = {}
 """Fault injection for the reliability tests: named points of a start call these, if set
-("before_forks", "between_forks", "after_forks", "fork" (with the rank), "server_starting",
-"launch_sent")."""
+("before_forks", "between_forks", "after_forks", "fork" (with the rank); "server_starting",
+"before_launch", "launch_sent", "started")."""
 
 
 def hook(name: str, *args: Any) -> None:
@@ -159,6 +159,10 @@ def start_error(err: OSError, what: str) -> LaunchError:
     return LaunchError(f"{what}: {type(err).__name__}: {err}")
 
 
+class StartRefused(LaunchError):
+    """The fork server could not start a launch's workers, and left none running."""
+
+
 class ForkServer:
     """The launching process's end of one fork server (see _forkserver)."""
 
@@ -224,8 +228,8 @@ class ForkServer:
                 self.broken = False
                 return pids, dict(zip(sorted(pids), pidfds))
             if message[0] == "start_failed" and message[1] == launch_id:
-                raise start_error(OSError(message[2], message[3]),
-                                  "the fork server could not start the workers")
+                raise StartRefused(str(start_error(OSError(message[2], message[3]),
+                                                   "the fork server could not start the workers")))
 
     def next_message(self, deadline: float | None = None) -> tuple:
         """Block for the next message from the server (until ``deadline``, a monotonic time)."""

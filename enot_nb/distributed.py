@@ -143,6 +143,9 @@ def init_torch(
             "cuda_optimize_for_speed and cuda_reproducible are mutually exclusive; set at most one"
         )
     if seed is not None:
+        # Checked before any generator is seeded: a bad seed leaves them all as they were.
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed!r} must be an int in [0, 2**32) (NumPy's range) or None")
         _seed_everything(seed)
     if cuda_optimize_for_speed:
         torch.backends.cudnn.benchmark = True

@@ -124,15 +124,21 @@ def export_cell(
     """
     from enot_nb import _cell
 
+    from enot_nb.launcher import check_export_options
+
     if cuda_optimize_for_speed and cuda_reproducible:
         raise ValueError("cuda_optimize_for_speed and cuda_reproducible are mutually exclusive")
+    check_export_options(nprocs=nprocs, nnodes=nnodes, backend=backend, seed=seed, output=output,
+                         timeout=timeout, master_addr=master_addr, master_port=master_port)
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error is reported now, not on the cluster
-    script = Path(path).resolve()
+    script = Path(os.path.abspath(path))  # not resolve(): a link must be refused, not followed
+    namespace_file = _beside(script, "namespace.pkl")
+    for target in (script, namespace_file, _beside(script, "results.pkl")):
+        refuse_links(target)
     script.parent.mkdir(parents=True, exist_ok=True)
     values, left_out, _, _ = _cell.shippable_namespace(namespace or {}, code)
-    namespace_file = _beside(script, "namespace.pkl")
-    with open(namespace_file, "wb") as f:
-        cloudpickle.dump({"values": values, "left_out": left_out}, f, protocol=5)
+    write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out},
+                                                       protocol=5))
     import torch
 
     from enot_nb import __version__
@@ -144,16 +150,39 @@ def export_cell(
         "output": output, "sync": sync, "no_sync": no_sync, "returns": returns,
         "no_return": no_return, "command": command,
     }
-    script.write_text(SCRIPT_TEMPLATE.format(
+    write_atomically(script, SCRIPT_TEMPLATE.format(
         command=command, python=platform.python_version(), torch=torch.__version__,
         enot_nb=__version__, namespace_name=namespace_file.name,
         results_name=_beside(script, "results.pkl").name, script_name=script.name,
-        cell=code, options=options))
-    script.chmod(0o755)
+        cell=code, options=options).encode(), mode=0o755)
     exported = ExportedCell(script, namespace_file, _beside(script, "results.pkl"), command)
     for name, reason in left_out.items():
         print(f"enot_nb: {name!r} was not exported: {reason}", file=sys.stderr)
     return exported
+
+
+def refuse_links(path: Path) -> None:
+    """A planted symbolic link would make an export overwrite another file: refuse it."""
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link; enot_nb does not write through links (it "
+                         "would overwrite the file it points to). Remove it or export elsewhere")
+
+
+def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write a temporary file beside ``path``, then rename it over ``path``: readers never see
+    half a file, and a link planted meanwhile is replaced, never followed."""
+    import tempfile
+
+    refuse_links(path)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
@@ -231,7 +260,5 @@ def _save_results(script: Path, outcome: Any, namespace: dict[str, Any]) -> None
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not saved: {reason}", file=sys.stderr)
     target = _beside(script, "results.pkl")
-    partial = target.with_name(target.name + ".partial")
-    partial.write_bytes(_pickling.dump_inline(values))
-    partial.replace(target)  # readers never see half a file
+    write_atomically(target, _pickling.dump_inline(values))
     print(f"enot_nb: saved {', '.join(sorted(values)) or 'nothing'} to {target}", file=sys.stderr)

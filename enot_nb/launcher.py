@@ -198,11 +198,7 @@ def plan_launch(
         raise LaunchConfigError(f"node_rank={node_rank} is out of range for nnodes={nnodes}; "
                                 f"use 0 <= node_rank < {nnodes}")
     _check_int("max_restarts", max_restarts, low=0)
-    if seed is not None:
-        _check_int("seed", seed, low=0)
-        if seed >= 2**32:
-            raise LaunchConfigError(f"seed={seed} must be below 2**32 (NumPy's limit); pick a "
-                                    "smaller seed")
+    _check_seed(seed)
     if output not in _OUTPUT_MODES:
         raise LaunchConfigError(f"output={output!r} is not one of {', '.join(_OUTPUT_MODES)}")
     if start_method not in _START_METHODS:
@@ -231,6 +227,36 @@ def plan_launch(
         init_kwargs=_worker.init_kwargs(seed, cuda_optimize_for_speed, cuda_reproducible, backend,
                                         timeout),
     )
+
+
+def check_export_options(*, nprocs: int | None, nnodes: int, backend: str | None, seed: int | None,
+                         output: str, timeout: float, master_addr: str,
+                         master_port: int | None) -> None:
+    """The launch options an exported script takes, checked as a launch checks them (the GPUs
+    and backends of the machines it will run on are not known here)."""
+    if nprocs is not None:
+        _check_int("nprocs", nprocs, low=1)
+    _check_int("nnodes", nnodes, low=1)
+    _check_seed(seed)
+    if output not in _OUTPUT_MODES:
+        raise LaunchConfigError(f"output={output!r} is not one of {', '.join(_OUTPUT_MODES)}")
+    if backend is not None and (not isinstance(backend, str) or not backend):
+        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'")
+    _as_timedelta(timeout)
+    if not isinstance(master_addr, str) or not master_addr:
+        raise LaunchConfigError(f"master_addr={master_addr!r} must be a host name or an IP address")
+    if master_port is not None:
+        _check_int("master_port", master_port, low=1)
+        if master_port > 65535:
+            raise LaunchConfigError(f"master_port={master_port} must be at most 65535")
+
+
+def _check_seed(seed: Any) -> None:
+    if seed is not None:
+        _check_int("seed", seed, low=0)
+        if seed >= 2**32:
+            raise LaunchConfigError(f"seed={seed} must be below 2**32 (NumPy's limit); pick a "
+                                    "smaller seed")
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

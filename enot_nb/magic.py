@@ -133,6 +133,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         shown=args.output != "none", keep_on_error=args.on_error == "keep",
     )
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
+    _check_sync(shell.user_ns, options.sync)
     namespace = shell.user_ns
     hidden = shell.user_ns_hidden
     if plan.start_method == "fork":
@@ -159,6 +160,19 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         print("enot_nb: --no-return: nothing came back; the notebook is as it was before the cell",
               file=sys.stderr)
     return _bring_back(shell, registry, outcome, options)
+
+
+def _check_sync(namespace: dict[str, Any], names: list[str] | None) -> None:
+    """--sync names models the notebook holds: checked here, before any process starts."""
+    import torch
+
+    for name in names or []:
+        if name not in namespace:
+            raise UsageError(f"--sync {name}: the notebook has no variable {name!r}; --sync takes "
+                             "the names of models (torch.nn.Module) to broadcast before the cell")
+        if not isinstance(namespace[name], torch.nn.Module):
+            raise UsageError(f"--sync {name}: {name!r} is a {type(namespace[name]).__name__}, not a "
+                             "torch.nn.Module; --sync takes models")
 
 
 class CellInterrupted(KeyboardInterrupt):
@@ -214,6 +228,8 @@ def _export(shell: Any, code: str, args: Any) -> None:
     except SyntaxError:
         shell.showsyntaxerror()
         return None
+    except ValueError as err:  # a bad option (LaunchConfigError) or a planted link
+        raise UsageError(f"%%enot_distributed --export: {err}") from None
     except OSError as err:
         raise UsageError(f"--export {args.export}: cannot write there ({err})") from None
     print(exported.describe())

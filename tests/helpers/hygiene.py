@@ -133,14 +133,22 @@ def interrupt_at(method: str, step: str) -> None:
 def interrupt_sweep(method: str, tries: str) -> None:
     """Wait for "go" on stdin, launch; the test sends SIGINT at a random moment."""
     for _ in range(int(tries)):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         say("ready")
         sys.stdin.readline()
+        outcome = "finished"
         try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
-            say("finished")
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT after the launch: not ours
         except KeyboardInterrupt:
-            say("interrupted")
+            outcome = "interrupted"
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        say(outcome)
         say("left", json.dumps(leftovers()))
+    say("ready")
+    sys.stdin.readline()  # the last SIGINT is sent before this: the next launch is not its target
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
 
 
