@@ -235,3 +235,101 @@ def test_kept_results_hold_no_file_descriptor(method):
     assert int(kept) == 50 and float(total) == 0.0
     assert int(after) - int(before) <= 2, (before, after)
     record_figure(f"kept_results_fds_{method}", [int(before), int(after)])
+
+
+# ----------------------------------------------------------------------------- 9. bad inputs
+
+
+def _launch(**options):
+    import enot_nb
+    from tests.helpers import jobs
+
+    return enot_nb.notebook_launcher(jobs.describe, **({"nprocs": 2, "backend": "gloo"} | options))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"timeout": float("nan")}, "timeout=nan must be positive and finite"),
+    ({"timeout": float("inf")}, "timeout=inf must be positive and finite"),
+    ({"timeout": 1e20}, "timeout=1e+20 must be positive and finite"),
+    ({"master_addr": "no-such-host.invalid"}, "master_addr='no-such-host.invalid' cannot be resolved"),
+    ({"master_addr": None}, "master_addr=None must be a host name or an IP address"),
+    ({"backend": "foo"}, "backend='foo' is not available in this PyTorch build"),
+    ({"seed": 2**70}, "must be below 2**32"),
+])
+def test_bad_launch_inputs_fail_before_anything_starts(options, words):
+    from enot_nb.launcher import LaunchConfigError
+
+    start = time.monotonic()
+    with pytest.raises(LaunchConfigError) as caught:
+        _launch(**options)
+    assert words in str(caught.value)
+    assert time.monotonic() - start < 2  # nothing was started and waited for
+
+
+def test_accelerates_positional_nprocs_is_named():
+    import enot_nb
+    from enot_nb.launcher import LaunchConfigError
+    from tests.helpers import jobs
+
+    with pytest.raises(LaunchConfigError, match=r"args=2 must be a tuple.*pass nprocs=2"):
+        enot_nb.notebook_launcher(jobs.describe, 2)
+
+
+def test_a_bad_seed_seeds_nothing():
+    import random
+
+    import numpy
+    import torch
+
+    from enot_nb.distributed import init_torch
+
+    states = (random.getstate(), numpy.random.get_state()[1].tolist(), torch.random.get_rng_state())
+    for seed in ("abc", 2**70, -1, 1.5):
+        with pytest.raises(ValueError, match="seed="):
+            init_torch(seed=seed, backend="gloo")
+    assert random.getstate() == states[0]
+    assert numpy.random.get_state()[1].tolist() == states[1]
+    assert torch.equal(torch.random.get_rng_state(), states[2])
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    from tests.kernel import running_kernel
+
+    with running_kernel("%load_ext enot_nb\nimport torch\nmodel = torch.nn.Linear(2, 2)\nlr = 0.1") as k:
+        yield k
+
+
+@pytest.mark.parametrize("line, words", [
+    ("-n 2 --timeout nan", "timeout=nan"),
+    ("-n 2 --timeout 1e20", "timeout=1e+20"),
+    ("-n 2 --backend glo", "backend='glo' is not available"),
+    ("-n 2 --backend gloo --sync modle", "--sync modle: the notebook has no variable 'modle'"),
+    ("-n 2 --backend gloo --sync lr", "--sync lr: 'lr' is a float, not a torch.nn.Module"),
+    ("-n -3 --export run/x.py", "nprocs=-3"),
+    ("--nnodes 0 --export run/x.py", "nnodes=0"),
+    ("-n 2 --seed 99999999999 --export run/x.py", "below 2**32"),
+])
+def test_bad_magic_inputs_are_usage_errors_before_anything_starts(kernel, line, words, tmp_path):
+    run = kernel.run(f"%%enot_distributed {line.replace('run/', str(tmp_path) + '/')}\nx = 1")
+    assert run.status == "error" and run.stderr.startswith("UsageError: "), run.stderr
+    assert words in run.stderr and "Traceback" not in run.stderr
+    assert not list(tmp_path.iterdir())  # no export written
+
+
+# ----------------------------------------------------------------------------- 10. links
+
+
+@pytest.mark.parametrize("planted", ["train.namespace.pkl", "train.py", "train.results.pkl"])
+def test_export_refuses_to_write_through_a_link(tmp_path, planted):
+    import enot_nb
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / planted).symlink_to(victim)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        enot_nb.export_cell("y = 1", run / "train.py", {"x": 1}, nprocs=2, backend="gloo")
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in run.iterdir()) == [planted]
