@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_cells, bench_launch, bench_sync  # noqa: E402
-from benchmarks.harness import ROOT, Row  # noqa: E402
+from benchmarks import bench_cells, bench_launch, bench_sync  # noqa: E402 - after the sys.path line above
+from benchmarks.harness import ROOT, Row  # noqa: E402 - after the sys.path line above
 
 OUT = ROOT / "benchmarks" / "results"
 

@@ -42,15 +42,15 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
         nbytes = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
         flat = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
         results[name] = {
-            "flat all_reduce (reference)": _time(lambda: dist.all_reduce(flat), repeats),
-            "sync_model, reduce": _time(lambda: ed.sync_model(model), repeats),
-            "per-tensor all_reduce": _time(lambda: _per_tensor(model, True), repeats),
-            "flat broadcast (reference)": _time(lambda: dist.broadcast(flat, src=0), repeats),
+            "flat all_reduce (reference)": _time(lambda flat=flat: dist.all_reduce(flat), repeats),
+            "sync_model, reduce": _time(lambda model=model: ed.sync_model(model), repeats),
+            "per-tensor all_reduce": _time(lambda model=model: _per_tensor(model, True), repeats),
+            "flat broadcast (reference)": _time(lambda flat=flat: dist.broadcast(flat, src=0), repeats),
             "sync_model, broadcast": _time(
-                lambda: ed.sync_model(model, reduce_parameters=False, reduce_buffers=False), repeats),
-            "per-tensor broadcast": _time(lambda: _per_tensor(model, False), repeats),
+                lambda model=model: ed.sync_model(model, reduce_parameters=False, reduce_buffers=False), repeats),
+            "per-tensor broadcast": _time(lambda model=model: _per_tensor(model, False), repeats),
             "building DistributedDataParallel": _time(
-                lambda: torch.nn.parallel.DistributedDataParallel(
+                lambda model=model: torch.nn.parallel.DistributedDataParallel(
                     model, device_ids=[device.index] if device.type == "cuda" else None), repeats),
         }
     return results

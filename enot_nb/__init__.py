@@ -34,7 +34,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def load_ipython_extension(ipython):  # noqa: ANN001, ANN201 - IPython's extension protocol
+def load_ipython_extension(ipython: object) -> None:
     """``%load_ext enot_nb`` registers the ``%%enot_distributed`` cell magic."""
     from enot_nb.magic import load_ipython_extension as load
 

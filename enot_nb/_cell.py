@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import ast
 import builtins
-import io
 import linecache
 import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _objgraph, _pickling, _state, _worker
+from enot_nb import _figures, _objgraph, _pickling, _state, _worker
 from enot_nb._objgraph import Registry
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -201,7 +200,7 @@ def _install_display(options: CellOptions) -> Any:
         shell = InteractiveShell.instance(config=config)
     shell.display_pub = _PipePublisher(options)
     png = shell.display_formatter.formatters["image/png"]
-    png.for_type_by_name("matplotlib.figure", "Figure", figure_png)
+    png.for_type_by_name("matplotlib.figure", "Figure", _figures.figure_png)
     builtins.input = _no_input  # ipykernel's input() would ask the kernel's frontend over zmq
     import os
 
@@ -214,12 +213,6 @@ def _install_display(options: CellOptions) -> Any:
 def _no_input(prompt: str = "") -> str:
     raise RuntimeError("input() is not available in a %%enot_distributed cell: read the value in "
                        "an ordinary cell before it and use the variable")
-
-
-def figure_png(figure: Any) -> bytes:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", bbox_inches="tight")
-    return buffer.getvalue()
 
 
 def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
@@ -248,8 +241,8 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
         tracker = _Tracker(registry, namespace, hidden)
     figures_before = _open_figures()
     try:
-        exec(compile(body, CELL_FILENAME, "exec"), namespace)  # noqa: S102 - the user's cell
-        value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None  # noqa: S307
+        exec(compile(body, CELL_FILENAME, "exec"), namespace)  # running the user's cell is the point
+        value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
     except BaseException as exc:
         if tracker is not None and (isinstance(exc, KeyboardInterrupt) or options.keep_on_error):
             _send_partial(tracker, options)
@@ -332,9 +325,8 @@ def _show_new_figures(before: set[int], show: bool) -> None:
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is None:
         return
-    from enot_nb._mpl_backend import publish_figure
 
     for number in sorted(set(pyplot.get_fignums()) - before):
         if show:
-            publish_figure(pyplot.figure(number))
+            _figures.publish_figure(pyplot.figure(number))
         pyplot.close(number)

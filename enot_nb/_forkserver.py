@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+
 from enot_nb import _channel, _pickling, _worker
 from enot_nb._channel import LaunchFds
 
@@ -127,14 +128,14 @@ def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     _worker._die_with_parent(int(sys.argv[2]))
     import cloudpickle  # noqa: F401 - preloaded for the workers
-    import torch  # noqa: F401 - the expensive import, done once here instead of in every worker
 
-    import enot_nb.distributed  # noqa: F401
     # What a distributed cell's worker needs (its display publisher lives on an IPython shell):
     # imported once here instead of in every worker of every cell (~0.15 s each, measured).
-    import IPython.core.interactiveshell  # noqa: F401
+    import IPython.core.interactiveshell  # noqa: F401 - preloaded for the workers
+    import torch  # noqa: F401 - the expensive import, done once here instead of in every worker
 
-    import enot_nb._cell  # noqa: F401
+    import enot_nb._cell  # noqa: F401 - preloaded for the workers
+    import enot_nb.distributed  # noqa: F401 - preloaded for the workers
 
     _channel.send_message(sock, ("ready", os.getpid()))
     serve(sock)

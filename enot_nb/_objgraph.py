@@ -263,7 +263,7 @@ class Registry:
             return
         try:
             kind = kind_of(obj)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - an object that resists inspection is left untracked
             kind = "opaque"
         if kind is None:
             return
@@ -498,7 +498,7 @@ class Snapshot:
                         changed.append(i)
                     continue
                 now = shallow_state(obj, kind)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - an object that resists inspection is left untracked
                 continue
             if kind == "set":
                 unchanged = ({id(x) for x in before[0]} == {id(x) for x in now[0]}

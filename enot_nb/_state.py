@@ -171,7 +171,7 @@ class _DryStatePickler(StatePickler):
 def _reason(value: Any, registry: Registry) -> str | None:
     try:
         _dry(value, registry)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - any failure means it cannot come back
         return f"{type(value).__name__} cannot be pickled: {err}"
     return None
 

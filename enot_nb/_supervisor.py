@@ -32,7 +32,7 @@ from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from enot_nb.launcher import LaunchPlan
+    from enot_nb._plan import LaunchPlan
 
 # Seconds a signal gets to stop the workers before the next, harsher one (SIGINT, SIGTERM, SIGKILL).
 STOP_GRACE = float(os.environ.get("ENOT_NB_STOP_GRACE", "1.0"))
@@ -71,7 +71,75 @@ class Outcome:
     partial: Any = None
 
 
-class Attempt:
+class _Stopping:
+    """How an attempt stops its workers: the one escalation, and the interrupt (stack dumps,
+    the master alone saving its state, then everyone stopped). Part of Attempt."""
+
+    ranks: list[Rank]
+    group: WorkerGroup | None
+    io: RankIO | None
+    stopping: bool
+
+    def _signal_running(self, signum: int, ranks: list[Rank] | None = None) -> None:
+        assert self.group is not None
+        for r in ranks if ranks is not None else self.ranks:
+            if r.running:
+                self.group.signal(r.rank, signum)
+
+    def _stop(self, ranks: list[Rank]) -> None:
+        """The one escalation: SIGINT, SIGTERM, SIGKILL, STOP_GRACE seconds apart at most."""
+        for signum in _ESCALATION:
+            if not any(r.running for r in ranks):
+                return
+            self._signal_running(signum, ranks)
+            self._pump(STOP_GRACE, force_show=False, until=lambda: not any(r.running for r in ranks))
+
+    def _interrupt(self) -> None:
+        """Show where every rank is; let the master, alone, send the state it reached; then stop
+        everyone."""
+        self.stopping = True  # deaths from here on are our doing
+        running = [r for r in self.ranks if r.running]
+        if running and self.io is not None:
+            print(f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:",
+                  file=sys.stderr, flush=True)
+            self._signal_running(signal.SIGUSR1, running)
+            self.io.capturing_stacks = True
+            self._pump(STACK_DUMP_WAIT, force_show=True)
+            self.io.capturing_stacks = False
+            for r in running:
+                print(stack_report(r.rank, r.stack_text), file=sys.stderr, flush=True)
+        master = next((r for r in self.ranks if r.rank == 0 and r.running), None)
+        if master is not None and self.group is not None:
+            self.group.signal(master.rank, signal.SIGINT)
+            self._pump(INTERRUPT_SAVE_WAIT, force_show=False,
+                       until=lambda: master.partial is not None or not master.running)
+        self._stop(self.ranks)
+
+    def _pump(self, seconds: float, force_show: bool, until: Callable[[], bool] | None = None) -> None:
+        """Read output and exits for up to ``seconds``, or until all is quiet (``force_show``),
+        or until ``until()`` holds."""
+        deadline = time.monotonic() + seconds
+        quiet_after_output = 0.2
+        while self.group is not None and any(r.running for r in self.ranks):
+            if until is not None and until():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = self._select(min(left, quiet_after_output) if force_show else left)
+            if not events and force_show:
+                return
+            self._handle(events, force_show)
+
+
+    def _select(self, timeout: float | None) -> list:
+        raise NotImplementedError
+
+    def _handle(self, events: list, force_show: bool = False) -> None:
+        raise NotImplementedError
+
+
+class Attempt(_Stopping):
     """One start of the whole group: start -> supervise -> collect -> close."""
 
     def __init__(self, plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
@@ -103,55 +171,18 @@ class Attempt:
         self.ranks = make_ranks(self.plan.nprocs, self.plan.node_rank, self.plan.output)
         self.io = RankIO(self.ranks, self.on_message, self._record_error)
         try:
-            self.group = self._make_group()
+            if self.plan.node_rank == 0:  # global rank 0 runs here
+                self.result_fd = _pickling.result_fd()
+            self.group, self.rendezvous_dir = make_group(self.plan, self.job, self.shipped,
+                                                         self.ranks, self.attempt, self.result_fd)
             for rank, pid in self.group.start().items():
                 self._rank(rank).pid = pid
         finally:
             for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
-                for read_end, write_end in r.pipes.values():
+                for _, write_end in r.pipes.values():
                     os.close(write_end)
         for source in self.group.sources():
             self.io.selector.register(source, selectors.EVENT_READ, None)
-
-    def _make_group(self) -> WorkerGroup:
-        """Describe each rank (environment, descriptors, rendezvous) and make its group."""
-        plan = self.plan
-        if plan.node_rank == 0:  # global rank 0 runs here
-            self.result_fd = _pickling.result_fd()
-        init_kwargs = dict(plan.init_kwargs)
-        address = plan.master_addr if plan.nnodes > 1 else _rendezvous.loopback_for(plan.master_addr)
-        port = plan.master_port or 0
-        if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
-            self.rendezvous_dir = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")  # mode 0700
-            _spawn.watchdog().tell(f"folder {self.rendezvous_dir}")
-            init_kwargs["init_method"] = f"file://{self.rendezvous_dir}/store"
-            port = _rendezvous.free_port(address)  # for code that reads MASTER_PORT
-        else:
-            port = port or _rendezvous.free_port(address)
-            init_kwargs["init_method"] = _rendezvous.url(address, port)
-        fork = plan.start_method == "fork"
-        specs = [_worker.WorkerSpec(
-            rank=r.rank, env=rank_environment(plan, r.local_rank, address, port, self.attempt),
-            cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
-            threads=plan.threads, init_kwargs=init_kwargs, parent_pid=os.getpid(),
-            stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1], message_fd=r.pipes["msg"][1],
-            close_fds=self._not_for(r) if fork else [],
-            result_fd=self.result_fd) for r in self.ranks]
-        if fork:
-            job = self.job
-            return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs])
-        job_bytes, shared = self.shipped or (b"", [])
-        result = [self.result_fd] if self.result_fd is not None else []
-        layout = LaunchFds(ranks=len(specs), results=len(result), shared=len(shared))
-        fds = [r.pipes[name][1] for r in self.ranks for name in ("out", "err", "msg")] + result + shared
-        return ServerGroup(specs, fds, job_bytes, layout)
-
-    def _not_for(self, r: Rank) -> list[int]:
-        """What a forked worker inherits but must close: every read end, the other ranks'
-        write ends (or EOF would never come), the watchdog's pipe."""
-        fds = [pair[0] if o is r else fd for o in self.ranks for pair in o.pipes.values()
-               for fd in (pair if o is not r else pair[:1])]
-        return fds + [_spawn.watchdog().fd]
 
     def _rank(self, rank: int) -> Rank:
         return next(r for r in self.ranks if r.rank == rank)
@@ -208,59 +239,6 @@ class Attempt:
     def _record_error(self, r: Rank, info: dict[str, Any]) -> None:
         self.failures.append(WorkerFailure.raised(r.rank, info, self.attempt, r.sinks["err"].tail()))
 
-    def _signal_running(self, signum: int, ranks: list[Rank] | None = None) -> None:
-        assert self.group is not None
-        for r in ranks if ranks is not None else self.ranks:
-            if r.running:
-                self.group.signal(r.rank, signum)
-
-    def _stop(self, ranks: list[Rank]) -> None:
-        """The one escalation: SIGINT, SIGTERM, SIGKILL, STOP_GRACE seconds apart at most."""
-        for signum in _ESCALATION:
-            if not any(r.running for r in ranks):
-                return
-            self._signal_running(signum, ranks)
-            self._pump(STOP_GRACE, force_show=False, until=lambda: not any(r.running for r in ranks))
-
-    # ------------------------------------------------------------------------- interrupt
-
-    def _interrupt(self) -> None:
-        """Show where every rank is; let the master, alone, send the state it reached; then stop
-        everyone."""
-        self.stopping = True  # deaths from here on are our doing
-        running = [r for r in self.ranks if r.running]
-        if running and self.io is not None:
-            print(f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:",
-                  file=sys.stderr, flush=True)
-            self._signal_running(signal.SIGUSR1, running)
-            self.io.capturing_stacks = True
-            self._pump(STACK_DUMP_WAIT, force_show=True)
-            self.io.capturing_stacks = False
-            for r in running:
-                print(stack_report(r.rank, r.stack_text), file=sys.stderr, flush=True)
-        master = next((r for r in self.ranks if r.rank == 0 and r.running), None)
-        if master is not None and self.group is not None:
-            self.group.signal(master.rank, signal.SIGINT)
-            self._pump(INTERRUPT_SAVE_WAIT, force_show=False,
-                       until=lambda: master.partial is not None or not master.running)
-        self._stop(self.ranks)
-
-    def _pump(self, seconds: float, force_show: bool, until: Callable[[], bool] | None = None) -> None:
-        """Read output and exits for up to ``seconds``, or until all is quiet (``force_show``),
-        or until ``until()`` holds."""
-        deadline = time.monotonic() + seconds
-        quiet_after_output = 0.2
-        while self.group is not None and any(r.running for r in self.ranks):
-            if until is not None and until():
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            events = self._select(min(left, quiet_after_output) if force_show else left)
-            if not events and force_show:
-                return
-            self._handle(events, force_show)
-
     # ------------------------------------------------------------------------- collect, close
 
     def _collect(self) -> Outcome:
@@ -270,7 +248,7 @@ class Attempt:
         master = next((r for r in self.ranks if r.rank == 0), None)
         if master is None:
             return Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
-        return Outcome(ok=True, result=self._load(master.payload))
+        return Outcome(ok=True, result=load_payload(self.result_fd, master.payload))
 
     def _partial(self) -> Any:
         """Rank 0's state at an interrupt or failure, loaded; None if it sent none."""
@@ -278,21 +256,10 @@ class Attempt:
         if master is None or master.partial is None:
             return None
         try:
-            return self._load(master.partial)
+            return load_payload(self.result_fd, master.partial)
         except LaunchError as err:
             print(f"enot_nb: {err}", file=sys.stderr)
             return None
-
-    def _load(self, payload: tuple[str, Any]) -> Any:
-        kind, data = payload
-        try:
-            if kind == "memfd":
-                return _pickling.read_result(self.result_fd, data)
-            return pickle.loads(data)
-        except Exception as err:
-            raise LaunchError(f"rank 0's result could not be loaded in this process "
-                              f"({type(err).__name__}: {err}); return plain data, tensors or "
-                              "state dicts") from err
 
     def _close(self) -> None:
         if self.group is not None:
@@ -309,6 +276,57 @@ class Attempt:
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             _spawn.watchdog().tell(f"unfolder {self.rendezvous_dir}")
+
+
+def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
+               ranks: list[Rank], attempt: int, result_fd: int | None) -> tuple[WorkerGroup, str | None]:
+    """Describe each rank (environment, descriptors, rendezvous) and make its group; also the
+    rendezvous folder, if the ranks meet through one."""
+    init_kwargs = dict(plan.init_kwargs)
+    address = plan.master_addr if plan.nnodes > 1 else _rendezvous.loopback_for(plan.master_addr)
+    folder = None
+    if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
+        folder = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")  # mode 0700
+        _spawn.watchdog().tell(f"folder {folder}")
+        init_kwargs["init_method"] = f"file://{folder}/store"
+        port = _rendezvous.free_port(address)  # for code that reads MASTER_PORT
+    else:
+        port = plan.master_port or _rendezvous.free_port(address)
+        init_kwargs["init_method"] = _rendezvous.url(address, port)
+    fork = plan.start_method == "fork"
+    specs = [_worker.WorkerSpec(
+        rank=r.rank, env=rank_environment(plan, r.local_rank, address, port, attempt),
+        cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
+        threads=plan.threads, init_kwargs=init_kwargs, parent_pid=os.getpid(),
+        stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1], message_fd=r.pipes["msg"][1],
+        close_fds=_not_for(r, ranks) if fork else [], result_fd=result_fd) for r in ranks]
+    if fork:
+        return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs]), folder
+    job_bytes, shared = shipped or (b"", [])
+    result = [result_fd] if result_fd is not None else []
+    layout = LaunchFds(ranks=len(specs), results=len(result), shared=len(shared))
+    fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")] + result + shared
+    return ServerGroup(specs, fds, job_bytes, layout), folder
+
+
+def _not_for(r: Rank, ranks: list[Rank]) -> list[int]:
+    """What a forked worker inherits but must close: every read end, the other ranks' write
+    ends (or EOF would never come), the watchdog's pipe."""
+    fds = [fd for o in ranks for pair in o.pipes.values() for fd in (pair[:1] if o is r else pair)]
+    return fds + [_spawn.watchdog().fd]
+
+
+def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
+    """Rank 0's result (or partial state), from the result memfd or the message itself."""
+    kind, data = payload
+    try:
+        if kind == "memfd":
+            return _pickling.read_result(result_fd, data)
+        return pickle.loads(data)
+    except Exception as err:
+        raise LaunchError(f"rank 0's result could not be loaded in this process "
+                          f"({type(err).__name__}: {err}); return plain data, tensors or "
+                          "state dicts") from err
 
 
 def stack_report(rank: int, text: str) -> str:

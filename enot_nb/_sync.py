@@ -5,8 +5,9 @@ are grouped by (device, dtype, mode) and packed into bounded buckets, while a la
 tensor is synced alone and in place (packing it would only add two copies). Up to IN_FLIGHT
 collectives are in flight, each bucket with a reused buffer of its own, so packing, dividing
 and unpacking overlap with the communication of the others (4 in flight and 8 MB buckets
-measured best here: within 1.2-1.34x of a single flat collective on ResNet-50 and BERT shapes). Under nccl, CPU tensors (a model not yet moved
-to its GPU) are staged through this rank's GPU, since nccl only reduces device memory.
+measured best here: within 1.2-1.34x of a single flat collective on ResNet-50 and BERT
+shapes). Under nccl, CPU tensors (a model not yet moved to its GPU) are staged through this
+rank's GPU, since nccl only reduces device memory.
 
 Before any data moves, ranks compare a 64-bit fingerprint of the structure (names, shapes,
 dtypes, modes). A mismatch raises on every rank naming the first tensor that differs: a

@@ -85,7 +85,7 @@ def become_worker(spec: WorkerSpec) -> None:
                                   errors="backslashreplace", line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True)
-    sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
+    sys.stdin = open(os.devnull)  # lives as long as the process
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -217,7 +217,7 @@ def _leave(exitcode: int) -> NoReturn:
 
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the process is leaving anyway
             pass
     os._exit(exitcode)
 

@@ -123,7 +123,6 @@ def export_cell(
         print(exported.command)
     """
     from enot_nb import _cell
-
     from enot_nb.launcher import check_export_options
 
     if cuda_optimize_for_speed and cuda_reproducible:

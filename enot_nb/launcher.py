@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import datetime
 import errno
+import math
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import math
-
 from enot_nb import _pickling, _rendezvous, _worker
+from enot_nb._plan import LaunchPlan
 from enot_nb._supervisor import Attempt
 from enot_nb.errors import (
     EnotNbError,
@@ -51,27 +50,6 @@ class LaunchConfigError(EnotNbError, ValueError):
 
 class ConflictingFlagsError(LaunchConfigError, RuntimeError):
     """Both CUDA flags were given (a RuntimeError too, as init_torch raises)."""
-
-
-@dataclass
-class LaunchPlan:
-    """The validated launch: what every attempt starts."""
-
-    nprocs: int
-    nnodes: int
-    node_rank: int
-    backend: str
-    start_method: str
-    output: str
-    master_addr: str
-    master_port: int | None
-    threads: int
-    init_kwargs: dict[str, Any]
-    max_restarts: int
-
-    @property
-    def world_size(self) -> int:
-        return self.nprocs * self.nnodes
 
 
 def notebook_launcher(

@@ -30,6 +30,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     try:
         execute(args.notebook, args.output, args.timeout)
-    except Exception as err:  # nbclient's CellExecutionError carries the cell's traceback
+    except Exception as err:  # noqa: BLE001 - nbclient's CellExecutionError carries the cell's traceback
         print(err, file=sys.stderr)
         sys.exit(1)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tests.conftest import descendants, is_fork_server_of
 from tests._util import record_figure
+from tests.conftest import descendants, is_fork_server_of
 from tests.kernel import running_kernel
 
 pytestmark = pytest.mark.timeout(120)

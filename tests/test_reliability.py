@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import enot_nb
 from enot_nb import WorkerFailedError
-from tests.conftest import descendants, is_fork_server_of
 from tests._util import record_figure
+from tests.conftest import descendants, is_fork_server_of
 from tests.helpers import faults
 from tests.kernel import running_kernel
 
@@ -77,7 +77,8 @@ def test_fault_in_a_kernel(kernel, tmp_path, method, fault):
         f"{str(stamp)!r}, {activity!r}), nprocs=2, backend='gloo', start_method={method!r})\n"
         "except enot_nb.WorkerFailedError as err:\n"
         "    caught = time.monotonic()\n"
-        f"    print(json.dumps([err.rank, err.exitcode, err.signal_name, caught - float(open({str(stamp)!r}).read())]))\n"
+        f"    started = float(open({str(stamp)!r}).read())\n"
+        "    print(json.dumps([err.rank, err.exitcode, err.signal_name, caught - started]))\n"
     )
     rank, exitcode, signal_name, detected = json.loads(run.stdout.strip().splitlines()[-1])
     assert (rank, exitcode, signal_name) == (victim, *faults.EXPECTED[fault][:2])

@@ -53,7 +53,7 @@ def fault_job(fault: str, victim: int, delay: float, stamp_path: str, activity: 
 def print_megabytes(megabytes: int) -> int:
     line = "x" * 99 + "\n"
     count = megabytes * 2**20 // len(line)
-    for i in range(count):
+    for _ in range(count):
         sys.stdout.write(line)
     sys.stdout.write("no newline at the end")  # must not be lost
     return count

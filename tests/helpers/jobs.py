@@ -126,7 +126,7 @@ def inspect_tensors(big, small):
     """Where the tensors of a spawned job live: memfd mappings, not copies from the pipe."""
     with open("/proc/self/maps") as f:
         mapped = [line for line in f if "enot_nb-tensor" in line]
-    in_shm = lambda t: any(  # noqa: E731
+    in_shm = lambda t: any(  # noqa: E731 - a one-line predicate, local to this job
         int(line.split("-")[0], 16) <= t.data_ptr() < int(line.split()[0].split("-")[1], 16)
         for line in mapped)
     result = {"sums": [float(big.sum()), float(small.sum())],
