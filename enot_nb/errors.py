@@ -25,6 +25,21 @@ class LaunchError(EnotNbError, RuntimeError):
     """A launch could not start (nested launch, concurrent launch, fork server gone)."""
 
 
+class LaunchConfigError(EnotNbError, ValueError):
+    """A launcher argument (or magic option) is invalid; raised before any process starts.
+
+    Attributes:
+        parameter: the option at fault (a field of LaunchOptions), or None.
+    """
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.parameter))
+
+
 _SIGNAL_HINTS = {
     "SIGKILL": "most often the out-of-memory killer (see `dmesg`); lower the batch size or nprocs",
     "SIGSEGV": "a crash in native code (a C extension, CUDA or a bad pointer); the worker's "

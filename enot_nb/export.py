@@ -123,12 +123,13 @@ def export_cell(
         print(exported.command)
     """
     from enot_nb import _cell
-    from enot_nb.launcher import check_export_options
+    from enot_nb._options import LaunchOptions
 
-    if cuda_optimize_for_speed and cuda_reproducible:
-        raise ValueError("cuda_optimize_for_speed and cuda_reproducible are mutually exclusive")
-    check_export_options(nprocs=nprocs, nnodes=nnodes, backend=backend, seed=seed, output=output,
-                         timeout=timeout, master_addr=master_addr, master_port=master_port)
+    # Checked as a launch checks them; the GPUs and backends of the cluster are not known here.
+    LaunchOptions(nprocs=nprocs, nnodes=nnodes, backend=backend, seed=seed,
+                  cuda_optimize_for_speed=cuda_optimize_for_speed,
+                  cuda_reproducible=cuda_reproducible, output=output, timeout=timeout,
+                  master_addr=master_addr, master_port=master_port)
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error is reported now, not on the cluster
     script = Path(os.path.abspath(path))  # not resolve(): a link must be refused, not followed
     namespace_file = _beside(script, "namespace.pkl")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import math
 import os
 import sys
 import threading
@@ -31,25 +30,16 @@ from contextlib import contextmanager
 from typing import Any
 
 from enot_nb import _pickling, _rendezvous, _worker
+from enot_nb._options import ConflictingFlagsError, LaunchOptions
 from enot_nb._plan import LaunchPlan
 from enot_nb._supervisor import Attempt
-from enot_nb.errors import (
-    EnotNbError,
-    LaunchError,
-    WorkerFailedError,
-    WorkerFailure,
-)
+from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError, WorkerFailure
 
-_OUTPUT_MODES = ("master", "all", "none")
-_START_METHODS = (None, "fork", "spawn")
+__all__ = ["ConflictingFlagsError", "LaunchConfigError", "LaunchOptions", "launch_job",
+           "notebook_launcher", "plan_launch"]
 
 
-class LaunchConfigError(EnotNbError, ValueError):
-    """A launcher argument is invalid; raised before any process starts."""
 
-
-class ConflictingFlagsError(LaunchConfigError, RuntimeError):
-    """Both CUDA flags were given (a RuntimeError too, as init_torch raises)."""
 
 
 def notebook_launcher(
@@ -116,13 +106,15 @@ def notebook_launcher(
         hint = (f"; to start {args} processes pass nprocs={args}" if isinstance(args, int)
                 and not isinstance(args, bool) else "")
         raise LaunchConfigError(f"args={args!r} must be a tuple of fn's arguments, e.g. "
-                                f"args=(0.1,){hint}")
+                                f"args=(0.1,){hint}", parameter="args")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise LaunchConfigError(f"kwargs={kwargs!r} must be a dict of fn's keyword arguments")
-    plan = plan_launch(nprocs, backend, seed, cuda_optimize_for_speed, cuda_reproducible,
-                       start_method, output, master_addr, master_port, nnodes, node_rank,
-                       max_restarts, timeout)
-    return launch_job(plan, _worker.Job(fn, tuple(args), dict(kwargs or {})))
+    options = LaunchOptions(
+        nprocs=nprocs, backend=backend, seed=seed, cuda_optimize_for_speed=cuda_optimize_for_speed,
+        cuda_reproducible=cuda_reproducible, start_method=start_method, output=output,
+        master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=node_rank,
+        max_restarts=max_restarts, timeout=timeout)
+    return launch_job(plan_launch(options), _worker.Job(fn, tuple(args), dict(kwargs or {})))
 
 
 def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None,
@@ -157,105 +149,36 @@ def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]
 # ----------------------------------------------------------------------------- validate
 
 
-def plan_launch(
-    nprocs: int | None, backend: str | None, seed: int | None,
-    cuda_optimize_for_speed: bool, cuda_reproducible: bool, start_method: str | None,
-    output: str, master_addr: str, master_port: int | None, nnodes: int, node_rank: int,
-    max_restarts: int, timeout: datetime.timedelta | float,
-) -> LaunchPlan:
-    """Check every argument and decide backend, start method and threads; starts nothing."""
+def plan_launch(options: LaunchOptions) -> LaunchPlan:
+    """Decide what depends on this machine (GPUs, backends, addresses, the start method) for
+    options already checked; starts nothing."""
     if os.environ.get(_worker.WORKER_MARKER):
         raise LaunchError("notebook_launcher was called inside a worker process; launches do not "
                           "nest: call the function directly in the worker")
-    if cuda_optimize_for_speed and cuda_reproducible:
-        raise ConflictingFlagsError("cuda_optimize_for_speed and cuda_reproducible are mutually "
-                                    "exclusive; set at most one")
-    _check_int("nnodes", nnodes, low=1)
-    _check_int("node_rank", node_rank, low=0)
-    if node_rank >= nnodes:
-        raise LaunchConfigError(f"node_rank={node_rank} is out of range for nnodes={nnodes}; "
-                                f"use 0 <= node_rank < {nnodes}")
-    _check_int("max_restarts", max_restarts, low=0)
-    _check_seed(seed)
-    if output not in _OUTPUT_MODES:
-        raise LaunchConfigError(f"output={output!r} is not one of {', '.join(_OUTPUT_MODES)}")
-    if start_method not in _START_METHODS:
-        raise LaunchConfigError(f"start_method={start_method!r} is not one of 'fork', 'spawn' or None")
     gpus = visible_gpu_count()
+    nprocs = options.nprocs
     if nprocs is None:
         if gpus == 0:
             raise LaunchConfigError("no GPU is visible, so nprocs cannot default to one process per "
-                                    "GPU; pass nprocs=N (for example nprocs=2, backend='gloo')")
+                                    "GPU; pass nprocs=N (for example nprocs=2, backend='gloo')",
+                                    parameter="nprocs")
         nprocs = gpus
-    _check_int("nprocs", nprocs, low=1)
-    if backend is None:
-        backend = "nccl" if gpus >= nprocs else "gloo"
+    backend = options.backend or ("nccl" if gpus >= nprocs else "gloo")
     if backend == "nccl" and nprocs > gpus:
         raise LaunchConfigError(f"backend='nccl' needs one GPU per process, but nprocs={nprocs} and "
-                                f"{gpus} GPU(s) are visible; lower nprocs or use backend='gloo'")
+                                f"{gpus} GPU(s) are visible; lower nprocs or use backend='gloo'",
+                                parameter="nprocs")
     _check_backend(backend)
-    timeout = _as_timedelta(timeout)
-    master_addr = _resolve(master_addr)
-    _check_port(master_addr, master_port, nnodes, node_rank)
-    start_method = _choose_start_method(start_method)
+    master_addr = _resolve(options.master_addr)
+    _check_port_free(master_addr, options)
     return LaunchPlan(
-        nprocs=nprocs, nnodes=nnodes, node_rank=node_rank, backend=backend,
-        start_method=start_method, output=output, master_addr=master_addr,
-        master_port=master_port, threads=_threads_per_worker(nprocs), max_restarts=max_restarts,
-        init_kwargs=_worker.init_kwargs(seed, cuda_optimize_for_speed, cuda_reproducible, backend,
-                                        timeout),
+        nprocs=nprocs, nnodes=options.nnodes, node_rank=options.node_rank, backend=backend,
+        start_method=_choose_start_method(options.start_method), output=options.output,
+        master_addr=master_addr, master_port=options.master_port,
+        threads=_threads_per_worker(nprocs), max_restarts=options.max_restarts,
+        init_kwargs=_worker.init_kwargs(options.seed, options.cuda_optimize_for_speed,
+                                        options.cuda_reproducible, backend, options.timeout),
     )
-
-
-def check_export_options(*, nprocs: int | None, nnodes: int, backend: str | None, seed: int | None,
-                         output: str, timeout: float, master_addr: str,
-                         master_port: int | None) -> None:
-    """The launch options an exported script takes, checked as a launch checks them (the GPUs
-    and backends of the machines it will run on are not known here)."""
-    if nprocs is not None:
-        _check_int("nprocs", nprocs, low=1)
-    _check_int("nnodes", nnodes, low=1)
-    _check_seed(seed)
-    if output not in _OUTPUT_MODES:
-        raise LaunchConfigError(f"output={output!r} is not one of {', '.join(_OUTPUT_MODES)}")
-    if backend is not None and (not isinstance(backend, str) or not backend):
-        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'")
-    _as_timedelta(timeout)
-    if not isinstance(master_addr, str) or not master_addr:
-        raise LaunchConfigError(f"master_addr={master_addr!r} must be a host name or an IP address")
-    if master_port is not None:
-        _check_int("master_port", master_port, low=1)
-        if master_port > 65535:
-            raise LaunchConfigError(f"master_port={master_port} must be at most 65535")
-
-
-def _check_seed(seed: Any) -> None:
-    if seed is not None:
-        _check_int("seed", seed, low=0)
-        if seed >= 2**32:
-            raise LaunchConfigError(f"seed={seed} must be below 2**32 (NumPy's limit); pick a "
-                                    "smaller seed")
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise LaunchConfigError(f"{name}={value!r} must be an integer >= {low}")
-
-
-def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise LaunchConfigError(f"timeout={timeout!r} must be a datetime.timedelta or seconds")
-    if not (math.isfinite(seconds) and 0 < seconds <= _MAX_TIMEOUT_S):
-        raise LaunchConfigError(f"timeout={timeout!r} must be positive and finite: seconds above 0 "
-                                f"and at most {_MAX_TIMEOUT_S} (a year)")
-    return datetime.timedelta(seconds=seconds)
-
-
-_MAX_TIMEOUT_S = 365 * 24 * 3600
 
 
 def _check_backend(backend: Any) -> None:
@@ -263,7 +186,8 @@ def _check_backend(backend: Any) -> None:
     import torch.distributed as dist
 
     if not isinstance(backend, str) or not backend:
-        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'")
+        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'",
+                                parameter="backend")
     try:
         available = dist.is_available() and dist.is_backend_available(backend)
     except Exception:  # noqa: BLE001 - an unknown name may raise instead of answering False
@@ -272,19 +196,19 @@ def _check_backend(backend: Any) -> None:
         known = [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if dist.is_available()
                  and dist.is_backend_available(b)]
         raise LaunchConfigError(f"backend={backend!r} is not available in this PyTorch build; "
-                                f"available here: {', '.join(known) or 'none'}")
+                                f"available here: {', '.join(known) or 'none'}", parameter="backend")
 
 
 def _resolve(master_addr: Any) -> str:
     """master_addr as an IP literal, resolved once, here, before anything starts."""
     if not isinstance(master_addr, str) or not master_addr:
         raise LaunchConfigError(f"master_addr={master_addr!r} must be a host name or an IP address "
-                                "(node 0's, as every node reaches it)")
+                                "(node 0's, as every node reaches it)", parameter="master_addr")
     try:
         return _rendezvous.resolve(master_addr)
     except OSError as err:
         raise LaunchConfigError(f"master_addr={master_addr!r} cannot be resolved ({err}); give "
-                                "node 0's IP address instead") from err
+                                "node 0's IP address instead", parameter="master_addr") from err
 
 
 def visible_gpu_count() -> int:
@@ -309,12 +233,12 @@ def _choose_start_method(requested: str | None) -> str:
     if requested == "fork":
         if not can_fork:
             raise LaunchConfigError("start_method='fork' is not available on this platform; use "
-                                    "start_method='spawn' or None")
+                                    "start_method='spawn' or None", parameter="start_method")
         if cuda_initialized():
             raise LaunchConfigError(
                 "start_method='fork' cannot be used: CUDA is already initialized in this process, "
                 "and a forked worker cannot use CUDA. Use start_method=None or 'spawn', or restart "
-                "the kernel and launch before any cell touches the GPU")
+                "the kernel and launch before any cell touches the GPU", parameter="start_method")
         return "fork"
     if requested == "spawn" or not can_fork:
         return "spawn"
@@ -328,25 +252,20 @@ def _choose_start_method(requested: str | None) -> str:
     return "fork"
 
 
-def _check_port(master_addr: str, master_port: int | None, nnodes: int, node_rank: int) -> None:
-    if master_port is None:
-        if nnodes > 1:
-            raise LaunchConfigError("nnodes > 1 needs master_port: every node must be given the "
-                                    "same master_addr and master_port of node 0")
+def _check_port_free(master_addr: str, options: LaunchOptions) -> None:
+    """On node 0, an explicit master_port must be free where the store will bind it."""
+    if options.master_port is None or options.node_rank != 0:
         return
-    _check_int("master_port", master_port, low=1)
-    if master_port > 65535:
-        raise LaunchConfigError(f"master_port={master_port} must be at most 65535")
-    if node_rank == 0:
-        address = master_addr if nnodes > 1 else _rendezvous.loopback_for(master_addr)
-        try:
-            _rendezvous.listen(address, master_port).close()
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                raise LaunchConfigError(
-                    f"master_port={master_port} on {master_addr} is busy (another process listens "
-                    "there); pass master_port=None to pick a free port") from err
-            raise LaunchConfigError(f"cannot listen on {master_addr}:{master_port}: {err}") from err
+    address = master_addr if options.nnodes > 1 else _rendezvous.loopback_for(master_addr)
+    try:
+        _rendezvous.listen(address, options.master_port).close()
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise LaunchConfigError(
+                f"master_port={options.master_port} on {address} is busy (another process listens "
+                "there); pass master_port=None to pick a free port", parameter="master_port") from err
+        raise LaunchConfigError(f"cannot listen on {address}:{options.master_port}: {err}",
+                                parameter="master_port") from err
 
 
 def _threads_per_worker(nprocs: int) -> int:

@@ -23,6 +23,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from enot_nb import _cell, _objgraph, _state, _worker
 from enot_nb._objgraph import Registry
+from enot_nb._options import LaunchOptions
 from enot_nb.errors import LaunchInterrupted, WorkerFailedError
 from enot_nb.launcher import LaunchConfigError, LaunchPlan, launch_job, plan_launch
 
@@ -102,19 +103,21 @@ def parse_options(line: str) -> tuple[Any, LaunchPlan | None]:
         raise UsageError("--return and --no-return contradict each other; keep one")
     _names(args.sync)
     _names(args.returns)
-    if args.export:  # nothing starts here; torchrun decides the processes (-n may be omitted)
-        if args.speed and args.reproducible:
-            raise UsageError("%%enot_distributed: --speed and --reproducible are mutually exclusive")
-        return args, None
     try:
-        plan = plan_launch(args.nprocs, args.backend, args.seed, args.speed, args.reproducible,
-                           args.start_method, args.output, args.master_addr, args.master_port,
-                           args.nnodes, args.node_rank, args.max_restarts, args.timeout)
+        options = launch_options(args)
+        # --export runs nothing here: torchrun decides the processes (-n may be omitted).
+        plan = None if args.export else plan_launch(options)
     except LaunchConfigError as err:
-        raise UsageError(f"%%enot_distributed: {err}".replace("nprocs=N", "-n N")) from None
-    except RuntimeError as err:  # both CUDA flags
-        raise UsageError(f"%%enot_distributed: {err} (--speed, --reproducible)") from None
+        flag = LaunchOptions.FLAGS.get(err.parameter or "")
+        raise UsageError(f"%%enot_distributed{' ' + flag if flag else ''}: {err}") from None
     return args, plan
+
+
+def launch_options(args: Any) -> LaunchOptions:
+    """The magic's parsed flags as LaunchOptions (the field each flag sets: LaunchOptions.FLAGS)."""
+    dests = {"cuda_optimize_for_speed": "speed", "cuda_reproducible": "reproducible"}
+    return LaunchOptions(**{name: getattr(args, dests.get(name, name))
+                            for name in LaunchOptions.names()})
 
 
 def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | None,

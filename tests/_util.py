@@ -10,6 +10,33 @@ import sys
 from pathlib import Path
 
 HELPERS = Path(__file__).parent / "helpers"
+METHODS = ["fork", "spawn"]  # the start methods every behaviour must hold under
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of a process ("R", "S", "Z", ...) from /proc; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead, only not yet reaped)."""
+    return process_state(pid) not in (None, "Z")
+
+
+def gone_within(pids: list[int], seconds: float) -> float | None:
+    """Seconds until every pid is dead (checked every 10 ms), or None if some outlive ``seconds``."""
+    import time
+
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        if not any(alive(p) for p in pids):
+            return time.monotonic() - start
+        time.sleep(0.01)
+    return None
 
 
 def free_port() -> int:

@@ -65,3 +65,9 @@ def no_leftover_processes():
             break
         time.sleep(0.05)
     assert not left, f"processes left behind: {sorted(left)}"
+
+
+@pytest.fixture(params=["fork", "spawn"])
+def start_method(request):
+    """Each test that takes it runs under both start methods."""
+    return request.param

@@ -9,7 +9,7 @@ import pytest
 from tests._util import HELPERS, clean_env, free_port, read_ranks, run_all, torchrun_cmd
 
 PROBE = str(HELPERS / "probe_distributed.py")
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def torchrun_one_node(tmp_path, scenario, **env):

@@ -14,7 +14,7 @@ import enot_nb
 from tests._util import clean_env, free_port, run_all, torchrun_cmd
 from tests.kernel import ROOT, running_kernel
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 SETUP = """
 %load_ext enot_nb

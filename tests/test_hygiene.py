@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests._util import free_port, record_figure
+from tests._util import METHODS, alive, free_port, gone_within, record_figure
 from tests.kernel import ROOT
 
-pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
-METHODS = ["fork", "spawn"]
+pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def helper(*args: str, stdin: int | None = None) -> subprocess.Popen:
@@ -39,23 +38,6 @@ def lines_of(proc: subprocess.Popen, timeout: float = 90) -> dict[str, list[str]
         word, _, rest = line.partition(" ")
         seen.setdefault(word, []).append(rest)
     return seen
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def gone_within(pids: list[int], seconds: float) -> float | None:
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        if not any(alive(p) for p in pids):
-            return time.monotonic() - start
-        time.sleep(0.01)
-    return None
 
 
 # ----------------------------------------------------------------------------- 1. pid reuse

@@ -7,12 +7,11 @@ import time
 
 import pytest
 
-from tests._util import record_figure
+from tests._util import METHODS, alive, record_figure
 from tests.conftest import descendants, is_fork_server_of
 from tests.kernel import running_kernel
 
-pytestmark = pytest.mark.timeout(120)
-METHODS = ["fork", "spawn"]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 MAGIC = "%%enot_distributed -n 2 --backend gloo"
 
 
@@ -177,11 +176,7 @@ def gone(pids, seconds):
 
 
 def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return alive(pid)
 
 
 LONG_CELL = (f"{MAGIC} --output all\nimport os, time\nprint('worker-pid', os.getpid(), flush=True)\n"

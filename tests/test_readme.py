@@ -8,7 +8,7 @@ import pytest
 
 from tests.kernel import ROOT, running_kernel
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
 def test_readme_python_blocks_run():

@@ -18,13 +18,12 @@ from hypothesis import strategies as st
 
 import enot_nb
 from enot_nb import WorkerFailedError
-from tests._util import record_figure
+from tests._util import METHODS, record_figure
 from tests.conftest import descendants, is_fork_server_of
 from tests.helpers import faults
 from tests.kernel import running_kernel
 
-pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
-METHODS = ["fork", "spawn"]
+pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def workers_of(pid: int) -> list[int]:
@@ -121,17 +120,18 @@ OPTION_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 70000), st.f
 def test_bad_launcher_arguments_fail_fast_and_clearly(options):
     before = set(descendants())
     try:
-        plan = enot_nb.launcher.plan_launch(
-            options.get("nprocs"), options.get("backend"), options.get("seed"),
-            bool(options.get("cuda_optimize_for_speed")), bool(options.get("cuda_reproducible")),
-            options.get("start_method"), options.get("output", "master"), "127.0.0.1",
-            options.get("master_port"), options.get("nnodes", 1), options.get("node_rank", 0),
-            options.get("max_restarts", 0), options.get("timeout", 1800))
+        plan = enot_nb.launcher.plan_launch(enot_nb.launcher.LaunchOptions(**options))
     except enot_nb.EnotNbError as err:
         assert isinstance(err, (ValueError, RuntimeError))
         assert str(err) and "Traceback" not in str(err)
+        # The error names the option at fault, and that option was given.
+        assert err.parameter in options or err.parameter in ("nprocs", "master_port"), (err, options)
     else:
-        assert plan.nprocs >= 1 and plan.world_size >= 1
+        # What was given is what is planned.
+        assert plan.nprocs == options.get("nprocs", plan.nprocs) and plan.nprocs >= 1
+        assert plan.backend == (options.get("backend") or plan.backend)
+        assert plan.nnodes == options.get("nnodes", 1) and plan.node_rank == options.get("node_rank", 0)
+        assert plan.output == options.get("output", "master")
     assert set(descendants()) - before == set()  # nothing started either way
 
 

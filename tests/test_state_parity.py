@@ -12,10 +12,10 @@ import time
 
 import pytest
 
+from tests._util import METHODS
 from tests.kernel import running_kernel
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-METHODS = ["fork", "spawn"]
 PRELUDE = ("import torch, copy, collections, dataclasses, numpy as np\n"
            "from enot_nb import distributed as ed\ntorch.manual_seed(0)\n")
 LINEAR = "model = torch.nn.Linear(2, 2)\n"

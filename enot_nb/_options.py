@@ -1,0 +1,129 @@
+"""The options of a launch, defined once: ``notebook_launcher``'s keywords, the magic's flags and
+``export_cell``'s keywords are these fields (tests/test_options.py checks that they agree).
+
+``LaunchOptions`` checks everything that does not depend on the machine, once, when it is
+built; ``launcher.plan_launch`` then decides what does (GPUs, backends available, addresses).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from enot_nb.errors import LaunchConfigError
+
+OUTPUT_MODES = ("master", "all", "none")
+START_METHODS = (None, "fork", "spawn")
+MAX_TIMEOUT_S = 365 * 24 * 3600
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class ConflictingFlagsError(LaunchConfigError, RuntimeError):
+    """Both CUDA flags were given (a RuntimeError too, as init_torch raises)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How to start the workers; every field is checked when the options are built.
+
+    Raises:
+        LaunchConfigError: a bad value (``err.parameter`` names the field).
+    """
+
+    nprocs: int | None = None
+    """Processes on this node; None: one per visible GPU."""
+    backend: str | None = None
+    """"nccl" or "gloo" (or a plugin); None: nccl when every rank has its own GPU, else gloo."""
+    seed: int | None = None
+    cuda_optimize_for_speed: bool = False
+    cuda_reproducible: bool = False
+    start_method: str | None = None
+    """"fork", "spawn", or None: fork unless CUDA is initialized in this process."""
+    output: str = "master"
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    max_restarts: int = 0
+    timeout: datetime.timedelta | float = DEFAULT_TIMEOUT
+    """The process group's timeout (seconds, or a timedelta)."""
+
+    # The magic's flag for each field (UsageError messages name the flag the user typed).
+    FLAGS: ClassVar[dict[str, str]] = {
+        "nprocs": "-n", "backend": "--backend", "seed": "--seed",
+        "cuda_optimize_for_speed": "--speed", "cuda_reproducible": "--reproducible",
+        "start_method": "--start-method", "output": "--output", "master_addr": "--master-addr",
+        "master_port": "--master-port", "nnodes": "--nnodes", "node_rank": "--node-rank",
+        "max_restarts": "--max-restarts", "timeout": "--timeout",
+    }
+
+    def __post_init__(self) -> None:
+        if self.cuda_optimize_for_speed and self.cuda_reproducible:
+            raise ConflictingFlagsError("cuda_optimize_for_speed and cuda_reproducible are mutually "
+                                        "exclusive; set at most one", parameter="cuda_reproducible")
+        if self.nprocs is not None:
+            check_int("nprocs", self.nprocs, low=1)
+        check_int("nnodes", self.nnodes, low=1)
+        check_int("node_rank", self.node_rank, low=0)
+        if self.node_rank >= self.nnodes:
+            raise LaunchConfigError(f"node_rank={self.node_rank} is out of range for "
+                                    f"nnodes={self.nnodes}; use 0 <= node_rank < {self.nnodes}",
+                                    parameter="node_rank")
+        check_int("max_restarts", self.max_restarts, low=0)
+        if self.seed is not None:
+            check_int("seed", self.seed, low=0)
+            if self.seed >= 2**32:
+                raise LaunchConfigError(f"seed={self.seed} must be below 2**32 (NumPy's limit); "
+                                        "pick a smaller seed", parameter="seed")
+        if self.output not in OUTPUT_MODES:
+            raise LaunchConfigError(f"output={self.output!r} is not one of {', '.join(OUTPUT_MODES)}",
+                                    parameter="output")
+        if self.start_method not in START_METHODS:
+            raise LaunchConfigError(f"start_method={self.start_method!r} is not one of 'fork', "
+                                    "'spawn' or None", parameter="start_method")
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise LaunchConfigError(f"backend={self.backend!r} must be a name such as 'nccl' or "
+                                    "'gloo'", parameter="backend")
+        object.__setattr__(self, "timeout", as_timedelta(self.timeout))
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise LaunchConfigError(f"master_addr={self.master_addr!r} must be a host name or an IP "
+                                    "address (node 0's, as every node reaches it)",
+                                    parameter="master_addr")
+        self._check_port()
+
+    def _check_port(self) -> None:
+        if self.master_port is None:
+            if self.nnodes > 1:
+                raise LaunchConfigError("nnodes > 1 needs master_port: every node must be given the "
+                                        "same master_addr and master_port of node 0",
+                                        parameter="master_port")
+            return
+        check_int("master_port", self.master_port, low=1)
+        if self.master_port > 65535:
+            raise LaunchConfigError(f"master_port={self.master_port} must be at most 65535",
+                                    parameter="master_port")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise LaunchConfigError(f"{name}={value!r} must be an integer >= {low}", parameter=name)
+
+
+def as_timedelta(timeout: Any) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise LaunchConfigError(f"timeout={timeout!r} must be a datetime.timedelta or seconds",
+                                parameter="timeout")
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise LaunchConfigError(f"timeout={timeout!r} must be positive and finite: seconds above 0 "
+                                f"and at most {MAX_TIMEOUT_S} (a year)", parameter="timeout")
+    return datetime.timedelta(seconds=seconds)

@@ -1,0 +1,150 @@
+"""Fast unit tests of the pure pieces: framing, result layout, prefixing, change tracking,
+bucket planning, options and errors. No process is started here."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+import enot_nb
+from enot_nb import _channel, _objgraph, _pickling, _state
+from enot_nb._options import LaunchOptions
+from enot_nb._output import StreamSink
+from enot_nb._sync import _plan
+from enot_nb.errors import LaunchConfigError, WorkerFailedError, WorkerFailure
+
+
+def test_framing_reassembles_messages_split_anywhere():
+    data = _channel.encode(("a", 1)) + _channel.encode({"b": [2, 3]})
+    reader = _channel.MessageReader()
+    messages = []
+    for i in range(len(data)):
+        messages += reader.feed(data[i : i + 1])
+    assert messages == [("a", 1), {"b": [2, 3]}]
+
+
+def test_more_than_253_descriptors_travel_in_batches():
+    ours, theirs = socket.socketpair()
+    pipes = [os.pipe() for _ in range(300)]
+    try:
+        _channel.send_message(ours, ("launch", 1), [w for _, w in pipes])
+        reader = _channel.MessageReader()
+        assert _channel.recv_message(theirs, reader) == ("launch", 1)
+        received = _channel.recv_fds(theirs, reader, 300)
+        assert len(received) == 300 and not reader.pending
+        os.write(received[299], b"x")
+        assert os.read(pipes[299][0], 1) == b"x"  # the order is kept
+        for fd in received:
+            os.close(fd)
+    finally:
+        for pair in pipes:
+            for fd in pair:
+                os.close(fd)
+        ours.close()
+        theirs.close()
+
+
+def test_result_layout_round_trip_keeps_aliasing_and_holds_no_descriptor():
+    base = torch.arange(10.0)
+    value = {"base": base, "view": base[2:5], "param": torch.nn.Parameter(torch.ones(3))}
+    fd = os.memfd_create("test")
+    try:
+        size = _pickling.write_result(fd, *_pickling.dump_result(value))
+        before = len(os.listdir("/proc/self/fd"))
+        loaded = _pickling.read_result(fd, size)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(fd)
+    assert torch.equal(loaded["base"], base) and isinstance(loaded["param"], torch.nn.Parameter)
+    loaded["base"][3] = 100  # a view and its base still share a storage
+    assert loaded["view"][1].item() == 100
+
+
+def test_prefixing_keeps_carriage_returns(capsys):
+    sink = StreamSink("stdout", show=True, prefix="[rank 1] ")
+    sink.feed(b"one\ntw")
+    sink.feed(b"o\rthree\n", final=True)
+    assert capsys.readouterr().out == "[rank 1] one\n[rank 1] two\r[rank 1] three\n"
+    assert "three" in sink.tail()
+
+
+def _changes(namespace: dict, cell: str) -> tuple[list[str], list[str], int]:
+    """What a forked worker would report for ``cell`` (pages are told apart after a fork)."""
+    registry = _objgraph.Registry.of_namespace(namespace, list(namespace))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker's side
+        try:
+            snapshot = _objgraph.Snapshot.take(registry)
+            before = dict(namespace)
+            exec(cell, namespace)
+            changes, changed = _state.collect(registry, snapshot, before, namespace)
+            found = (sorted(changes.bound), sorted(registry.path(i) for i in changed),
+                     len(changes.storages))
+            os.write(write, pickle.dumps(found))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+def test_change_tracking_finds_what_changed_and_only_that():
+    namespace = {"torch": torch, "model": torch.nn.Linear(2, 2), "log": [], "cfg": {"lr": 0.1},
+                 "arr": np.zeros(3), "big": torch.zeros(2**20)}
+    bound, changed, storages = _changes(namespace, "log.append(1)\nmodel.weight.data.add_(1)\nz = 1")
+    assert bound == ["z"] and changed == ["log"] and storages == 1
+    bound, changed, storages = _changes(namespace, "model.eval()\narr[0] = 1\nbig[5] = 1")
+    assert changed == sorted(["model", "arr"]) and storages == 1  # big's pages
+    assert _changes(namespace, "pass") == ([], [], 0)
+
+
+def test_bucket_planning_packs_small_tensors_and_keeps_large_ones_alone():
+    tensors = [torch.zeros(n) for n in (4, 4, 100, 4, 4, 4)]
+    plan = _plan(tensors, capacity=8, in_place=lambda t: t.numel() >= 100)
+    assert [[t.numel() for t in bucket] for bucket in plan] == [[100], [4, 4], [4, 4], [4]]
+
+
+def test_launch_options_are_one_definition_for_every_front():
+    fields = set(LaunchOptions.names())
+    launcher = set(inspect.signature(enot_nb.notebook_launcher).parameters)
+    assert fields <= launcher
+    export = set(inspect.signature(enot_nb.export_cell).parameters)
+    # An export runs nothing here: where and how torchrun starts it is torchrun's to say.
+    assert fields - {"start_method", "node_rank", "max_restarts"} <= export
+    from enot_nb.magic import EnotMagics
+
+    parser = EnotMagics.enot_distributed.parser
+    dests = {action.dest for action in parser._actions}
+    renamed = {"cuda_optimize_for_speed": "speed", "cuda_reproducible": "reproducible"}
+    assert {renamed.get(name, name) for name in fields} <= dests
+    flags = {s for action in parser._actions for s in action.option_strings}
+    assert set(LaunchOptions.FLAGS.values()) <= flags
+
+
+@pytest.mark.parametrize("options, parameter", [
+    ({"nprocs": 0}, "nprocs"), ({"timeout": float("nan")}, "timeout"), ({"seed": 2**40}, "seed"),
+    ({"cuda_optimize_for_speed": True, "cuda_reproducible": True}, "cuda_reproducible"),
+    ({"nnodes": 2}, "master_port"), ({"output": "loud"}, "output"),
+])
+def test_bad_options_name_their_parameter(options, parameter):
+    with pytest.raises(LaunchConfigError) as caught:
+        LaunchOptions(**options)
+    assert caught.value.parameter == parameter
+
+
+def test_errors_survive_a_pickle_round_trip():
+    failure = WorkerFailure(rank=1, exitcode=-9, signal_name="SIGKILL", error_type=None, message="",
+                            traceback=None)
+    err = pickle.loads(pickle.dumps(WorkerFailedError([failure])))
+    assert err.rank == 1 and err.signal_name == "SIGKILL" and "SIGKILL" in str(err)
+    config = pickle.loads(pickle.dumps(LaunchConfigError("bad", parameter="seed")))
+    assert config.parameter == "seed" and str(config) == "bad"
