@@ -19,11 +19,11 @@ import ast
 import builtins
 import linecache
 import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _figures, _objgraph, _pickling, _state, _worker
+from enot_nb import _figures, _objgraph, _state, _worker
+from enot_nb._channel import Kind
 from enot_nb._objgraph import Registry
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -84,71 +84,6 @@ def split_cell(code: str, first_line: int) -> tuple[ast.Module, ast.Expression |
     return tree, last, suppressed
 
 
-def names_used(code: str) -> set[str]:
-    """Every name the cell reads or writes (a cheap, safe over-approximation)."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return set()
-    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-
-
-def global_names(function: Any) -> set[str]:
-    """The global names a function's code (and the code nested in it) may read."""
-    names, todo = set(), [function.__code__]
-    while todo:
-        code = todo.pop()
-        names.update(code.co_names)
-        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return names
-
-
-def shippable_namespace(namespace: dict[str, Any], code: str
-                        ) -> tuple[dict[str, Any], dict[str, str], Registry, list[Any]]:
-    """What spawned workers need: the variables the cell uses, and those the notebook's functions
-    it uses read (to any depth), that can be pickled; those that cannot (with why); the registry
-    of every object they reach; and the registry's objects as they travel with the variables
-    (index for index; None where one cannot be pickled on its own)."""
-    hidden = _hidden(namespace)
-    registry = Registry.of_namespace(namespace, [])
-    values: dict[str, Any] = {}
-    left_out: dict[str, str] = {}
-    todo, seen_functions = set(names_used(code)), 0
-    while todo:
-        names = sorted(n for n in todo if n in namespace and _objgraph.is_user_name(n, hidden)
-                       and n not in values and n not in left_out)
-        todo = set()
-        problems = _pickling.unpicklable({n: namespace[n] for n in names})
-        left_out.update(problems)
-        fresh = [n for n in names if n not in problems]
-        values.update({n: namespace[n] for n in fresh})
-        registry.extend(fresh, namespace)
-        for function in registry.notebook_functions[seen_functions:]:
-            todo |= global_names(function)
-        seen_functions = len(registry.notebook_functions)
-    return values, left_out, registry, _shippable_objects(registry, namespace)
-
-
-def _shippable_objects(registry: Registry, namespace: dict[str, Any]) -> list[Any]:
-    ship = {"namespace": namespace, "pickler_class": _pickling.ShipPickler}
-    objects = list(registry.objects)
-    try:
-        _pickling.dry_run(objects, **ship)
-    except Exception:  # noqa: BLE001 - e.g. a lock that its owner's __getstate__ leaves out
-        for i in range(1, len(objects)):
-            if _pickling.unpicklable({"": objects[i]}, **ship):
-                objects[i] = None
-    return objects
-
-
-def _hidden(namespace: dict[str, Any]) -> Any:
-    shell = namespace.get("get_ipython")
-    try:
-        return shell().user_ns_hidden if callable(shell) else ()
-    except Exception:  # noqa: BLE001 - not IPython's
-        return ()
-
-
 # ----------------------------------------------------------------------------- worker side
 
 
@@ -166,7 +101,7 @@ class _PipePublisher:
         if not self.options.shown:
             return
         if self.options.figure_dir is None:
-            _worker.send(("display", {"data": data, "metadata": metadata or {},
+            _worker.send((Kind.DISPLAY, {"data": data, "metadata": metadata or {},
                                       "transient": transient or {}, "update": update}))
         elif "image/png" in data:
             import base64
@@ -183,7 +118,7 @@ class _PipePublisher:
 
     def clear_output(self, wait: bool = False) -> None:
         if self.options.shown and self.options.figure_dir is None:
-            _worker.send(("clear_output", wait))
+            _worker.send((Kind.CLEAR_OUTPUT, wait))
 
 
 def _install_display(options: CellOptions) -> Any:
@@ -229,10 +164,10 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
     source = options.source_header + code
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     body, last, suppressed = split_cell(code, options.first_line)
-    hidden = _hidden(namespace)
+    hidden = _objgraph.hidden_names(namespace)
     namespace.setdefault("get_ipython", lambda: shell)
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
-    _sync_models(namespace, names_used(code), options)
+    _sync_models(namespace, _objgraph.names_used(code), options)
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back
         if registry is None:
@@ -252,6 +187,24 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
         return None if rank != 0 else CellOutcome()
     has_value = last is not None and not suppressed and value is not None
     return tracker.outcome(options, value if has_value else None, has_value, last, shell)
+
+
+def run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], objects: list[Any],
+                      code: str, options: CellOptions) -> Any:
+    """Worker side under spawn: the shipped variables become the cell's namespace; ``objects``
+    are the copies of the notebook's registered objects, index for index."""
+    namespace = objects[0]  # the worker's namespace dict (see _pickling.WORKER_NAMESPACE)
+    namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
+    namespace.update(values)
+    try:
+        return run_cell(code, namespace, options, Registry.of_objects(objects))
+    except NameError as err:
+        if err.name in left_out:
+            raise NameError(
+                f"variable {err.name!r} could not be sent to the workers: {left_out[err.name]}. "
+                "Create it inside this cell, or use --start-method fork"
+            ) from err
+        raise
 
 
 class _Tracker:

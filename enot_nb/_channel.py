@@ -14,6 +14,31 @@ from collections import deque
 from typing import Any, NamedTuple
 
 _HEADER = struct.Struct("<Q")
+class Kind:
+    """Every message kind, defined once.
+
+    worker -> launcher (one message pipe per rank): DISPLAY, CLEAR_OUTPUT, PARTIAL, then one of
+    RESULT (rank 0), DONE, ERROR. fork server <-> launcher: READY, LAUNCH, STARTED or
+    START_FAILED, EXIT (see _forkserver). A RESULT or PARTIAL payload is (MEMFD, size) or
+    (INLINE, pickle bytes).
+    """
+
+    DISPLAY = "display"
+    CLEAR_OUTPUT = "clear_output"
+    PARTIAL = "partial"
+    RESULT = "result"
+    DONE = "done"
+    ERROR = "error"
+    READY = "ready"
+    LAUNCH = "launch"
+    STARTED = "started"
+    START_FAILED = "start_failed"
+    EXIT = "exit"
+    MEMFD = "memfd"
+    INLINE = "inline"
+    OUTCOMES = (RESULT, DONE, ERROR)
+
+
 # One sendmsg carries at most SCM_MAX_FD (253) descriptors: more travel in batches, each
 # attached to a FDS_BATCH message that follows the message they belong to.
 MAXFDS_PER_SEND = 250

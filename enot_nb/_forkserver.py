@@ -29,7 +29,7 @@ import socket
 import sys
 
 from enot_nb import _channel, _pickling, _worker
-from enot_nb._channel import LaunchFds
+from enot_nb._channel import Kind, LaunchFds
 
 
 def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],
@@ -102,10 +102,10 @@ def serve(sock: socket.socket) -> None:
         try:
             started = _fork_workers(sock, specs, fds, job_bytes, layout)
         except OSError as err:
-            _channel.send_message(sock, ("start_failed", launch_id, err.errno, str(err)))
+            _channel.send_message(sock, (Kind.START_FAILED, launch_id, err.errno, str(err)))
             continue
         by_rank = sorted(started.items(), key=lambda item: item[1][0])
-        _channel.send_message(sock, ("started", launch_id, {rank: pid for pid, (rank, _) in by_rank}),
+        _channel.send_message(sock, (Kind.STARTED, launch_id, {rank: pid for pid, (rank, _) in by_rank}),
                               [pidfd for _, (_, pidfd) in by_rank])
         for _, pidfd in started.values():
             os.close(pidfd)  # the caller has its own copies
@@ -118,7 +118,7 @@ def serve(sock: socket.socket) -> None:
             _, status = os.waitpid(info.si_pid, 0)
             rank = started.pop(info.si_pid, (None,))[0]
             if rank is not None:
-                _channel.send_message(sock, ("exit", launch_id, rank, os.waitstatus_to_exitcode(status)))
+                _channel.send_message(sock, (Kind.EXIT, launch_id, rank, os.waitstatus_to_exitcode(status)))
 
 
 def main() -> None:
@@ -137,7 +137,7 @@ def main() -> None:
     import enot_nb._cell  # noqa: F401 - preloaded for the workers
     import enot_nb.distributed  # noqa: F401 - preloaded for the workers
 
-    _channel.send_message(sock, ("ready", os.getpid()))
+    _channel.send_message(sock, (Kind.READY, os.getpid()))
     serve(sock)
 
 

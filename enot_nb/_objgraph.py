@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _pagemap
+from enot_nb import _pagemap, _pickling
 from enot_nb._pickling import storage_bytes
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
@@ -511,3 +511,73 @@ class Snapshot:
 
     def changed_storages(self, registry: Registry) -> list[int]:
         return _changed_storages(registry.storages, self.storages)
+
+
+# ----------------------------------------------------------------------------- spawn: what to ship
+
+
+def names_used(code: str) -> set[str]:
+    """Every name the cell reads or writes (a cheap, safe over-approximation)."""
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def hidden_names(namespace: dict[str, Any]) -> Any:
+    shell = namespace.get("get_ipython")
+    try:
+        return shell().user_ns_hidden if callable(shell) else ()
+    except Exception:  # noqa: BLE001 - not IPython's
+        return ()
+
+
+def global_names(function: Any) -> set[str]:
+    """The global names a function's code (and the code nested in it) may read."""
+    names, todo = set(), [function.__code__]
+    while todo:
+        code = todo.pop()
+        names.update(code.co_names)
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+def shippable_namespace(namespace: dict[str, Any], code: str
+                        ) -> tuple[dict[str, Any], dict[str, str], Registry, list[Any]]:
+    """What spawned workers need: the variables the cell uses, and those the notebook's functions
+    it uses read (to any depth), that can be pickled; those that cannot (with why); the registry
+    of every object they reach; and the registry's objects as they travel with the variables
+    (index for index; None where one cannot be pickled on its own)."""
+    hidden = hidden_names(namespace)
+    registry = Registry.of_namespace(namespace, [])
+    values: dict[str, Any] = {}
+    left_out: dict[str, str] = {}
+    todo, seen_functions = set(names_used(code)), 0
+    while todo:
+        names = sorted(n for n in todo if n in namespace and is_user_name(n, hidden)
+                       and n not in values and n not in left_out)
+        todo = set()
+        problems = _pickling.unpicklable({n: namespace[n] for n in names})
+        left_out.update(problems)
+        fresh = [n for n in names if n not in problems]
+        values.update({n: namespace[n] for n in fresh})
+        registry.extend(fresh, namespace)
+        for function in registry.notebook_functions[seen_functions:]:
+            todo |= global_names(function)
+        seen_functions = len(registry.notebook_functions)
+    return values, left_out, registry, _shippable_objects(registry, namespace)
+
+
+def _shippable_objects(registry: Registry, namespace: dict[str, Any]) -> list[Any]:
+    ship = {"namespace": namespace, "pickler_class": _pickling.ShipPickler}
+    objects = list(registry.objects)
+    try:
+        _pickling.dry_run(objects, **ship)
+    except Exception:  # noqa: BLE001 - e.g. a lock that its owner's __getstate__ leaves out
+        for i in range(1, len(objects)):
+            if _pickling.unpicklable({"": objects[i]}, **ship):
+                objects[i] = None
+    return objects

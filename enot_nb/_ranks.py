@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb import _channel, _spawn
+from enot_nb._channel import Kind
 from enot_nb._output import StreamSink
 
 STREAMS = ("out", "err", "msg")
@@ -102,13 +103,13 @@ class RankIO:
         return True
 
     def _message(self, r: Rank, kind: str, payload: Any) -> None:
-        if kind in ("result", "done", "error"):
+        if kind in Kind.OUTCOMES:
             r.outcome, r.payload = kind, payload
-        if kind == "partial":
+        if kind == Kind.PARTIAL:
             r.partial = payload
-        elif kind == "error":
+        elif kind == Kind.ERROR:
             self.on_error(r, payload)
-        elif kind not in ("result", "done") and self.on_message and r.sinks["out"].show:
+        elif kind not in Kind.OUTCOMES and self.on_message and r.sinks["out"].show:
             self.drain(r, ("out", "err"))  # what the worker printed before comes first
             self.on_message(kind, payload)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from enot_nb import _pickling, _rendezvous, _spawn, _worker
-from enot_nb._channel import LaunchFds
+from enot_nb._channel import Kind, LaunchFds
 from enot_nb._groups import ForkedGroup, ServerGroup, WorkerGroup
 from enot_nb._ranks import Rank, RankIO, make_ranks
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
@@ -320,7 +320,7 @@ def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
     """Rank 0's result (or partial state), from the result memfd or the message itself."""
     kind, data = payload
     try:
-        if kind == "memfd":
+        if kind == Kind.MEMFD:
             return _pickling.read_result(result_fd, data)
         return pickle.loads(data)
     except Exception as err:

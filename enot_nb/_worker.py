@@ -19,13 +19,13 @@ import io
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from enot_nb import _channel, _pickling
+from enot_nb._channel import Kind
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
 _PR_SET_PDEATHSIG = 1
@@ -149,7 +149,7 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
 
 def _send_result(spec: WorkerSpec, result: Any) -> None:
     if spec.rank != 0:
-        _channel.write_message(spec.message_fd, ("done", None))
+        _channel.write_message(spec.message_fd, (Kind.DONE, None))
         return
     try:
         payload = _result_payload(spec.result_fd, result)
@@ -158,20 +158,20 @@ def _send_result(spec: WorkerSpec, result: Any) -> None:
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
-    _channel.write_message(spec.message_fd, ("result", payload))
+    _channel.write_message(spec.message_fd, (Kind.RESULT, payload))
 
 
 def _result_payload(result_fd: int | None, result: Any) -> tuple[str, Any]:
     """Pickled once: in band where no memfd exists, else with tensor data out of band."""
     if result_fd is None:
-        return ("inline", _pickling.dump_inline(result))
-    return ("memfd", _pickling.write_result(result_fd, *_pickling.dump_result(result)))
+        return (Kind.INLINE, _pickling.dump_inline(result))
+    return (Kind.MEMFD, _pickling.write_result(result_fd, *_pickling.dump_result(result)))
 
 
 def send_partial(result: Any) -> None:
     """The master's state at an interrupt or failure, sent before the error is reported; the
     launcher may apply it (a stopped cell keeps what it reached)."""
-    send(("partial", _result_payload(_result_fd, result)))
+    send((Kind.PARTIAL, _result_payload(_result_fd, result)))
 
 
 def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
@@ -187,8 +187,8 @@ def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
     try:
         _channel.write_message(
             spec.message_fd,
-            ("error", {"type": error_type, "message": message, "traceback": text,
-                       "exitcode": code, "time": time.monotonic()}),
+            (Kind.ERROR, {"type": error_type, "message": message, "traceback": text,
+                       "exitcode": code}),
         )
     except OSError:
         pass

@@ -122,7 +122,7 @@ def export_cell(
         exported = enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)
         print(exported.command)
     """
-    from enot_nb import _cell
+    from enot_nb import _cell, _objgraph
     from enot_nb._options import LaunchOptions
 
     # Checked as a launch checks them; the GPUs and backends of the cluster are not known here.
@@ -136,7 +136,7 @@ def export_cell(
     for target in (script, namespace_file, _beside(script, "results.pkl")):
         refuse_links(target)
     script.parent.mkdir(parents=True, exist_ok=True)
-    values, left_out, _, _ = _cell.shippable_namespace(namespace or {}, code)
+    values, left_out, _, _ = _objgraph.shippable_namespace(namespace or {}, code)
     write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out},
                                                        protocol=5))
     import torch

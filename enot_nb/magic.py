@@ -22,6 +22,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from enot_nb import _cell, _objgraph, _state, _worker
+from enot_nb._channel import Kind
 from enot_nb._objgraph import Registry
 from enot_nb._options import LaunchOptions
 from enot_nb.errors import LaunchInterrupted, WorkerFailedError
@@ -146,8 +147,8 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
                                                      if _objgraph.is_user_name(n, hidden)])
         job = _worker.Job(_cell.run_cell, (code, namespace, options, registry))
     else:
-        values, left_out, registry, objects = _cell.shippable_namespace(namespace, code)
-        job = _worker.Job(_run_shipped_cell, (values, left_out, objects, code, options))
+        values, left_out, registry, objects = _objgraph.shippable_namespace(namespace, code)
+        job = _worker.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace,
                                                        on_message=_show_message)
@@ -242,29 +243,11 @@ def _export(shell: Any, code: str, args: Any) -> None:
 def _show_message(kind: str, payload: Any) -> None:
     from IPython.display import clear_output, publish_display_data
 
-    if kind == "display":
+    if kind == Kind.DISPLAY:
         publish_display_data(payload["data"], payload["metadata"], transient=payload["transient"],
                              update=payload["update"])
-    elif kind == "clear_output":
+    elif kind == Kind.CLEAR_OUTPUT:
         clear_output(wait=payload)
-
-
-def _run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], objects: list[Any],
-                      code: str, options: _cell.CellOptions) -> Any:
-    """Worker side under spawn: the shipped variables become the cell's namespace; ``objects``
-    are the copies of the notebook's registered objects, index for index."""
-    namespace = objects[0]  # the worker's namespace dict (see _pickling.WORKER_NAMESPACE)
-    namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
-    namespace.update(values)
-    try:
-        return _cell.run_cell(code, namespace, options, Registry.of_objects(objects))
-    except NameError as err:
-        if err.name in left_out:
-            raise NameError(
-                f"variable {err.name!r} could not be sent to the workers: {left_out[err.name]}. "
-                "Create it inside this cell, or use --start-method fork"
-            ) from err
-        raise
 
 
 def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
