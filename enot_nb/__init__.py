@@ -11,7 +11,6 @@ from enot_nb import distributed
 from enot_nb.errors import (
     DistributedRuntimeException,
     EnotNbError,
-    EnotNbWarning,
     LaunchError,
     WorkerFailedError,
     WorkerFailure,
@@ -22,7 +21,6 @@ from enot_nb.launcher import notebook_launcher
 __all__ = [
     "DistributedRuntimeException",
     "EnotNbError",
-    "EnotNbWarning",
     "LaunchError",
     "WorkerFailedError",
     "WorkerFailure",

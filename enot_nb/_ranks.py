@@ -36,6 +36,7 @@ class Rank:
     payload: Any = None
     partial: Any = None  # rank 0's state at an interrupt or failure ("partial" message)
     stack_text: str = ""
+    stopped_by_us: bool = False  # we sent it a stop signal: its death is not a failure of its own
     open_reads: set[str] = field(default_factory=lambda: set(STREAMS))
 
     @property

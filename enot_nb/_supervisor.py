@@ -84,11 +84,13 @@ class _Stopping:
         assert self.group is not None
         for r in ranks if ranks is not None else self.ranks:
             if r.running:
+                r.stopped_by_us |= signum != signal.SIGUSR1  # a stack dump stops nothing
                 self.group.signal(r.rank, signum)
 
-    def _stop(self, ranks: list[Rank]) -> None:
-        """The one escalation: SIGINT, SIGTERM, SIGKILL, STOP_GRACE seconds apart at most."""
-        for signum in _ESCALATION:
+    def _stop(self, ranks: list[Rank], signals: tuple[int, ...] = _ESCALATION) -> None:
+        """The one escalation (after a failure, SIGTERM then SIGKILL; after an interrupt, SIGINT
+        first): each signal to the ranks still running, then STOP_GRACE seconds at most."""
+        for signum in signals:
             if not any(r.running for r in ranks):
                 return
             self._signal_running(signum, ranks)
@@ -110,7 +112,7 @@ class _Stopping:
                 print(stack_report(r.rank, r.stack_text), file=sys.stderr, flush=True)
         master = next((r for r in self.ranks if r.rank == 0 and r.running), None)
         if master is not None and self.group is not None:
-            self.group.signal(master.rank, signal.SIGINT)
+            self._signal_running(signal.SIGINT, [master])
             self._pump(INTERRUPT_SAVE_WAIT, force_show=False,
                        until=lambda: master.partial is not None or not master.running)
         self._stop(self.ranks)
@@ -190,19 +192,12 @@ class Attempt(_Stopping):
     # ------------------------------------------------------------------------- supervise
 
     def _supervise(self) -> None:
-        stop_at: float | None = None
-        signals = iter(_ESCALATION[1:])  # a failure: SIGTERM, then SIGKILL
         while any(r.exitcode is None for r in self.ranks):
-            if self.failures and not self.stopping:
-                self.stopping, stop_at = True, time.monotonic()
-                self._signal_running(next(signals))
-            timeout = None
-            if stop_at is not None:
-                timeout = stop_at + STOP_GRACE - time.monotonic()
-                if timeout <= 0:
-                    self._signal_running(next(signals, signal.SIGKILL))
-                    stop_at, timeout = time.monotonic(), STOP_GRACE
-            self._handle(self._select(timeout))
+            if self.failures and not self.stopping:  # the first failure stops everyone else
+                self.stopping = True
+                self._stop([r for r in self.ranks if r.running], _ESCALATION[1:])
+                continue
+            self._handle(self._select(None))
 
     def _select(self, timeout: float | None) -> list:
         """Wait for events; exits the group already holds are handled first, without waiting."""
@@ -232,7 +227,7 @@ class Attempt(_Stopping):
             self.io.drain(r)
             if r.outcome is not None:
                 continue  # finished (a crash in teardown does not matter), or already recorded
-            if self.stopping and exitcode != 0:
+            if r.stopped_by_us and exitcode != 0:
                 continue  # stopped by us after another rank failed, or interrupted
             self.failures.append(WorkerFailure.died(r.rank, exitcode, self.attempt, r.sinks["err"].tail()))
 

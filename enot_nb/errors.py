@@ -17,10 +17,6 @@ class DistributedRuntimeException(EnotNbError, RuntimeError):
     """A distributed set-up or collective failed (name kept from the ENOT reference API)."""
 
 
-class EnotNbWarning(UserWarning):
-    """Root of every warning issued by enot_nb (turned into errors in our own tests)."""
-
-
 class LaunchError(EnotNbError, RuntimeError):
     """A launch could not start (nested launch, concurrent launch, fork server gone)."""
 

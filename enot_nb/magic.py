@@ -21,7 +21,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from enot_nb import _cell, _objgraph, _state, _worker
+from enot_nb import _apply, _cell, _objgraph, _worker
 from enot_nb._channel import Kind
 from enot_nb._objgraph import Registry
 from enot_nb._options import LaunchOptions
@@ -213,7 +213,7 @@ def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions,
     if options.keep_on_error:
         print("enot_nb: --on-error keep: rank 0 sent no state (it did not fail in Python); the "
               "notebook is unchanged", file=sys.stderr)
-    shared = _state.shared_memory_tensors(registry)
+    shared = _apply.shared_memory_tensors(registry)
     if shared:
         print(f"enot_nb: the cell failed, so the notebook is unchanged, except {shared} tensor(s) "
               "in shared memory (share_memory_()), which may hold partial writes", file=sys.stderr)
@@ -253,10 +253,10 @@ def _show_message(kind: str, payload: Any) -> None:
 def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
                 options: _cell.CellOptions, show_value: bool = True) -> Any:
     """Apply the master's changes to the notebook, in place; say what could not come back."""
-    changes = _state.load(outcome.state, registry) if outcome.state is not None else None
+    changes = _apply.load(outcome.state, registry) if outcome.state is not None else None
     problems = []
     if changes is not None:
-        problems = _state.apply_changes(shell.user_ns, registry, changes, options.returns)
+        problems = _apply.apply_changes(shell.user_ns, registry, changes, options.returns)
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)
     for line in problems:

@@ -155,7 +155,10 @@ def test_bad_magic_options_are_usage_errors(parts):
     except UsageError as err:
         assert str(err).strip()
     else:
-        assert plan is None or plan.nprocs >= 1  # a valid line: would launch, nothing started
+        # A valid line: it would launch what it says (nothing is started here).
+        assert plan is None or plan.nprocs == (args.nprocs or plan.nprocs)
+        assert plan is None or plan.output == args.output
+        assert plan is None or plan.init_kwargs["timeout"].total_seconds() == args.timeout
 
 
 # ----------------------------------------------------------------------------- soak

@@ -1,0 +1,202 @@
+"""The notebook's side of a cell's changes: resolved against its own objects, applied in place.
+
+The master sends Changes pickled against the registry (see _state); here every index becomes
+the notebook's own object, then each change is made to that object, in place, so that every
+other reference to it sees the change.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from typing import Any
+
+from enot_nb import _objgraph, _pickling
+from enot_nb._objgraph import Registry
+from enot_nb._state import _MISSING, KEEP, Changes, PickledState
+
+
+class StateUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, registry: Registry, buffers: list[Any]) -> None:
+        super().__init__(file, buffers=buffers)
+        self.registry = registry
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, index = pid
+        return self.registry.objects[index] if kind == "o" else self.registry.storages[index]
+
+
+def load(state: PickledState, registry: Registry) -> Changes:
+    return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+
+
+def apply_changes(namespace: dict[str, Any], registry: Registry, changes: Changes,
+                  returns: list[str] | None) -> list[str]:
+    """Make the notebook hold what the master held; returns a line per thing left unchanged."""
+    problems: list[str] = []
+    for j, data in changes.storages:
+        _copy_into_storage(registry.storages[j], data)
+    tensors = [(i, s) for i, s in changes.objects if registry.kinds[i] == "tensor"]
+    for i, state in tensors:
+        _apply_tensor(registry.objects[i], state, problems, registry.path(i))
+    for i, state in tensors:  # after every tensor has its new shape: grads must match it
+        _apply_grad(registry.objects[i], state, problems, registry.path(i))
+    for i, state in changes.objects:
+        kind = registry.kinds[i]
+        if kind != "tensor":
+            try:
+                _APPLY[kind](registry.objects[i], state)
+            except Exception as err:  # noqa: BLE001 - say so; the rest still applies
+                problems.append(f"{registry.path(i)} could not be updated in place ({err})")
+    wanted = (lambda name: True) if returns is None else set(returns).__contains__
+    for name, value in changes.bound.items():
+        if wanted(name):
+            namespace[name] = value
+    for name in changes.deleted:
+        if wanted(name):
+            namespace.pop(name, None)
+    return problems
+
+
+def _copy_into_storage(storage: Any, data: Any) -> None:
+    import torch
+
+    source = torch.empty(0, dtype=torch.uint8).set_(_pickling._rebuild_storage(data))
+    if storage.nbytes() != source.numel():
+        storage.resize_(source.numel())
+    target = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    target.copy_(source)
+
+
+def _apply_tensor(tensor: Any, state: tuple, problems: list[str], path: str) -> None:
+    import torch
+
+    _, storage, offset, size, stride, dtype, device, requires_grad, _, attributes = state
+    current = _objgraph.tensor_meta(tensor)
+    if storage is not None and not (storage is current[1] and (offset, size, stride, dtype)
+                                    == tuple(current[2:6])):
+        rebuilt = _pickling._rebuild_tensor(storage, offset, size, stride, dtype, False, False)
+        if tensor.device != rebuilt.device:
+            rebuilt = rebuilt.to(tensor.device)  # a CUDA tensor of a kernel that uses CUDA
+        with torch.no_grad():
+            tensor.data = rebuilt
+    if tensor.requires_grad != requires_grad:
+        if tensor.is_leaf:
+            tensor.requires_grad_(requires_grad)
+        else:
+            problems.append(f"{path}: requires_grad could not change on a non-leaf tensor")
+    if attributes != (getattr(tensor, "__dict__", None) or {}):
+        tensor.__dict__.clear()
+        tensor.__dict__.update(attributes)
+
+
+def _apply_grad(tensor: Any, state: tuple, problems: list[str], path: str) -> None:
+    grad = state[8]
+    if not tensor.is_leaf or tensor.grad is grad:
+        return
+    if grad is not None and grad.device != tensor.device:
+        grad = grad.to(tensor.device)
+    try:
+        tensor.grad = grad
+    except RuntimeError as err:
+        problems.append(f"{path}.grad could not be set ({err})")
+
+
+def _merge(old: dict, new: dict) -> dict:
+    return {k: (old[k] if v is KEEP else v) for k, v in new.items() if not (v is KEEP and k not in old)}
+
+
+def _apply_attributes(obj: Any, attributes: tuple[dict | None, dict]) -> None:
+    new_dict, slots = attributes
+    current = _objgraph._object_dict(obj)
+    if current is not None and new_dict is not None:
+        merged = _merge(current, new_dict)
+        current.clear()
+        current.update(merged)
+    for name, value in slots.items():
+        if value is not KEEP:
+            object.__setattr__(obj, name, value)
+
+
+def _apply_dict(obj: dict, state: tuple) -> None:
+    items, factory, attributes = state
+    merged = _merge(dict(obj), dict(items)) if any(v is KEEP for _, v in items) else dict(items)
+    obj.clear()
+    obj.update(merged)
+    if hasattr(obj, "default_factory"):
+        obj.default_factory = factory
+    _apply_attributes(obj, attributes)
+
+
+def _apply_list(obj: list, state: tuple) -> None:
+    obj[:] = state[0]
+    _apply_attributes(obj, state[1])
+
+
+def _apply_deque(obj: Any, state: tuple) -> None:
+    obj.clear()
+    obj.extend(state[0])
+    _apply_attributes(obj, state[1])
+
+
+def _apply_set(obj: set, state: tuple) -> None:
+    obj.clear()
+    obj.update(state[0])
+    _apply_attributes(obj, state[1])
+
+
+def _apply_object(obj: Any, state: tuple) -> None:
+    new_type, attributes = state
+    if type(obj) is not new_type:
+        obj.__class__ = new_type
+    _apply_attributes(obj, attributes)
+
+
+def _apply_ndarray(obj: Any, new: Any) -> None:
+    if obj.shape != new.shape or obj.dtype != new.dtype:
+        raise ValueError(f"its shape or dtype changed to {new.shape}, {new.dtype}; "
+                         "assign the array to a name to bring it back")
+    obj[...] = new
+
+
+def _apply_bytearray(obj: bytearray, new: bytes) -> None:
+    obj[:] = new
+
+
+def _apply_function(obj: Any, state: tuple) -> None:
+    code, defaults, kwdefaults, attributes = state
+    obj.__code__, obj.__defaults__, obj.__kwdefaults__ = code, defaults, kwdefaults
+    obj.__dict__.clear()
+    obj.__dict__.update(attributes)
+
+
+def _apply_class(cls: type, attributes: dict) -> None:
+    current = _objgraph.class_attributes(cls)
+    for name in current:
+        if name not in attributes:
+            delattr(cls, name)
+    for name, value in attributes.items():
+        if current.get(name, _MISSING) is not value and value is not KEEP:
+            setattr(cls, name, value)
+
+
+def _apply_cell(cell: Any, state: tuple) -> None:
+    if state:
+        cell.cell_contents = state[0]
+    else:
+        del cell.cell_contents
+
+
+_APPLY = {"dict": _apply_dict, "list": _apply_list, "deque": _apply_deque, "set": _apply_set,
+          "object": _apply_object, "ndarray": _apply_ndarray, "bytearray": _apply_bytearray,
+          "function": _apply_function, "class": _apply_class, "cell": _apply_cell}
+
+
+def shared_memory_tensors(registry: Registry) -> int:
+    """How many of the registered tensors live in memory shared with other processes."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    return sum(1 for obj, kind in zip(registry.objects, registry.kinds)
+               if kind == "tensor" and obj.device.type == "cpu" and obj.is_shared())
