@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from enot_nb._devices import device_for
 from enot_nb._env import read_layout
 from enot_nb._sync import collective_device, sync_model
 from enot_nb.errors import DistributedRuntimeException
@@ -102,18 +103,12 @@ def init_process_group(
 
 def _select_cuda_device(local_rank: int) -> None:
     """Bind this process to GPU ``local_rank`` and initialize CUDA, as nccl requires."""
-    if not torch.cuda.is_available():
-        raise DistributedRuntimeException(
-            "backend 'nccl' needs CUDA, but no GPU is available to this process; "
-            "use backend='gloo' to train on the CPU"
-        )
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise DistributedRuntimeException(
-            f"LOCAL_RANK={local_rank} but only {count} GPU(s) are visible; start at most {count} "
-            "processes per node with nccl, or use backend='gloo'"
-        )
-    torch.cuda.set_device(local_rank)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        index = device_for(local_rank, visible)
+    except ValueError as err:
+        raise DistributedRuntimeException(str(err)) from None
+    torch.cuda.set_device(index)
     torch.cuda.init()
 
 

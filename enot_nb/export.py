@@ -241,8 +241,10 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
 def _default_backend() -> str:
     import torch
 
+    from enot_nb._devices import default_backend
+
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local else "gloo"
+    return default_backend(local, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def _silence_stdout() -> None:

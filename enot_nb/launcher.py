@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from enot_nb import _pickling, _rendezvous, _worker
+from enot_nb._devices import default_backend
 from enot_nb._options import ConflictingFlagsError, LaunchOptions
 from enot_nb._plan import LaunchPlan
 from enot_nb._supervisor import Attempt
@@ -163,7 +164,7 @@ def plan_launch(options: LaunchOptions) -> LaunchPlan:
                                     "GPU; pass nprocs=N (for example nprocs=2, backend='gloo')",
                                     parameter="nprocs")
         nprocs = gpus
-    backend = options.backend or ("nccl" if gpus >= nprocs else "gloo")
+    backend = options.backend or default_backend(nprocs, gpus)
     if backend == "nccl" and nprocs > gpus:
         raise LaunchConfigError(f"backend='nccl' needs one GPU per process, but nprocs={nprocs} and "
                                 f"{gpus} GPU(s) are visible; lower nprocs or use backend='gloo'",

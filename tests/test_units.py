@@ -148,3 +148,21 @@ def test_errors_survive_a_pickle_round_trip():
     assert err.rank == 1 and err.signal_name == "SIGKILL" and "SIGKILL" in str(err)
     config = pickle.loads(pickle.dumps(LaunchConfigError("bad", parameter="seed")))
     assert config.parameter == "seed" and str(config) == "bad"
+
+
+@pytest.mark.parametrize("nprocs, gpus, backend", [(2, 0, "gloo"), (2, 1, "gloo"), (2, 2, "nccl"),
+                                                   (1, 8, "nccl"), (8, 8, "nccl"), (9, 8, "gloo")])
+def test_default_backend(nprocs, gpus, backend):
+    from enot_nb._devices import default_backend
+
+    assert default_backend(nprocs, gpus) == backend
+
+
+def test_device_for_a_local_rank():
+    from enot_nb._devices import device_for
+
+    assert [device_for(rank, 4) for rank in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="only 2 GPU"):
+        device_for(2, 2)
+    with pytest.raises(ValueError, match="no GPU is available"):
+        device_for(0, 0)
