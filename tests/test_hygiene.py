@@ -150,36 +150,34 @@ def test_sigkill_of_the_launcher_takes_grandchildren_and_rendezvous_down(method)
 # ----------------------------------------------------------------------------- 4, 5. resources
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_too_few_file_descriptors_is_one_clear_error_and_leaks_nothing(method):
-    seen = lines_of(helper("fd_limit", method))
+def assert_one_clear_error_and_nothing_left(seen: dict[str, list[str]], *words: str) -> list[int]:
+    """The scenario raised one LaunchError with ``words``, leaked no fd, left no process, and
+    the next launch worked; returns the fd counts before and after."""
     error = json.loads(seen["error"][0])
-    assert "too many open files" in error and "ulimit -n" in error
+    assert all(word in error for word in words), error
     before, after = map(int, seen["fds"][0].split())
     assert after == before
     assert json.loads(seen["left"][0]) == []
     assert seen["next"] == ["41"]
-    record_figure(f"fd_limit_fds_{method}", [before, after])
+    return [before, after]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_too_few_file_descriptors_is_one_clear_error_and_leaks_nothing(method):
+    seen = lines_of(helper("fd_limit", method))
+    fds = assert_one_clear_error_and_nothing_left(seen, "too many open files", "ulimit -n")
+    record_figure(f"fd_limit_fds_{method}", fds)
 
 
 def test_a_fork_that_fails_part_way_is_one_clear_error_and_leaves_nothing():
     seen = lines_of(helper("fork_fails", "fork"))  # the second of three forks fails (EAGAIN)
-    error = json.loads(seen["error"][0])
-    assert "RLIMIT_NPROC" in error and "rank 1" in error
-    before, after = map(int, seen["fds"][0].split())
-    assert after == before
-    assert json.loads(seen["left"][0]) == []
-    assert seen["next"] == ["41"]
+    assert_one_clear_error_and_nothing_left(seen, "RLIMIT_NPROC", "rank 1")
 
 
 def test_a_fork_server_fork_that_fails_part_way(monkeypatch):
     monkeypatch.setenv("ENOT_NB_TEST_FORK_FAIL_AT", "2")  # the third of three forks fails
     seen = lines_of(helper("fork_fails", "spawn"))
-    error = json.loads(seen["error"][0])
-    assert "RLIMIT_NPROC" in error
-    before, after = map(int, seen["fds"][0].split())
-    assert after == before
-    assert json.loads(seen["left"][0]) == []
+    assert_one_clear_error_and_nothing_left(seen, "RLIMIT_NPROC")
 
 
 # ----------------------------------------------------------------------------- 6. binding
