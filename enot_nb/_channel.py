@@ -17,10 +17,10 @@ _HEADER = struct.Struct("<Q")
 class Kind:
     """Every message kind, defined once.
 
-    worker -> launcher (one message pipe per rank): DISPLAY, CLEAR_OUTPUT, PARTIAL, then one of
-    RESULT (rank 0), DONE, ERROR. fork server <-> launcher: READY, LAUNCH, STARTED or
-    START_FAILED, EXIT (see _forkserver). A RESULT or PARTIAL payload is (MEMFD, size) or
-    (INLINE, pickle bytes).
+    worker -> launcher, ``(kind, payload)`` on one message pipe per rank: DISPLAY, CLEAR_OUTPUT,
+    PARTIAL, then one of RESULT (rank 0), DONE, ERROR (an ErrorReport). A RESULT or PARTIAL
+    payload is (MEMFD, size) or (INLINE, pickle bytes). The fork server's messages are the
+    NamedTuples below (Ready, Launch, Started, StartFailed, Exit).
     """
 
     DISPLAY = "display"
@@ -29,20 +29,68 @@ class Kind:
     RESULT = "result"
     DONE = "done"
     ERROR = "error"
-    READY = "ready"
-    LAUNCH = "launch"
-    STARTED = "started"
-    START_FAILED = "start_failed"
-    EXIT = "exit"
     MEMFD = "memfd"
     INLINE = "inline"
     OUTCOMES = (RESULT, DONE, ERROR)
 
 
+class ErrorReport(NamedTuple):
+    """What a worker that raised tells the launcher (its ERROR message's payload)."""
+
+    type: str | None
+    """The exception's class name; None for sys.exit."""
+    message: str
+    traceback: str | None
+    exitcode: int
+
+
+class Ready(NamedTuple):
+    """fork server -> launcher: torch is imported, launches may come."""
+
+    pid: int
+
+
+class Launch(NamedTuple):
+    """launcher -> fork server: start one worker per spec (descriptors follow, see LaunchFds)."""
+
+    launch_id: int
+    specs: list
+    job_bytes: bytes
+    layout: LaunchFds
+
+
+class Started(NamedTuple):
+    """fork server -> launcher: every worker runs (a pidfd per rank follows, in rank order)."""
+
+    launch_id: int
+    pids: dict[int, int]
+
+
+class StartFailed(NamedTuple):
+    """fork server -> launcher: the workers could not be started; none is left."""
+
+    launch_id: int
+    errno: int | None
+    reason: str
+
+
+class Exit(NamedTuple):
+    """fork server -> launcher: a worker ended and was reaped (its group killed first)."""
+
+    launch_id: int
+    rank: int
+    exitcode: int
+
+
+class FdsBatch(NamedTuple):
+    """Carries up to MAXFDS_PER_SEND descriptors of the message before it."""
+
+    count: int
+
+
 # One sendmsg carries at most SCM_MAX_FD (253) descriptors: more travel in batches, each
-# attached to a FDS_BATCH message that follows the message they belong to.
+# attached to an FdsBatch message that follows the message they belong to.
 MAXFDS_PER_SEND = 250
-FDS_BATCH = "fds"
 
 
 def encode(message: Any) -> bytes:
@@ -64,7 +112,7 @@ def send_message(sock: socket.socket, message: Any, fds: list[int] | None = None
     fds = list(fds or [])
     for start in range(0, len(fds), MAXFDS_PER_SEND):
         batch = fds[start : start + MAXFDS_PER_SEND]
-        data = encode((FDS_BATCH, len(batch)))
+        data = encode(FdsBatch(len(batch)))
         sent = socket.send_fds(sock, [data[:1]], batch)
         sock.sendall(data[sent:])
 
@@ -115,7 +163,7 @@ def recv_message(sock: socket.socket, reader: MessageReader) -> Any:
 
 
 def _is_batch(message: Any) -> bool:
-    return isinstance(message, tuple) and message[:1] == (FDS_BATCH,)
+    return isinstance(message, FdsBatch)
 
 
 def recv_fds(sock: socket.socket, reader: MessageReader, count: int) -> list[int]:

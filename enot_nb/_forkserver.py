@@ -10,11 +10,11 @@ descriptors over a Unix socket that only the launching process holds.
 Protocol on the socket (framed pickles, descriptors in batches after their message; see
 _channel)::
 
-    server -> caller  ("ready", pid)
-    caller -> server  ("launch", id, [WorkerSpec], job_bytes, LaunchFds)   + the descriptors
-    server -> caller  ("started", id, {rank: pid})       + a pidfd per rank, in rank order
-                   or ("start_failed", id, errno, reason)  (nothing of the launch is left)
-    server -> caller  ("exit", id, rank, exitcode)       once per rank, as each is reaped
+    server -> caller  Ready(pid)
+    caller -> server  Launch(id, [WorkerSpec], job_bytes, LaunchFds)   + the descriptors
+    server -> caller  Started(id, {rank: pid})          + a pidfd per rank, in rank order
+                   or StartFailed(id, errno, reason)    (nothing of the launch is left)
+    server -> caller  Exit(id, rank, exitcode)          once per rank, as each is reaped
 
 A worker's process group is killed (its DataLoader workers, its subprocesses) before the worker
 is reaped: while the leader is a zombie, its group id cannot be anybody else's.
@@ -29,7 +29,7 @@ import socket
 import sys
 
 from enot_nb import _channel, _pickling, _worker
-from enot_nb._channel import Kind, LaunchFds
+from enot_nb._channel import Exit, Launch, LaunchFds, Ready, Started, StartFailed
 
 
 def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],
@@ -95,17 +95,17 @@ def serve(sock: socket.socket) -> None:
     reader = _channel.MessageReader()
     while True:
         try:
-            _, launch_id, specs, job_bytes, layout = _channel.recv_message(sock, reader)
-            fds = _channel.recv_fds(sock, reader, layout.count)
+            launch: Launch = _channel.recv_message(sock, reader)
+            fds = _channel.recv_fds(sock, reader, launch.layout.count)
         except EOFError:
             return
         try:
-            started = _fork_workers(sock, specs, fds, job_bytes, layout)
+            started = _fork_workers(sock, launch.specs, fds, launch.job_bytes, launch.layout)
         except OSError as err:
-            _channel.send_message(sock, (Kind.START_FAILED, launch_id, err.errno, str(err)))
+            _channel.send_message(sock, StartFailed(launch.launch_id, err.errno, str(err)))
             continue
         by_rank = sorted(started.items(), key=lambda item: item[1][0])
-        _channel.send_message(sock, (Kind.STARTED, launch_id, {rank: pid for pid, (rank, _) in by_rank}),
+        _channel.send_message(sock, Started(launch.launch_id, {rank: pid for pid, (rank, _) in by_rank}),
                               [pidfd for _, (_, pidfd) in by_rank])
         for _, pidfd in started.values():
             os.close(pidfd)  # the caller has its own copies
@@ -118,7 +118,8 @@ def serve(sock: socket.socket) -> None:
             _, status = os.waitpid(info.si_pid, 0)
             rank = started.pop(info.si_pid, (None,))[0]
             if rank is not None:
-                _channel.send_message(sock, (Kind.EXIT, launch_id, rank, os.waitstatus_to_exitcode(status)))
+                code = os.waitstatus_to_exitcode(status)
+                _channel.send_message(sock, Exit(launch.launch_id, rank, code))
 
 
 def main() -> None:
@@ -137,7 +138,7 @@ def main() -> None:
     import enot_nb._cell  # noqa: F401 - preloaded for the workers
     import enot_nb.distributed  # noqa: F401 - preloaded for the workers
 
-    _channel.send_message(sock, (Kind.READY, os.getpid()))
+    _channel.send_message(sock, Ready(os.getpid()))
     serve(sock)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from enot_nb import _spawn
-from enot_nb._channel import Kind, LaunchFds
+from enot_nb._channel import Exit, LaunchFds
 from enot_nb.errors import LaunchError
 
 
@@ -168,8 +168,8 @@ class ServerGroup:
             messages.append(reader.pending.popleft())
         ended = []
         for message in messages:
-            if message[0] == Kind.EXIT and message[1] == self.launch_id:
-                rank, code = message[2], message[3]
+            if isinstance(message, Exit) and message.launch_id == self.launch_id:
+                rank, code = message.rank, message.exitcode
                 self._exited[rank] = code
                 os.close(self.pidfds.pop(rank))
                 if self.pids is not None:

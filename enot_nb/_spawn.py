@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from enot_nb import _channel
-from enot_nb._channel import Kind, LaunchFds
+from enot_nb._channel import Launch, LaunchFds, Started, StartFailed
 from enot_nb.errors import LaunchError
 
 T = TypeVar("T")
@@ -212,7 +212,7 @@ class ForkServer:
         """Ask for one worker per spec; returns the launch id (see wait_started)."""
         self._launch_id += 1
         self.broken = True  # until the whole request is out
-        _channel.send_message(self.sock, (Kind.LAUNCH, self._launch_id, specs, job_bytes, layout), fds)
+        _channel.send_message(self.sock, Launch(self._launch_id, specs, job_bytes, layout), fds)
         self.broken = False
         return self._launch_id
 
@@ -221,14 +221,14 @@ class ForkServer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             message = self.next_message(deadline)
-            if message[0] == Kind.STARTED and message[1] == launch_id:
-                pids = message[2]
+            if isinstance(message, Started) and message.launch_id == launch_id:
+                pids = message.pids
                 self.broken = True  # until the pidfds are in
                 pidfds = _channel.recv_fds(self.sock, self.reader, len(pids))
                 self.broken = False
                 return pids, dict(zip(sorted(pids), pidfds))
-            if message[0] == Kind.START_FAILED and message[1] == launch_id:
-                raise StartRefused(str(start_error(OSError(message[2], message[3]),
+            if isinstance(message, StartFailed) and message.launch_id == launch_id:
+                raise StartRefused(str(start_error(OSError(message.errno, message.reason),
                                                    "the fork server could not start the workers")))
 
     def next_message(self, deadline: float | None = None) -> tuple:

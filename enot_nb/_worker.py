@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from enot_nb import _channel, _pickling
-from enot_nb._channel import Kind
+from enot_nb._channel import ErrorReport, Kind
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
 _PR_SET_PDEATHSIG = 1
@@ -187,8 +187,7 @@ def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
     try:
         _channel.write_message(
             spec.message_fd,
-            (Kind.ERROR, {"type": error_type, "message": message, "traceback": text,
-                       "exitcode": code}),
+            (Kind.ERROR, ErrorReport(error_type, message, text, code)),
         )
     except OSError:
         pass

@@ -7,6 +7,7 @@ the builtin it refines, so ``except RuntimeError`` keeps working for users who d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class EnotNbError(Exception):
@@ -68,10 +69,10 @@ class WorkerFailure:
     """The last lines the worker wrote to stderr (shown when it died without a traceback)."""
 
     @classmethod
-    def raised(cls, rank: int, info: dict, attempt: int, output_tail: str) -> WorkerFailure:
-        """A worker reported an exception (its "error" message)."""
-        return cls(rank=rank, exitcode=info["exitcode"], signal_name=None, error_type=info["type"],
-                   message=info["message"], traceback=info["traceback"], attempt=attempt,
+    def raised(cls, rank: int, report: Any, attempt: int, output_tail: str) -> WorkerFailure:
+        """A worker reported an exception (its ErrorReport)."""
+        return cls(rank=rank, exitcode=report.exitcode, signal_name=None, error_type=report.type,
+                   message=report.message, traceback=report.traceback, attempt=attempt,
                    output_tail=output_tail)
 
     @classmethod
