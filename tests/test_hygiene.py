@@ -58,10 +58,9 @@ def _take_pid(pid: int) -> subprocess.Popen | None:
 
 @pytest.mark.skipif(not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
                     reason="choosing the next pid needs root (/proc/sys/kernel/ns_last_pid)")
-@pytest.mark.parametrize("method", METHODS)
-def test_a_reused_pid_is_never_signalled(method, tmp_path):
+def test_a_reused_pid_is_never_signalled(start_method, tmp_path):
     flag = tmp_path / "go"
-    proc = helper("pid_reuse", method, str(flag))
+    proc = helper("pid_reuse", start_method, str(flag))
     pid = None
     while pid is None:
         line = proc.stdout.readline()
@@ -98,10 +97,9 @@ def test_an_interrupt_at_each_step_of_a_start_leaves_nothing(method, step):
     record_figure(f"interrupt_at_{method}_{step}_next_launch_s", float(seconds))
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_interrupts_at_random_moments_leave_nothing(method):
+def test_interrupts_at_random_moments_leave_nothing(start_method):
     tries = 8
-    proc = helper("interrupt_sweep", method, str(tries), stdin=subprocess.PIPE)
+    proc = helper("interrupt_sweep", start_method, str(tries), stdin=subprocess.PIPE)
     rng = random.Random(12)
     interrupted = 0
     for _ in range(tries):
@@ -125,10 +123,9 @@ def test_interrupts_at_random_moments_leave_nothing(method):
 # ----------------------------------------------------------------------------- 3. descendants
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_sigkill_of_the_launcher_takes_grandchildren_and_rendezvous_down(method):
+def test_sigkill_of_the_launcher_takes_grandchildren_and_rendezvous_down(start_method):
     before = set(Path(tempfile.gettempdir()).glob("enot_nb-rendezvous-*"))
-    proc = helper("descendants_then_block", method)
+    proc = helper("descendants_then_block", start_method)
     trees = []
     while len(trees) < 2:
         line = proc.stdout.readline()
@@ -140,7 +137,7 @@ def test_sigkill_of_the_launcher_takes_grandchildren_and_rendezvous_down(method)
     proc.communicate(timeout=10)
     took = gone_within(pids, 5)
     assert took is not None, [p for p in pids if alive(p)]
-    record_figure(f"launcher_sigkill_tree_gone_{method}_s", took)
+    record_figure(f"launcher_sigkill_tree_gone_{start_method}_s", took)
     deadline = time.monotonic() + 5
     while set(Path(tempfile.gettempdir()).glob("enot_nb-rendezvous-*")) - before:
         assert time.monotonic() < deadline, "the rendezvous folder outlived the launcher"
@@ -162,11 +159,10 @@ def assert_one_clear_error_and_nothing_left(seen: dict[str, list[str]], *words: 
     return [before, after]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_too_few_file_descriptors_is_one_clear_error_and_leaks_nothing(method):
-    seen = lines_of(helper("fd_limit", method))
+def test_too_few_file_descriptors_is_one_clear_error_and_leaks_nothing(start_method):
+    seen = lines_of(helper("fd_limit", start_method))
     fds = assert_one_clear_error_and_nothing_left(seen, "too many open files", "ulimit -n")
-    record_figure(f"fd_limit_fds_{method}", fds)
+    record_figure(f"fd_limit_fds_{start_method}", fds)
 
 
 def test_a_fork_that_fails_part_way_is_one_clear_error_and_leaves_nothing():
@@ -209,12 +205,11 @@ def test_three_hundred_tensors_reach_spawned_workers():
     assert total == expected
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_kept_results_hold_no_file_descriptor(method):
-    before, after, kept, total = lines_of(helper("kept_results", method))["fds"][0].split()
+def test_kept_results_hold_no_file_descriptor(start_method):
+    before, after, kept, total = lines_of(helper("kept_results", start_method))["fds"][0].split()
     assert int(kept) == 50 and float(total) == 0.0
     assert int(after) - int(before) <= 2, (before, after)
-    record_figure(f"kept_results_fds_{method}", [int(before), int(after)])
+    record_figure(f"kept_results_fds_{start_method}", [int(before), int(after)])
 
 
 # ----------------------------------------------------------------------------- 9. bad inputs
