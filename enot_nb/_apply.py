@@ -35,20 +35,25 @@ def apply_changes(namespace: dict[str, Any], registry: Registry, changes: Change
                   returns: list[str] | None) -> list[str]:
     """Make the notebook hold what the master held; returns a line per thing left unchanged."""
     problems: list[str] = []
+
+    def attempt(what: str, change: Any, *args: Any) -> None:
+        try:
+            change(*args)
+        except Exception as err:  # noqa: BLE001 - say so; the rest still applies
+            problems.append(f"{what} could not be updated in place ({type(err).__name__}: {err})")
+
     for j, data in changes.storages:
-        _copy_into_storage(registry.storages[j], data)
+        attempt(f"the data of storage {j}", _copy_into_storage, registry.storages[j], data)
     tensors = [(i, s) for i, s in changes.objects if registry.kinds[i] == "tensor"]
     for i, state in tensors:
-        _apply_tensor(registry.objects[i], state, problems, registry.path(i))
+        attempt(registry.path(i), _apply_tensor, registry.objects[i], state, problems, registry.path(i))
     for i, state in tensors:  # after every tensor has its new shape: grads must match it
-        _apply_grad(registry.objects[i], state, problems, registry.path(i))
+        attempt(f"{registry.path(i)}.grad", _apply_grad, registry.objects[i], state, problems,
+                registry.path(i))
     for i, state in changes.objects:
         kind = registry.kinds[i]
         if kind != "tensor":
-            try:
-                _APPLY[kind](registry.objects[i], state)
-            except Exception as err:  # noqa: BLE001 - say so; the rest still applies
-                problems.append(f"{registry.path(i)} could not be updated in place ({err})")
+            attempt(registry.path(i), _APPLY[kind], registry.objects[i], state)
     wanted = (lambda name: True) if returns is None else set(returns).__contains__
     for name, value in changes.bound.items():
         if wanted(name):
@@ -77,8 +82,8 @@ def _apply_tensor(tensor: Any, state: tuple, problems: list[str], path: str) -> 
     if storage is not None and not (storage is current[1] and (offset, size, stride, dtype)
                                     == tuple(current[2:6])):
         rebuilt = _pickling._rebuild_tensor(storage, offset, size, stride, dtype, False, False)
-        if tensor.device != rebuilt.device:
-            rebuilt = rebuilt.to(tensor.device)  # a CUDA tensor of a kernel that uses CUDA
+        if device.type != "cpu" and tensor.device.type != "cpu":
+            rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
         with torch.no_grad():
             tensor.data = rebuilt
     if tensor.requires_grad != requires_grad:
@@ -86,7 +91,7 @@ def _apply_tensor(tensor: Any, state: tuple, problems: list[str], path: str) -> 
             tensor.requires_grad_(requires_grad)
         else:
             problems.append(f"{path}: requires_grad could not change on a non-leaf tensor")
-    if attributes != (getattr(tensor, "__dict__", None) or {}):
+    if not _objgraph._same_dict(attributes, getattr(tensor, "__dict__", None) or {}):
         tensor.__dict__.clear()
         tensor.__dict__.update(attributes)
 
@@ -188,7 +193,8 @@ def _apply_cell(cell: Any, state: tuple) -> None:
         del cell.cell_contents
 
 
-_APPLY = {"dict": _apply_dict, "list": _apply_list, "deque": _apply_deque, "set": _apply_set,
+_APPLY = {"rng": _objgraph.set_rng_state, "dict": _apply_dict, "list": _apply_list,
+          "deque": _apply_deque, "set": _apply_set,
           "object": _apply_object, "ndarray": _apply_ndarray, "bytearray": _apply_bytearray,
           "function": _apply_function, "class": _apply_class, "cell": _apply_cell}
 

@@ -66,8 +66,6 @@ class CellOutcome:
     moved_to_cpu: int = 0
     changed_names: list[str] = field(default_factory=list)
     """The names bound by the cell or whose objects it changed (an exported run saves them)."""
-    missing_returns: list[str] = field(default_factory=list)
-    """Names in --return that the cell left unbound."""
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -223,7 +221,6 @@ class _Tracker:
         outcome.changed_names = sorted(set(changes.bound) | {
             name for name in map(self.registry.root_name, changed) if name in self.namespace})
         if options.returns is not None:
-            outcome.missing_returns = [n for n in options.returns if n not in self.namespace]
             changes.bound = {n: v for n, v in changes.bound.items() if n in options.returns}
             changes.deleted = [n for n in changes.deleted if n in options.returns]
             outcome.changed_names = [n for n in outcome.changed_names if n in options.returns]

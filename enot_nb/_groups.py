@@ -49,6 +49,9 @@ class WorkerGroup(Protocol):
         """Signal a running worker (and its process group where that is safe); nothing once it
         is reaped."""
 
+    def settle(self) -> None:
+        """Wait until no start is in flight (what is started is then known)."""
+
     def close(self) -> None:
         """Kill and reap whatever was started; the group is then empty."""
 
@@ -114,8 +117,11 @@ class ForkedGroup:
             if r == rank and r not in self._exited and not _kill_group(pid, signum):
                 _pidfd_signal(pidfd, signum)
 
+    def settle(self) -> None:
+        _spawn.settle(self._future)
+
     def close(self) -> None:
-        _spawn.settle(self._future)  # forks still in flight: know them all first
+        self.settle()  # forks still in flight: know them all first
         for entry in self._started:
             if entry[0] not in self._exited:
                 _pidfd_signal(entry[2], signal.SIGKILL)
@@ -136,7 +142,8 @@ class ServerGroup:
     def start(self) -> dict[int, int]:
         self.server = _spawn.fork_server()
         _spawn.hook("before_launch")
-        self.launch_id = self.server.send_launch(*self._request)
+        self.launch_id = self.server.next_launch_id()  # known before a byte is sent
+        self.server.send_launch(self.launch_id, *self._request)
         _spawn.hook("launch_sent")
         try:
             started = self.server.wait_started(self.launch_id)
@@ -176,6 +183,9 @@ class ServerGroup:
                     _spawn.watchdog().tell(f"forget {self.pids[rank]}")
                 ended.append((rank, code))
         return ended
+
+    def settle(self) -> None:
+        pass  # the server answers every request it received (see close)
 
     def signal(self, rank: int, signum: int) -> None:
         # Only the worker: the server reaps it, so its group is the server's to kill (it does,

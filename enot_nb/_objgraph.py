@@ -25,6 +25,7 @@ matplotlib objects), which are referenced, never walked.
 from __future__ import annotations
 
 import collections
+import pickle
 import re
 import sys
 import types
@@ -76,6 +77,8 @@ def kind_of(obj: Any) -> str | None:
         return "ndarray"
     if isinstance(obj, _OPAQUE_TYPES):
         return "opaque"
+    if _is_rng(obj):
+        return "rng"
     if isinstance(obj, types.FunctionType):
         return "function" if defined_in_notebook(obj) else "opaque"
     if isinstance(obj, type):
@@ -102,6 +105,39 @@ def kind_of(obj: Any) -> str | None:
     if hasattr(obj, "__dict__") or _slot_names(t):
         return "object"
     return "opaque"
+
+
+def _is_rng(obj: Any) -> bool:
+    """A random generator the user holds (its state lives in C, not in a __dict__)."""
+    import random
+
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    return (isinstance(obj, random.Random) and type(obj) is not random.SystemRandom
+            or torch is not None and isinstance(obj, torch.Generator) and obj.device.type == "cpu"
+            or numpy is not None and isinstance(obj, (numpy.random.Generator, numpy.random.RandomState)))
+
+
+def rng_state(obj: Any) -> Any:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.random.Generator):
+        return obj.bit_generator.state
+    if numpy is not None and isinstance(obj, numpy.random.RandomState):
+        return obj.get_state()
+    if hasattr(obj, "get_state"):  # torch.Generator
+        return obj.get_state()
+    return obj.getstate()
+
+
+def set_rng_state(obj: Any, state: Any) -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.random.Generator):
+        obj.bit_generator.state = state
+    elif numpy is not None and isinstance(obj, numpy.random.RandomState):
+        obj.set_state(state)
+    elif hasattr(obj, "set_state"):
+        obj.set_state(state)
+    else:
+        obj.setstate(state)
 
 
 def _slot_names(t: type) -> tuple[str, ...]:
@@ -333,7 +369,7 @@ def _array_digest(array: Any) -> tuple:
 
 def _array_changed(array: Any, before: tuple) -> bool:
     if array.dtype.hasobject or not array.flags.c_contiguous:
-        return not same(before, _array_digest(array))
+        return before != _array_digest(array)
     area = (array.__array_interface__["data"][0], array.nbytes)
     return (array.shape, array.strides, array.dtype) != before[:3] or \
         _areas_changed([area], [array], [before[3:]])[0]
@@ -343,8 +379,8 @@ def _bytes_of(obj: Any) -> Any:
     """A flat uint8 view of a CPU storage or contiguous array."""
     import numpy
 
-    if type(obj).__name__ == "ndarray":
-        return obj.reshape(-1).view(numpy.uint8)
+    if isinstance(obj, numpy.ndarray):  # subclasses too (masked arrays, memmaps): their data
+        return numpy.asarray(obj).reshape(-1).view(numpy.uint8)
     return storage_bytes(obj).numpy()
 
 
@@ -357,11 +393,13 @@ SCAN_MAX = 1 << 20
 def _area_digests(areas: list[tuple[int, int]], owners: list[Any]) -> list[tuple]:
     """What tells later whether an area's bytes changed: where pagemap works, the pages this
     process already owns (with a digest of just their bytes); elsewhere a digest of it all."""
-    small = [area if area[1] < SCAN_MAX else (0, 0) for area in areas]
-    masks = _pagemap.own_pages(small) if _pagemap.supported() else None
+    # Only torch storages: a spawned worker's NumPy arrays arrive inside the pickle, already its own.
+    skip = [area[1] >= SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
+    scanned = [(0, 0) if skipped else area for area, skipped in zip(areas, skip)]
+    masks = _pagemap.own_pages(scanned) if _pagemap.supported() else None
     digests = []
     for j, (area, owner) in enumerate(zip(areas, owners)):
-        if masks is not None and area[1] >= SCAN_MAX:
+        if masks is not None and skip[j]:
             masks[j] = _no_pages(area)
         if masks is None or not area[1]:
             digests.append(("digest", *area, digest(_bytes_of(owner)) if area[1] else (0, 0)))
@@ -372,6 +410,11 @@ def _area_digests(areas: list[tuple[int, int]], owners: list[Any]) -> list[tuple
             mask[0] = mask[-1] = True
             digests.append(("pages", *area, mask, _digest_pages(area, owner, mask)))
     return digests
+
+
+def _is_array(obj: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, numpy.ndarray)
 
 
 def _no_pages(area: tuple[int, int]) -> Any:
@@ -432,6 +475,9 @@ def shallow_state(obj: Any, kind: str) -> Any:
             return (obj.cell_contents,)
         except ValueError:
             return ()
+    if kind == "rng":
+        state = rng_state(obj)
+        return (state, pickle.dumps(state))
     return None
 
 
@@ -450,23 +496,60 @@ def tensor_meta(t: Any) -> tuple:
             dict(_object_dict(t) or {}))
 
 
-def same(a: Any, b: Any) -> bool:
-    """Shallow identity: containers equal item by item by identity; atoms by value."""
+def same_value(a: Any, b: Any) -> bool:
+    """Whether a slot still holds the same value: the same object, or an equal atom (two equal
+    floats or strings, dtypes or devices, are the same value). A new list equal to the old one is
+    not the same value: other references still see the old one."""
     if a is b:
         return True
     if type(a) is not type(b):
         return False
     if type(a) in _ATOMS:
-        return a == b  # two equal floats or strings are the same value
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return len(a) == len(b) and all(same(ka, kb) and same(va, vb)
-                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
-    if type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in ("torch",
-                                                                                      "numpy"):
-        return a == b  # equal dtypes and devices need not be one object
-    return False
+        return a == b
+    return type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in (
+        "torch", "numpy") and a == b
+
+
+def _same_dict(a: dict | None, b: dict | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(same_value(ka, kb) and same_value(va, vb)
+                                    for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+
+
+def _same_attrs(a: tuple, b: tuple) -> bool:
+    return _same_dict(a[0], b[0]) and _same_dict(a[1], b[1])
+
+
+def _same_items(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+
+
+def same_state(kind: str, a: Any, b: Any) -> bool:
+    """Whether an object's shallow state (see shallow_state) is unchanged: its slots hold the
+    same values; what those values hold is their own state."""
+    if kind == "dict":
+        return (len(a[0]) == len(b[0]) and all(same_value(ka, kb) and same_value(va, vb)
+                                               for (ka, va), (kb, vb) in zip(a[0], b[0]))
+                and same_value(a[1], b[1]) and _same_attrs(a[2], b[2]))
+    if kind in ("list", "deque"):
+        return _same_items(a[0], b[0]) and _same_attrs(a[1], b[1])
+    if kind == "set":
+        return {id(x) for x in a[0]} == {id(x) for x in b[0]} and _same_attrs(a[1], b[1])
+    if kind == "object":
+        return a[0] is b[0] and _same_attrs(a[1], b[1])
+    if kind == "tensor":
+        return (a[0] is b[0] and a[1] is b[1] and a[2:5] == b[2:5] and a[5] == b[5] and a[6] == b[6]
+                and a[7] == b[7] and a[8] is b[8] and _same_dict(a[9], b[9]))
+    if kind == "function":
+        return a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and _same_dict(a[3], b[3])
+    if kind == "class":
+        return _same_dict(a, b)
+    if kind == "cell":
+        return _same_items(list(a), list(b))
+    if kind == "rng":
+        return a[1] == b[1]
+    return a == b
 
 
 @dataclass
@@ -500,12 +583,7 @@ class Snapshot:
                 now = shallow_state(obj, kind)
             except Exception:  # noqa: BLE001 - an object that resists inspection is left untracked
                 continue
-            if kind == "set":
-                unchanged = ({id(x) for x in before[0]} == {id(x) for x in now[0]}
-                             and same(before[1], now[1]))
-            else:
-                unchanged = same(before, now)
-            if not unchanged:
+            if not same_state(kind, before, now):
                 changed.append(i)
         return changed
 

@@ -77,7 +77,9 @@ def _rebuild_storage(buffer: Any, device: str = "cpu") -> Any:
     import torch
 
     view = memoryview(buffer).cast("B")
-    if view.readonly:  # in band: the pickle's own bytes
+    if view.readonly or view.nbytes < SHM_MIN_BYTES:
+        # In band (the pickle's own bytes), or small: a copy of its own, so that a small tensor
+        # kept in the notebook does not pin the whole result mapping it arrived in.
         view = memoryview(bytearray(view))
     if view.nbytes:
         storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
@@ -102,7 +104,7 @@ def _to_device(storage: Any, device: str) -> Any:
 
 
 def _rebuild_tensor(storage: Any, offset: int, size: tuple, stride: tuple, dtype: Any,
-                    requires_grad: bool, parameter: bool) -> Any:
+                    requires_grad: bool, parameter: bool, subclass: Any = None) -> Any:
     import torch
 
     tensor = torch.empty(0, dtype=dtype, device=storage.device)
@@ -112,7 +114,17 @@ def _rebuild_tensor(storage: Any, offset: int, size: tuple, stride: tuple, dtype
         tensor = tensor.new_empty(size)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad)
+    tensor.requires_grad_(requires_grad)
+    return tensor if subclass is None else tensor.as_subclass(subclass)
+
+
+def _plain_subclass(t: type) -> bool:
+    """A Python subclass of torch.Tensor (x.as_subclass(S)): rebuilt the same way, so that its
+    storage is shared as the notebook's is (exotic tensors keep torch's own pickling)."""
+    import torch
+
+    return (issubclass(t, torch.Tensor) and not issubclass(t, torch.nn.Parameter)
+            and not t.__module__.startswith("torch"))
 
 
 def _set_tensor_state(tensor: Any, state: tuple) -> Any:
@@ -202,8 +214,8 @@ class TensorPickler(cloudpickle.Pickler):
         import torch
 
         t = type(obj)
-        if t in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided \
-                and obj.device.type != "meta":
+        if (t in (torch.Tensor, torch.nn.Parameter) or _plain_subclass(t)) \
+                and obj.layout == torch.strided and obj.device.type != "meta":
             return self._reduce_tensor(obj)
         if t is torch.UntypedStorage:
             return self._reduce_storage(obj)
@@ -227,7 +239,8 @@ class TensorPickler(cloudpickle.Pickler):
         self.off_cpu += tensor.device.type != "cpu" and self.mode != "ship"
         args = (tensor.untyped_storage(), tensor.storage_offset(), tuple(tensor.shape),
                 tensor.stride(), tensor.dtype, tensor.requires_grad,
-                type(tensor) is torch.nn.Parameter)
+                type(tensor) is torch.nn.Parameter,
+                type(tensor) if type(tensor) not in (torch.Tensor, torch.nn.Parameter) else None)
         attributes = dict(getattr(tensor, "__dict__", {}))
         grad = tensor.grad if tensor.is_leaf else None
         if grad is None and not attributes:

@@ -208,13 +208,16 @@ class ForkServer:
     def alive(self) -> bool:
         return not self.broken and self.process.poll() is None
 
-    def send_launch(self, specs: list[Any], fds: list[int], job_bytes: bytes, layout: LaunchFds) -> int:
-        """Ask for one worker per spec; returns the launch id (see wait_started)."""
+    def next_launch_id(self) -> int:
         self._launch_id += 1
-        self.broken = True  # until the whole request is out
-        _channel.send_message(self.sock, Launch(self._launch_id, specs, job_bytes, layout), fds)
-        self.broken = False
         return self._launch_id
+
+    def send_launch(self, launch_id: int, specs: list[Any], fds: list[int], job_bytes: bytes,
+                    layout: LaunchFds) -> None:
+        """Ask for one worker per spec (see wait_started)."""
+        self.broken = True  # until the whole request is out
+        _channel.send_message(self.sock, Launch(launch_id, specs, job_bytes, layout), fds)
+        self.broken = False
 
     def wait_started(self, launch_id: int, timeout: float | None = None) -> tuple[dict[int, int], dict[int, int]]:
         """Each rank's pid and pidfd once the server forked them; LaunchError if it could not."""

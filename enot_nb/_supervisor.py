@@ -12,6 +12,7 @@ goes to the running workers, which then get ``STOP_GRACE`` seconds before the ne
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import selectors
@@ -19,6 +20,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,7 +32,7 @@ from enot_nb._ranks import Rank, RankIO, make_ranks
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from enot_nb._plan import LaunchPlan
 
@@ -60,6 +62,7 @@ def rank_environment(plan: LaunchPlan, local_rank: int, address: str, port: int,
     )
     if plan.nnodes == 1:  # the collectives' own sockets stay on loopback too
         env.setdefault("GLOO_SOCKET_IFNAME", _rendezvous.LOOPBACK_INTERFACE)
+        env.setdefault("NCCL_SOCKET_IFNAME", _rendezvous.LOOPBACK_INTERFACE)
     return env
 
 
@@ -170,6 +173,12 @@ class Attempt(_Stopping):
     # ------------------------------------------------------------------------- start
 
     def _start(self) -> None:
+        try:
+            self._start_now()
+        except OSError as err:  # EMFILE, EAGAIN, ENOMEM: one clear error (close cleans up)
+            raise _spawn.start_error(err, "the launch could not start") from err
+
+    def _start_now(self) -> None:
         self.ranks = make_ranks(self.plan.nprocs, self.plan.node_rank, self.plan.output)
         self.io = RankIO(self.ranks, self.on_message, self._record_error)
         try:
@@ -180,6 +189,8 @@ class Attempt(_Stopping):
             for rank, pid in self.group.start().items():
                 self._rank(rank).pid = pid
         finally:
+            if self.group is not None:
+                self.group.settle()  # no fork in flight may inherit a descriptor closed here
             for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
                 for _, write_end in r.pipes.values():
                     os.close(write_end)
@@ -248,15 +259,23 @@ class Attempt(_Stopping):
     def _partial(self) -> Any:
         """Rank 0's state at an interrupt or failure, loaded; None if it sent none."""
         master = next((r for r in self.ranks if r.rank == 0), None)
-        if master is None or master.partial is None:
+        if master is None:
+            return None
+        # A master that finished (it caught the interrupt, or was done first) sent all it had.
+        payload = master.payload if master.outcome == Kind.RESULT else master.partial
+        if payload is None:
             return None
         try:
-            return load_payload(self.result_fd, master.partial)
+            return load_payload(self.result_fd, payload)
         except LaunchError as err:
             print(f"enot_nb: {err}", file=sys.stderr)
             return None
 
     def _close(self) -> None:
+        with _interrupts_deferred():  # a second stop press must not leave half a cleanup
+            self._close_now()
+
+    def _close_now(self) -> None:
         if self.group is not None:
             self.group.close()  # every worker killed (with its group) and reaped
         if self.io is not None:
@@ -322,6 +341,22 @@ def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
         raise LaunchError(f"rank 0's result could not be loaded in this process "
                           f"({type(err).__name__}: {err}); return plain data, tensors or "
                           "state dicts") from err
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT while the block runs; a press meanwhile raises KeyboardInterrupt after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread gets KeyboardInterrupt
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def stack_report(rank: int, text: str) -> str:

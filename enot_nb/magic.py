@@ -222,13 +222,14 @@ def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions,
 def _export(shell: Any, code: str, args: Any) -> None:
     from enot_nb.export import export_cell
 
+    options = launch_options(args)  # every launch option, as the exported script takes it
+    exported_options = {k: v for k, v in vars(options).items()
+                        if k not in ("start_method", "node_rank", "max_restarts")}
+    exported_options["timeout"] = options.timeout.total_seconds()
     try:
         exported = export_cell(
-            code, args.export, shell.user_ns, nprocs=args.nprocs, nnodes=args.nnodes,
-            backend=args.backend, seed=args.seed, cuda_optimize_for_speed=args.speed,
-            cuda_reproducible=args.reproducible, output=args.output, sync=_names(args.sync),
-            no_sync=args.no_sync, returns=_names(args.returns), no_return=args.no_return,
-            timeout=args.timeout, master_addr=args.master_addr, master_port=args.master_port)
+            code, args.export, shell.user_ns, sync=_names(args.sync), no_sync=args.no_sync,
+            returns=_names(args.returns), no_return=args.no_return, **exported_options)
     except SyntaxError:
         shell.showsyntaxerror()
         return None
@@ -261,9 +262,10 @@ def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
         print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)
     for line in problems:
         print(f"enot_nb: {line}", file=sys.stderr)
-    if outcome.missing_returns:
-        print(f"enot_nb: --return {','.join(outcome.missing_returns)}: the cell bound no such "
-              "variable; everything else came back", file=sys.stderr)
+    missing = [n for n in options.returns or [] if n not in shell.user_ns]
+    if missing:
+        print(f"enot_nb: --return {','.join(missing)}: the cell bound no such variable; "
+              "everything else came back", file=sys.stderr)
     if outcome.moved_to_cpu:
         print(f"enot_nb: {outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel "
               "does not initialize CUDA and later cells still start fast", file=sys.stderr)

@@ -134,6 +134,22 @@ CASES = [
      "state.pop('b')\nstate['b'] = torch.full((1,), 2.0)", ["list(state)", "state['b'].tolist()"], ""),
     ("in-place-add-through-alias", "w = torch.zeros(2)\nalias = w\n", "w += 1",
      ["alias.tolist()", "alias is w"], ""),
+    ("attribute-rebound-to-an-equal-list", "class T:\n    pass\nt = T()\nt.h = []\nold = t.h\n"
+     "d = {'h': []}\nold_d = d['h']\n", "t.h = []\nd['h'] = []", ["t.h is old", "d['h'] is old_d"], ""),
+    ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
+     ["round(a, 12)", "round(rng.random(), 12)"], ""),
+    ("torch-generator", "g = torch.Generator().manual_seed(0)\n", "first = torch.rand(1, generator=g)",
+     ["first.tolist()", "torch.rand(1, generator=g).tolist()"], ""),
+    ("python-random", "import random\nr = random.Random(0)\n", "x = r.random()",
+     ["round(x, 12)", "round(r.random(), 12)"], ""),
+    ("numpy-masked-array", "m = np.ma.zeros(4)\n", "m[1] = 5", ["m.tolist()"], ""),
+    ("tensor-subclass", "class S(torch.Tensor):\n    pass\nx = torch.zeros(4)\ns = x.as_subclass(S)\n"
+     "y = torch.ones(2)\nz = torch.ones(2)\n", "z.fill_(float(s.sum()) + 5)",
+     ["y.tolist()", "z.tolist()", "type(s).__name__"], ""),
+    ("module-moved-between-devices", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+     "model.to(torch.device('cpu'))\nmodel.to(torch.float64)\nmodel.to('cpu', torch.float32)",
+     ["model.weight.dtype", "str(model.weight.device)", "opt.param_groups[0]['params'][0] is model.weight"],
+     ""),
 ]
 
 
