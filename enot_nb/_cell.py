@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb import _figures, _objgraph, _state, _worker
-from enot_nb._channel import Kind
+from enot_nb._channel import Display, Kind, WorkerMessage
 from enot_nb._objgraph import Registry
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -99,8 +99,7 @@ class _PipePublisher:
         if not self.options.shown:
             return
         if self.options.figure_dir is None:
-            _worker.send((Kind.DISPLAY, {"data": data, "metadata": metadata or {},
-                                      "transient": transient or {}, "update": update}))
+            _worker.send(WorkerMessage(Kind.DISPLAY, Display(data, metadata or {}, transient or {}, update)))
         elif "image/png" in data:
             import base64
             import os
@@ -116,7 +115,7 @@ class _PipePublisher:
 
     def clear_output(self, wait: bool = False) -> None:
         if self.options.shown and self.options.figure_dir is None:
-            _worker.send((Kind.CLEAR_OUTPUT, wait))
+            _worker.send(WorkerMessage(Kind.CLEAR_OUTPUT, wait))
 
 
 def _install_display(options: CellOptions) -> Any:

@@ -34,6 +34,22 @@ class Kind:
     OUTCOMES = (RESULT, DONE, ERROR)
 
 
+class WorkerMessage(NamedTuple):
+    """worker -> launcher, on the rank's message pipe: a Kind and its payload."""
+
+    kind: str
+    payload: Any
+
+
+class Display(NamedTuple):
+    """A DISPLAY message's payload: what IPython's display publisher was given in the worker."""
+
+    data: dict
+    metadata: dict
+    transient: dict
+    update: bool
+
+
 class ErrorReport(NamedTuple):
     """What a worker that raised tells the launcher (its ERROR message's payload)."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from enot_nb import _channel, _pickling
-from enot_nb._channel import ErrorReport, Kind
+from enot_nb._channel import ErrorReport, Kind, WorkerMessage
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
 _PR_SET_PDEATHSIG = 1
@@ -149,7 +149,7 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
 
 def _send_result(spec: WorkerSpec, result: Any) -> None:
     if spec.rank != 0:
-        _channel.write_message(spec.message_fd, (Kind.DONE, None))
+        _channel.write_message(spec.message_fd, WorkerMessage(Kind.DONE, None))
         return
     try:
         payload = _result_payload(spec.result_fd, result)
@@ -158,7 +158,7 @@ def _send_result(spec: WorkerSpec, result: Any) -> None:
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
-    _channel.write_message(spec.message_fd, (Kind.RESULT, payload))
+    _channel.write_message(spec.message_fd, WorkerMessage(Kind.RESULT, payload))
 
 
 def _result_payload(result_fd: int | None, result: Any) -> tuple[str, Any]:
@@ -171,7 +171,7 @@ def _result_payload(result_fd: int | None, result: Any) -> tuple[str, Any]:
 def send_partial(result: Any) -> None:
     """The master's state at an interrupt or failure, sent before the error is reported; the
     launcher may apply it (a stopped cell keeps what it reached)."""
-    send((Kind.PARTIAL, _result_payload(_result_fd, result)))
+    send(WorkerMessage(Kind.PARTIAL, _result_payload(_result_fd, result)))
 
 
 def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
@@ -187,7 +187,7 @@ def _report_failure(spec: WorkerSpec, exc: BaseException) -> int:
     try:
         _channel.write_message(
             spec.message_fd,
-            (Kind.ERROR, ErrorReport(error_type, message, text, code)),
+            WorkerMessage(Kind.ERROR, ErrorReport(error_type, message, text, code)),
         )
     except OSError:
         pass

@@ -245,8 +245,8 @@ def _show_message(kind: str, payload: Any) -> None:
     from IPython.display import clear_output, publish_display_data
 
     if kind == Kind.DISPLAY:
-        publish_display_data(payload["data"], payload["metadata"], transient=payload["transient"],
-                             update=payload["update"])
+        publish_display_data(payload.data, payload.metadata, transient=payload.transient,
+                             update=payload.update)
     elif kind == Kind.CLEAR_OUTPUT:
         clear_output(wait=payload)
 
