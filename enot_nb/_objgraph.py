@@ -439,6 +439,8 @@ def _digest_pages(area: tuple[int, int], owner: Any, mask: Any) -> tuple:
 
 def _areas_changed(areas: list[tuple[int, int]], owners: list[Any], before: list[tuple]) -> list[bool]:
     paged = [j for j, b in enumerate(before) if b[0] == "pages" and tuple(b[1:3]) == areas[j]]
+    if paged and _pagemap.shares_pages_with_children():
+        paged = []  # pages cannot tell now: every such area counts as changed (and is sent)
     masks = _pagemap.own_pages([areas[j] for j in paged]) if paged else []
     changed = [True] * len(areas)
     for j, mask in zip(paged, masks or [None] * len(paged)):
