@@ -30,37 +30,56 @@ def main() -> None:
         kernel_fd = os.pidfd_open(kernel)
     except ProcessLookupError:
         return
-    groups: set[int] = set()
-    folders: set[str] = set()
-    buffer = b""
+    state = _Watched()
     commands = sys.stdin.fileno()
     os.set_blocking(commands, False)
     poller = select.poll()
     poller.register(kernel_fd, select.POLLIN)
     poller.register(commands, select.POLLIN)
-    stdin_open = True
     while True:
-        for fd, _ in poller.poll():
-            if fd == kernel_fd:
-                _clean(groups, folders)
-                return
-            chunk = os.read(commands, 65536) if stdin_open else b""
-            if not chunk:  # the kernel closed its end: it is exiting; the pidfd tells when
-                poller.unregister(commands)
-                stdin_open = False
-                continue
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
+        ready = {fd for fd, _ in poller.poll()}
+        if commands in ready and not state.read(commands):
+            poller.unregister(commands)  # the kernel closed its end: the pidfd tells when it exits
+        if kernel_fd in ready:
+            state.read(commands)  # what the kernel wrote just before it died counts too
+            _clean(state.groups, state.folders)
+            return
+
+
+class _Watched:
+    """The groups and folders the kernel told about, from its command lines."""
+
+    def __init__(self) -> None:
+        self.groups: set[int] = set()
+        self.folders: set[str] = set()
+        self._buffer = b""
+
+    def read(self, fd: int) -> bool:
+        """Take every command waiting on ``fd``; False once the kernel closed it."""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
             for line in lines:
-                verb, _, argument = line.decode().partition(" ")
-                if verb == "watch":
-                    groups.add(int(argument))
-                elif verb == "forget":
-                    groups.discard(int(argument))
-                elif verb == "folder":
-                    folders.add(argument)
-                elif verb == "unfolder":
-                    folders.discard(argument)
+                self._take(line.decode())
+
+    def _take(self, line: str) -> None:
+        verb, _, argument = line.partition(" ")
+        if verb == "watch":
+            self.groups.add(int(argument))
+        elif verb == "forget":
+            self.groups.discard(int(argument))
+        elif verb == "folder":
+            self.folders.add(argument)
+        elif verb == "unfolder":
+            self.folders.discard(argument)
 
 
 def _clean(groups: set[int], folders: set[str]) -> None:
