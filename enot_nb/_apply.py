@@ -48,8 +48,7 @@ def apply_changes(namespace: dict[str, Any], registry: Registry, changes: Change
     for i, state in tensors:
         attempt(registry.path(i), _apply_tensor, registry.objects[i], state, problems, registry.path(i))
     for i, state in tensors:  # after every tensor has its new shape: grads must match it
-        attempt(f"{registry.path(i)}.grad", _apply_grad, registry.objects[i], state, problems,
-                registry.path(i))
+        attempt(f"{registry.path(i)}.grad", _apply_grad, registry.objects[i], state)
     for i, state in changes.objects:
         kind = registry.kinds[i]
         if kind != "tensor":
@@ -96,16 +95,13 @@ def _apply_tensor(tensor: Any, state: tuple, problems: list[str], path: str) -> 
         tensor.__dict__.update(attributes)
 
 
-def _apply_grad(tensor: Any, state: tuple, problems: list[str], path: str) -> None:
+def _apply_grad(tensor: Any, state: tuple) -> None:
     grad = state[8]
     if not tensor.is_leaf or tensor.grad is grad:
         return
     if grad is not None and grad.device != tensor.device:
         grad = grad.to(tensor.device)
-    try:
-        tensor.grad = grad
-    except RuntimeError as err:
-        problems.append(f"{path}.grad could not be set ({err})")
+    tensor.grad = grad
 
 
 def _merge(old: dict, new: dict) -> dict:

@@ -168,8 +168,7 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back
         if registry is None:
-            registry = Registry.of_namespace(namespace, [n for n in namespace
-                                                         if _objgraph.is_user_name(n, hidden)])
+            registry = Registry.of_user_variables(namespace, hidden)
         tracker = _Tracker(registry, namespace, hidden)
     figures_before = _open_figures()
     try:
@@ -209,7 +208,7 @@ class _Tracker:
 
     def __init__(self, registry: Registry, namespace: dict[str, Any], hidden: Any) -> None:
         self.registry, self.namespace, self.hidden = registry, namespace, hidden
-        self.names_before = {n: v for n, v in namespace.items() if _objgraph.is_user_name(n, hidden)}
+        self.names_before = _objgraph.user_variables(namespace, hidden)
         self.snapshot = _objgraph.Snapshot.take(registry)
 
     def outcome(self, options: CellOptions, value: Any, has_value: bool,

@@ -212,5 +212,6 @@ class ServerGroup:
             for pidfd in self.pidfds.values():
                 os.close(pidfd)
             self.pidfds = {}
-            if self.pids:
-                _spawn.watchdog().tell(*(f"forget {pid}" for pid in self.pids.values()))
+            if self.pids:  # those whose exit was not seen (exits forgot the others)
+                _spawn.watchdog().tell(*(f"forget {pid}" for rank, pid in self.pids.items()
+                                         if rank not in self._exited))

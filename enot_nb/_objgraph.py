@@ -12,9 +12,8 @@ place or by rebinding) is changed the same way in the notebook, in place. So, be
             digest of every storage and array) -> the cell runs -> diff against the snapshot
 
 The diff is a list of (index, new shallow state) plus the storages whose bytes changed; the
-notebook applies it to its own objects (see _state_apply). Pickled references to registered
-objects travel as their index (see _state_pickle), so unchanged objects never travel and
-keep their identity.
+notebook applies it to its own objects (see _apply). Pickled references to registered objects
+travel as their index (see _state), so unchanged objects never travel and keep their identity.
 
 The boundary (README, "What comes back"): user objects are the namespace's values and
 everything reachable from them, except Python modules, functions and classes defined outside
@@ -57,6 +56,11 @@ _OPAQUE_TYPES = (types.ModuleType, types.GeneratorType, types.CoroutineType, typ
 def is_user_name(name: str, hidden: Any = ()) -> bool:
     """A namespace name that belongs to the user (not IPython's own)."""
     return isinstance(name, str) and name not in hidden and not _IPYTHON_NAME.match(name)
+
+
+def user_variables(namespace: dict[str, Any], hidden: Any = ()) -> dict[str, Any]:
+    """The namespace's user names and their values (IPython's own left out)."""
+    return {n: v for n, v in namespace.items() if is_user_name(n, hidden)}
 
 
 def defined_in_notebook(obj: Any) -> bool:
@@ -273,6 +277,11 @@ class Registry:
             self.storages.append(storage)
 
     @classmethod
+    def of_user_variables(cls, namespace: dict[str, Any], hidden: Any = ()) -> Registry:
+        """Walk everything the namespace's user variables reach."""
+        return cls.of_namespace(namespace, list(user_variables(namespace, hidden)))
+
+    @classmethod
     def of_namespace(cls, namespace: dict[str, Any], names: list[str]) -> Registry:
         """Walk the objects reachable from ``namespace[name]`` for each of ``names``."""
         registry = cls()
@@ -478,8 +487,7 @@ def shallow_state(obj: Any, kind: str) -> Any:
         except ValueError:
             return ()
     if kind == "rng":
-        state = rng_state(obj)
-        return (state, pickle.dumps(state))
+        return pickle.dumps(rng_state(obj))  # compared as bytes; the state itself is sent fresh
     return None
 
 
@@ -512,11 +520,17 @@ def same_value(a: Any, b: Any) -> bool:
         "torch", "numpy") and a == b
 
 
+def _same_pairs(a: Any, b: Any) -> bool:
+    """Two sequences of (key, value) pairs, in order."""
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(same_value(ka, kb) and same_value(va, vb)
+                                    for (ka, va), (kb, vb) in zip(a, b))
+
+
 def _same_dict(a: dict | None, b: dict | None) -> bool:
     if a is None or b is None:
         return a is b
-    return len(a) == len(b) and all(same_value(ka, kb) and same_value(va, vb)
-                                    for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+    return _same_pairs(a.items(), b.items())
 
 
 def _same_attrs(a: tuple, b: tuple) -> bool:
@@ -531,9 +545,7 @@ def same_state(kind: str, a: Any, b: Any) -> bool:
     """Whether an object's shallow state (see shallow_state) is unchanged: its slots hold the
     same values; what those values hold is their own state."""
     if kind == "dict":
-        return (len(a[0]) == len(b[0]) and all(same_value(ka, kb) and same_value(va, vb)
-                                               for (ka, va), (kb, vb) in zip(a[0], b[0]))
-                and same_value(a[1], b[1]) and _same_attrs(a[2], b[2]))
+        return _same_pairs(a[0], b[0]) and same_value(a[1], b[1]) and _same_attrs(a[2], b[2])
     if kind in ("list", "deque"):
         return _same_items(a[0], b[0]) and _same_attrs(a[1], b[1])
     if kind == "set":
@@ -549,8 +561,6 @@ def same_state(kind: str, a: Any, b: Any) -> bool:
         return _same_dict(a, b)
     if kind == "cell":
         return _same_items(list(a), list(b))
-    if kind == "rng":
-        return a[1] == b[1]
     return a == b
 
 
@@ -626,11 +636,10 @@ def global_names(function: Any) -> set[str]:
 
 
 def shippable_namespace(namespace: dict[str, Any], code: str
-                        ) -> tuple[dict[str, Any], dict[str, str], Registry, list[Any]]:
+                        ) -> tuple[dict[str, Any], dict[str, str], Registry]:
     """What spawned workers need: the variables the cell uses, and those the notebook's functions
-    it uses read (to any depth), that can be pickled; those that cannot (with why); the registry
-    of every object they reach; and the registry's objects as they travel with the variables
-    (index for index; None where one cannot be pickled on its own)."""
+    it uses read (to any depth), that can be pickled; those that cannot (with why); and the
+    registry of every object they reach."""
     hidden = hidden_names(namespace)
     registry = Registry.of_namespace(namespace, [])
     values: dict[str, Any] = {}
@@ -648,10 +657,12 @@ def shippable_namespace(namespace: dict[str, Any], code: str
         for function in registry.notebook_functions[seen_functions:]:
             todo |= global_names(function)
         seen_functions = len(registry.notebook_functions)
-    return values, left_out, registry, _shippable_objects(registry, namespace)
+    return values, left_out, registry
 
 
-def _shippable_objects(registry: Registry, namespace: dict[str, Any]) -> list[Any]:
+def shippable_objects(registry: Registry, namespace: dict[str, Any]) -> list[Any]:
+    """The registry's objects as they travel with the shipped variables: index for index, None
+    where one cannot be pickled on its own."""
     ship = {"namespace": namespace, "pickler_class": _pickling.ShipPickler}
     objects = list(registry.objects)
     try:

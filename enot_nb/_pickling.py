@@ -138,17 +138,22 @@ def _set_tensor_state(tensor: Any, state: tuple) -> Any:
 def _reduce_numpy_view(array: Any, is_known: Any) -> Any:
     """A NumPy view travels as a view of the array that owns its memory, or of the nearest
     array the notebook already holds (aliasing kept)."""
-    import numpy
-
-    root = array
-    while isinstance(root.base, numpy.ndarray):
-        root = root.base
+    root = array_owner(array)
     known = is_known(array, root)
     root = root if known is None else known
     if root is array or not root.flags.c_contiguous:
         return None
     offset = array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
     return _numpy_view, (root, offset, array.shape, array.strides, array.dtype)
+
+
+def array_owner(array: Any) -> Any:
+    """The NumPy array that owns the memory ``array`` views (itself if it owns it)."""
+    import numpy
+
+    while isinstance(array.base, numpy.ndarray):
+        array = array.base
+    return array
 
 
 def _numpy_view(root: Any, offset: int, shape: tuple, strides: tuple, dtype: Any) -> Any:

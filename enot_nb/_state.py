@@ -67,7 +67,7 @@ def collect(registry: Registry, snapshot: _objgraph.Snapshot, names_before: dict
             namespace: dict[str, Any], hidden: Any = ()) -> tuple[Changes, list[int]]:
     """The changes the cell made; also the indices of the changed objects (for their names)."""
     changes = Changes()
-    now = {n: v for n, v in namespace.items() if _objgraph.is_user_name(n, hidden)}
+    now = _objgraph.user_variables(namespace, hidden)
     changes.bound = {n: v for n, v in now.items() if names_before.get(n, _MISSING) is not v}
     changes.deleted = [n for n in names_before if n not in now]
     changed = snapshot.changed_objects(registry)
@@ -95,7 +95,7 @@ def _new_state(obj: Any, kind: str) -> Any:
 class StatePickler(_pickling.TensorPickler):
     """Pickles Changes: registered objects and storages by reference (their index)."""
 
-    def __init__(self, file: Any, mode: str, registry: Registry, buffer_callback: Any = None) -> None:
+    def __init__(self, file: Any, mode: str, buffer_callback: Any = None, *, registry: Registry) -> None:
         super().__init__(file, mode, buffer_callback=buffer_callback, namespace=registry.objects[0])
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
@@ -105,7 +105,7 @@ class StatePickler(_pickling.TensorPickler):
             self._arrays = {}
             for obj, kind in zip(self.registry.objects, self.registry.kinds):
                 if kind == "ndarray" and obj.flags.c_contiguous:
-                    self._arrays.setdefault(id(_owner(obj)), []).append(obj)
+                    self._arrays.setdefault(id(_pickling.array_owner(obj)), []).append(obj)
         start, end = _extent(array)
         for known in self._arrays.get(id(root), ()):
             known_start, known_end = _extent(known)
@@ -114,7 +114,7 @@ class StatePickler(_pickling.TensorPickler):
         return None
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) in _ATOMS:
+        if type(obj) in _objgraph._ATOMS:  # never registered: skip the lookups
             return None
         i = self.registry.find(obj)
         if i is not None:
@@ -123,15 +123,6 @@ class StatePickler(_pickling.TensorPickler):
         if j is not None:
             return ("s", j)
         return None
-
-
-_ATOMS = (type(None), bool, int, float, str, bytes)
-
-
-def _owner(array: Any) -> Any:
-    while type(array.base).__name__ == "ndarray":
-        array = array.base
-    return array
 
 
 def _extent(array: Any) -> tuple[int, int]:
@@ -154,19 +145,12 @@ def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> 
         off_cpu = _dry(changes, registry)
     buffers: list[Any] = []
     stream = io.BytesIO()
-    StatePickler(stream, "result", registry, buffer_callback=buffers.append).dump(changes)
+    StatePickler(stream, "result", buffer_callback=buffers.append, registry=registry).dump(changes)
     return PickledState(stream.getvalue(), buffers), off_cpu
 
 
 def _dry(obj: Any, registry: Registry) -> int:
-    return _pickling.dry_run(obj, pickler_class=_DryStatePickler, registry=registry)
-
-
-class _DryStatePickler(StatePickler):
-    def __init__(self, file: Any, mode: str, buffer_callback: Any = None,
-                 registry: Registry | None = None) -> None:
-        assert registry is not None
-        super().__init__(file, mode, registry, buffer_callback=buffer_callback)
+    return _pickling.dry_run(obj, pickler_class=StatePickler, registry=registry)
 
 
 def _reason(value: Any, registry: Registry) -> str | None:
@@ -210,11 +194,12 @@ def _keep_what_pickles(i: int, registry: Registry, state: Any, not_returned: dic
     if kind == "dict":
         items = []
         for key, value in state[0]:
-            reason = _reason(value, registry) or _reason(key, registry)
+            key_reason = _reason(key, registry)
+            reason = _reason(value, registry) or key_reason
             if reason:
                 not_returned[f"{path}[{key!r}]"] = reason
                 value = KEEP
-            items.append((key if _reason(key, registry) is None else KEEP, value))
+            items.append((KEEP if key_reason else key, value))
         state = ([(k, v) for k, v in items if k is not KEEP], *state[1:])
     reason = _reason(state, registry)
     if reason:

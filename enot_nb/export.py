@@ -136,7 +136,7 @@ def export_cell(
     for target in (script, namespace_file, _beside(script, "results.pkl")):
         refuse_links(target)
     script.parent.mkdir(parents=True, exist_ok=True)
-    values, left_out, _, _ = _objgraph.shippable_namespace(namespace or {}, code)
+    values, left_out, _ = _objgraph.shippable_namespace(namespace or {}, code)
     write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out},
                                                        protocol=5))
     import torch

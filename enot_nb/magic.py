@@ -139,15 +139,14 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
     _check_sync(shell.user_ns, options.sync)
     namespace = shell.user_ns
-    hidden = shell.user_ns_hidden
     if plan.start_method == "fork":
         # The workers inherit these objects at the same addresses: index i names one object on
         # both sides, so only what changed needs to come back.
-        registry = Registry.of_namespace(namespace, [n for n in namespace
-                                                     if _objgraph.is_user_name(n, hidden)])
+        registry = Registry.of_user_variables(namespace, shell.user_ns_hidden)
         job = _worker.Job(_cell.run_cell, (code, namespace, options, registry))
     else:
-        values, left_out, registry, objects = _objgraph.shippable_namespace(namespace, code)
+        values, left_out, registry = _objgraph.shippable_namespace(namespace, code)
+        objects = _objgraph.shippable_objects(registry, namespace)
         job = _worker.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace,
