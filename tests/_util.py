@@ -27,13 +27,16 @@ def alive(pid: int) -> bool:
     return process_state(pid) not in (None, "Z")
 
 
-def gone_within(pids: list[int], seconds: float) -> float | None:
-    """Seconds until every pid is dead (checked every 10 ms), or None if some outlive ``seconds``."""
+def gone_within(pids: list[int], seconds: float, reaped: bool = False) -> float | None:
+    """Seconds until every pid is dead (checked every 10 ms), or None if some outlive ``seconds``.
+
+    ``reaped``: wait until the pid is free again (no zombie left), not only until it stopped."""
     import time
 
+    still_there = (lambda p: process_state(p) is not None) if reaped else alive
     start = time.monotonic()
     while time.monotonic() - start < seconds:
-        if not any(alive(p) for p in pids):
+        if not any(still_there(p) for p in pids):
             return time.monotonic() - start
         time.sleep(0.01)
     return None

@@ -67,7 +67,7 @@ def test_a_reused_pid_is_never_signalled(start_method, tmp_path):
         assert line, proc.stderr.read()
         if "rank 1 pid" in line:
             pid = int(line.split()[-1])
-    assert gone_within([pid], 10) is not None and not os.path.exists(f"/proc/{pid}")
+    assert gone_within([pid], 10, reaped=True) is not None, f"rank 1 (pid {pid}) was not reaped"
     stranger = _take_pid(pid)
     assert stranger is not None, "could not start a process with the freed pid"
     try:
