@@ -11,6 +11,7 @@ from enot_nb import distributed
 from enot_nb.errors import (
     DistributedRuntimeException,
     EnotNbError,
+    IncompatibleFrameworkError,
     LaunchError,
     WorkerFailedError,
     WorkerFailure,
@@ -21,6 +22,7 @@ from enot_nb.launcher import notebook_launcher
 __all__ = [
     "DistributedRuntimeException",
     "EnotNbError",
+    "IncompatibleFrameworkError",
     "LaunchError",
     "WorkerFailedError",
     "WorkerFailure",

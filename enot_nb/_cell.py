@@ -2,7 +2,7 @@
 
 In the worker (every rank)::
 
-    rich output -> a publisher that sends display data over the launcher's message pipe
+    rich output and widgets -> the launcher (the front end _frontend installed at the start)
     sync_model(broadcast) on the modules the cell uses -> exec(cell) -> last expression's value
     figures left open -> PNG display data (master only)
     master: what the cell changed (see _objgraph, _state), pickled once against the registry
@@ -16,14 +16,12 @@ in place, so that other references to them stay valid.
 from __future__ import annotations
 
 import ast
-import builtins
 import linecache
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _figures, _objgraph, _state, _worker
-from enot_nb._channel import Display, Kind, WorkerMessage
+from enot_nb import _figures, _frontend, _objgraph, _state, _worker
 from enot_nb._objgraph import Registry
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -85,68 +83,6 @@ def split_cell(code: str, first_line: int) -> tuple[ast.Module, ast.Expression |
 # ----------------------------------------------------------------------------- worker side
 
 
-class _PipePublisher:
-    """Stands in for IPython's display publisher in a worker: display data goes to the notebook
-    (or, in an exported script, text to stdout and images to files)."""
-
-    def __init__(self, options: CellOptions) -> None:
-        self.options = options
-        self.is_publishing = False
-        self._saved = 0
-
-    def publish(self, data: dict, metadata: dict | None = None, source: Any = None, *,
-                transient: dict | None = None, update: bool = False, **_: Any) -> None:
-        if not self.options.shown:
-            return
-        if self.options.figure_dir is None:
-            _worker.send(WorkerMessage(Kind.DISPLAY, Display(data, metadata or {}, transient or {}, update)))
-        elif "image/png" in data:
-            import base64
-            import os
-
-            self._saved += 1
-            path = os.path.join(self.options.figure_dir,
-                                f"{self.options.figure_prefix}.figure-{self._saved}.png")
-            with open(path, "wb") as f:
-                f.write(base64.b64decode(data["image/png"]))
-            print(f"[figure saved to {path}]")
-        elif "text/plain" in data:
-            print(data["text/plain"])
-
-    def clear_output(self, wait: bool = False) -> None:
-        if self.options.shown and self.options.figure_dir is None:
-            _worker.send(WorkerMessage(Kind.CLEAR_OUTPUT, wait))
-
-
-def _install_display(options: CellOptions) -> Any:
-    """Route display() and figures of this worker to the notebook; returns the shell."""
-    from IPython.core.interactiveshell import InteractiveShell
-
-    if InteractiveShell.initialized():
-        shell = InteractiveShell.instance()  # the kernel's, inherited by fork: never use its sockets
-    else:
-        from traitlets.config import Config
-
-        config = Config()
-        config.HistoryManager.enabled = False
-        shell = InteractiveShell.instance(config=config)
-    shell.display_pub = _PipePublisher(options)
-    png = shell.display_formatter.formatters["image/png"]
-    png.for_type_by_name("matplotlib.figure", "Figure", _figures.figure_png)
-    builtins.input = _no_input  # ipykernel's input() would ask the kernel's frontend over zmq
-    import os
-
-    os.environ["MPLBACKEND"] = "module://enot_nb._mpl_backend"
-    if "matplotlib.pyplot" in sys.modules:
-        sys.modules["matplotlib.pyplot"].switch_backend("module://enot_nb._mpl_backend")
-    return shell
-
-
-def _no_input(prompt: str = "") -> str:
-    raise RuntimeError("input() is not available in a %%enot_distributed cell: read the value in "
-                       "an ordinary cell before it and use the variable")
-
-
 def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
              registry: Registry | None = None) -> CellOutcome | None:
     """Run the cell as this rank; the master returns what goes back to the notebook.
@@ -157,7 +93,7 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
     from enot_nb import distributed
 
     rank = distributed.get_rank()
-    shell = _install_display(options)
+    shell = _cell_shell(options)
     source = options.source_header + code
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     body, last, suppressed = split_cell(code, options.first_line)
@@ -183,6 +119,19 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
         return None if rank != 0 else CellOutcome()
     has_value = last is not None and not suppressed and value is not None
     return tracker.outcome(options, value if has_value else None, has_value, last, shell)
+
+
+def _cell_shell(options: CellOptions) -> Any:
+    """The worker's shell, its front end installed when the worker started; in an exported script
+    (run by torchrun, no launcher), one that prints text and saves figures to files."""
+    if options.figure_dir is None:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        if InteractiveShell.initialized():
+            return InteractiveShell.instance()
+    shell = _frontend.install(None, None)
+    shell.display_pub = _frontend.PipePublisher(None, options.shown, options.figure_dir, options.figure_prefix)
+    return shell
 
 
 def run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], objects: list[Any],

@@ -18,13 +18,14 @@ class Kind:
     """Every message kind, defined once.
 
     worker -> launcher, ``(kind, payload)`` on one message pipe per rank: DISPLAY, CLEAR_OUTPUT,
-    PARTIAL, then one of RESULT (rank 0), DONE, ERROR (an ErrorReport). A RESULT or PARTIAL
+    COMM, PARTIAL, then one of RESULT (rank 0), DONE, ERROR (an ErrorReport). A RESULT or PARTIAL
     payload is (MEMFD, size) or (INLINE, pickle bytes). The fork server's messages are the
     NamedTuples below (Ready, Launch, Started, StartFailed, Exit).
     """
 
     DISPLAY = "display"
     CLEAR_OUTPUT = "clear_output"
+    COMM = "comm"
     PARTIAL = "partial"
     RESULT = "result"
     DONE = "done"
@@ -48,6 +49,17 @@ class Display(NamedTuple):
     metadata: dict
     transient: dict
     update: bool
+
+
+class CommMessage(NamedTuple):
+    """A COMM message's payload: what a worker's comm (a widget) would publish on iopub."""
+
+    msg_type: str
+    """comm_open, comm_msg or comm_close."""
+    content: dict
+    metadata: dict
+    buffers: list[bytes]
+    topic: bytes
 
 
 class ErrorReport(NamedTuple):

@@ -22,6 +22,8 @@ class LaunchPlan:
     threads: int
     init_kwargs: dict[str, Any]
     max_restarts: int
+    run_id: str
+    """TORCHELASTIC_RUN_ID: one per launch, the same on every node and every restart."""
 
     @property
     def world_size(self) -> int:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from enot_nb import _pickling, _rendezvous, _spawn, _worker
+from enot_nb import _pickling, _relay, _rendezvous, _spawn, _worker
 from enot_nb._channel import Kind, LaunchFds
 from enot_nb._groups import ForkedGroup, ServerGroup, WorkerGroup
 from enot_nb._ranks import Rank, RankIO, make_ranks
@@ -53,13 +53,19 @@ def rank_environment(plan: LaunchPlan, local_rank: int, address: str, port: int,
                      attempt: int) -> dict[str, str]:
     """The caller's environment plus torchrun's variables for one rank."""
     env = dict(os.environ)
+    rank = str(plan.node_rank * plan.nprocs + local_rank)
     env.update(
-        WORLD_SIZE=str(plan.world_size), RANK=str(plan.node_rank * plan.nprocs + local_rank),
+        WORLD_SIZE=str(plan.world_size), RANK=rank,
         LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(plan.nprocs),
         NODE_RANK=str(plan.node_rank), GROUP_RANK=str(plan.node_rank),
-        MASTER_ADDR=address, MASTER_PORT=str(port),
-        TORCHELASTIC_RESTART_COUNT=str(attempt), OMP_NUM_THREADS=str(plan.threads),
+        GROUP_WORLD_SIZE=str(plan.nnodes), ROLE_NAME="default", ROLE_RANK=rank,
+        ROLE_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=address, MASTER_PORT=str(port),
+        # torchrun's markers: frameworks (Lightning, Accelerate) see an external launcher.
+        # Not TORCHELASTIC_USE_AGENT_STORE: the ranks meet through our own store, not an agent's.
+        TORCHELASTIC_RUN_ID=plan.run_id, TORCHELASTIC_RESTART_COUNT=str(attempt),
+        TORCHELASTIC_MAX_RESTARTS=str(plan.max_restarts), OMP_NUM_THREADS=str(plan.threads),
     )
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # a kernel started by torchrun has it
     if plan.nnodes == 1:  # the collectives' own sockets stay on loopback too
         env.setdefault("GLOO_SOCKET_IFNAME", _rendezvous.LOOPBACK_INTERFACE)
         env.setdefault("NCCL_SOCKET_IFNAME", _rendezvous.LOOPBACK_INTERFACE)
@@ -308,12 +314,14 @@ def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[in
         port = plan.master_port or _rendezvous.free_port(address)
         init_kwargs["init_method"] = _rendezvous.url(address, port)
     fork = plan.start_method == "fork"
+    front_end, parent = _relay.in_ipython(), _relay.kernel_parent()
     specs = [_worker.WorkerSpec(
         rank=r.rank, env=rank_environment(plan, r.local_rank, address, port, attempt),
         cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
         threads=plan.threads, init_kwargs=init_kwargs, parent_pid=os.getpid(),
         stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1], message_fd=r.pipes["msg"][1],
-        close_fds=_not_for(r, ranks) if fork else [], result_fd=result_fd) for r in ranks]
+        close_fds=_not_for(r, ranks) if fork else [], result_fd=result_fd,
+        front_end=front_end, kernel_parent=parent) for r in ranks]
     if fork:
         return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs]), folder
     job_bytes, shared = shipped or (b"", [])

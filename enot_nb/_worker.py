@@ -61,6 +61,10 @@ class WorkerSpec:
     """A memfd for rank 0's result (see _pickling.write_result); None: through the pipe."""
     shared_memory_fd: int | None = None
     """The memfd of a spawned job's tensors (see _pickling), mapped when the job is unpickled."""
+    front_end: bool = False
+    """Launched from IPython: display data and widgets go to the launcher (see _frontend)."""
+    kernel_parent: dict | None = None
+    """The message the launching Jupyter kernel answers; None outside a kernel."""
 
 
 def become_worker(spec: WorkerSpec) -> None:
@@ -131,6 +135,13 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
     exitcode = 1
     try:
         become_worker(spec)
+        from enot_nb import _frameworks
+
+        _frameworks.adapt()
+        if spec.front_end:
+            from enot_nb import _frontend
+
+            _frontend.install(spec.kernel_parent, send)
         _pickling.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
         job = load_job()
         from enot_nb import _rendezvous

@@ -19,7 +19,12 @@ class DistributedRuntimeException(EnotNbError, RuntimeError):
 
 
 class LaunchError(EnotNbError, RuntimeError):
-    """A launch could not start (nested launch, concurrent launch, fork server gone)."""
+    """A launch could not start (nested launch, concurrent launch, fork server gone, processes
+    started inside a worker)."""
+
+
+class IncompatibleFrameworkError(EnotNbError, RuntimeError):
+    """A framework in a worker has changed where enot_nb adapts it (see enot_nb._frameworks)."""
 
 
 class LaunchConfigError(EnotNbError, ValueError):

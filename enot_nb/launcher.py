@@ -25,11 +25,12 @@ import errno
 import os
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from enot_nb import _pickling, _rendezvous, _worker
+from enot_nb import _pickling, _relay, _rendezvous, _worker
 from enot_nb._devices import default_backend
 from enot_nb._options import ConflictingFlagsError, LaunchOptions
 from enot_nb._plan import LaunchPlan
@@ -115,7 +116,8 @@ def notebook_launcher(
         cuda_reproducible=cuda_reproducible, start_method=start_method, output=output,
         master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=node_rank,
         max_restarts=max_restarts, timeout=timeout)
-    return launch_job(plan_launch(options), _worker.Job(fn, tuple(args), dict(kwargs or {})))
+    return launch_job(plan_launch(options), _worker.Job(fn, tuple(args), dict(kwargs or {})),
+                      on_message=_relay.show if _relay.in_ipython() else None)
 
 
 def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None,
@@ -177,6 +179,8 @@ def plan_launch(options: LaunchOptions) -> LaunchPlan:
         start_method=_choose_start_method(options.start_method), output=options.output,
         master_addr=master_addr, master_port=options.master_port,
         threads=_threads_per_worker(nprocs), max_restarts=options.max_restarts,
+        run_id=(f"enot_nb-{master_addr}-{options.master_port}" if options.nnodes > 1
+                else f"enot_nb-{uuid.uuid4().hex[:12]}"),
         init_kwargs=_worker.init_kwargs(options.seed, options.cuda_optimize_for_speed,
                                         options.cuda_reproducible, backend, options.timeout),
     )

@@ -21,8 +21,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from enot_nb import _apply, _cell, _objgraph, _worker
-from enot_nb._channel import Kind
+from enot_nb import _apply, _cell, _objgraph, _relay, _worker
 from enot_nb._objgraph import Registry
 from enot_nb._options import LaunchOptions
 from enot_nb.errors import LaunchInterrupted, WorkerFailedError
@@ -150,7 +149,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         job = _worker.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace,
-                                                       on_message=_show_message)
+                                                       on_message=_relay.show)
     except LaunchInterrupted as err:
         _after_interrupt(shell, registry, options, err.partial_result)
         raise CellInterrupted() from None
@@ -238,16 +237,6 @@ def _export(shell: Any, code: str, args: Any) -> None:
         raise UsageError(f"--export {args.export}: cannot write there ({err})") from None
     print(exported.describe())
     return None
-
-
-def _show_message(kind: str, payload: Any) -> None:
-    from IPython.display import clear_output, publish_display_data
-
-    if kind == Kind.DISPLAY:
-        publish_display_data(payload.data, payload.metadata, transient=payload.transient,
-                             update=payload.update)
-    elif kind == Kind.CLEAR_OUTPUT:
-        clear_output(wait=payload)
 
 
 def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,

@@ -1,0 +1,101 @@
+"""What makes a worker a torchrun worker to the frameworks users bring (worker side only).
+
+torchrun's environment variables are set by the launcher (see ``_supervisor.rank_environment``);
+two things the environment cannot say are done here, in every worker, at its start:
+
+- **Lightning** refuses ``strategy="ddp"`` (and picks ``ddp_fork`` for ``"auto"``) whenever its
+  private flag ``_IS_INTERACTIVE`` is true. The flag is computed once, from ``sys.ps1``, when
+  ``lightning_fabric.utilities.imports`` is imported (usually in the kernel, before the fork),
+  and copied by ``from ... import`` into the modules in ``LIGHTNING_FLAG_HOLDERS``. A worker is
+  not interactive: the flag is set to False in each holder already imported, and in the source
+  module as soon as it is imported later (so later copies are False too). Tested with
+  pytorch-lightning / lightning-fabric ``LIGHTNING_TESTED``; a Lightning that moved the flag gets
+  a clear error instead of a silent "not compatible with an interactive environment".
+- **Processes started inside a worker** to form another process group (Lightning's
+  ``ddp_notebook``/``ddp_spawn``, ``torch.multiprocessing.spawn``, Accelerate's
+  ``notebook_launcher``) would wait forever in a rendezvous nobody else joins. They all go
+  through ``torch.multiprocessing.start_processes``, which a worker refuses at once with the fix.
+  DataLoader workers and torch.compile's compile workers use other means and keep working.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any
+
+from enot_nb.errors import IncompatibleFrameworkError, LaunchError
+
+LIGHTNING_TESTED = "2.6.6"
+_FLAG = "_IS_INTERACTIVE"
+# Where the flag is defined, per distribution of Lightning (standalone packages, or `lightning`).
+LIGHTNING_FLAG_SOURCES = ("lightning_fabric.utilities.imports", "lightning.fabric.utilities.imports")
+# The modules that copy it at import, relative to the fabric / pytorch package.
+_FABRIC_HOLDERS = ("connector", "strategies.launchers.multiprocessing")
+_PYTORCH_HOLDERS = ("trainer.connectors.accelerator_connector", "callbacks.progress.rich_progress")
+LIGHTNING_FLAG_HOLDERS = tuple(
+    f"{fabric}.{m}" for fabric in ("lightning_fabric", "lightning.fabric") for m in _FABRIC_HOLDERS
+) + tuple(f"{pl}.{m}" for pl in ("pytorch_lightning", "lightning.pytorch") for m in _PYTORCH_HOLDERS)
+
+
+def adapt() -> None:
+    """Make this worker look like a torchrun worker to Lightning; refuse nested process starts."""
+    _refuse_nested_starts()
+    for name in LIGHTNING_FLAG_SOURCES + LIGHTNING_FLAG_HOLDERS:
+        if name in sys.modules:
+            _clear_flag(sys.modules[name])
+    sys.meta_path.insert(0, _FlagClearingFinder())
+
+
+def _clear_flag(module: Any) -> None:
+    if not hasattr(module, _FLAG):
+        raise IncompatibleFrameworkError(
+            f"enot_nb cannot run Lightning's 'ddp' in a worker: {module.__name__} has no {_FLAG} "
+            f"flag in this Lightning version (enot_nb was tested with {LIGHTNING_TESTED}). "
+            f"Install pytorch-lightning=={LIGHTNING_TESTED}, or report this at enot_nb's issues")
+    setattr(module, _FLAG, False)
+
+
+class _FlagClearingFinder(importlib.abc.MetaPathFinder):
+    """Clears the flag in Lightning's source module right after it is first executed."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in LIGHTNING_FLAG_SOURCES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ClearingLoader(spec.loader)
+        return spec
+
+
+class _ClearingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        _clear_flag(module)
+
+
+def _refuse_nested_starts() -> None:
+    import torch.multiprocessing as mp
+
+    spawn_module = sys.modules["torch.multiprocessing.spawn"]
+
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        raise LaunchError(
+            "this code runs in an enot_nb worker, which is already one rank of the job, and tried to "
+            "start more processes with torch.multiprocessing (Lightning's strategy='ddp_notebook' "
+            "or 'ddp_spawn', mp.spawn, a notebook_launcher). They would wait forever for a process "
+            "group nobody joins. Let each worker be a rank: use strategy='ddp' in Lightning, or call "
+            "the function directly instead of spawning it")
+
+    def spawn(*args: Any, **kwargs: Any) -> Any:
+        return start_processes(*args, **kwargs)
+
+    mp.start_processes = spawn_module.start_processes = start_processes
+    mp.spawn = spawn_module.spawn = spawn

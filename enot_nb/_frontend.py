@@ -1,0 +1,153 @@
+"""A worker's Jupyter front end: display data and widgets reach the notebook through the launcher.
+
+A worker started from a kernel must look like that kernel to display libraries (IPython.display,
+matplotlib, tqdm.auto, ipywidgets), yet never touch the kernel's ZMQ sockets: they are not
+fork-safe, and under fork a worker inherits the kernel's shell, publisher, comm functions and
+output streams, all of which write to them. Under spawn it inherits nothing, and tqdm.auto would
+fall back to a text bar. :func:`install` gives a worker the same front end under both:
+
+- an IPython shell (the inherited one, or under spawn a new one of the kernel's class) whose
+  display publisher sends DISPLAY messages;
+- ``comm.create_comm`` making :class:`PipeComm`, whose messages (comm_open/msg/close) travel as
+  COMM messages; the kernel publishes them on iopub under the cell (see :mod:`enot_nb._relay`);
+- ``shell.kernel`` replaced by a stand-in that knows only the message the kernel is answering
+  (ipywidgets' Output widget reads it to capture output);
+- ``input()`` refused with a clear error (ipykernel's would ask the frontend over the sockets).
+
+Messages from the front end back to a worker's widget are not delivered (one-way widgets only).
+Every rank installs it; the kernel shows what the ranks whose output is shown send.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from enot_nb import _figures
+from enot_nb._channel import CommMessage, Display, Kind, WorkerMessage
+
+Send = Callable[[WorkerMessage], None]
+
+MPL_BACKEND = "module://enot_nb._mpl_backend"
+
+
+class PipePublisher:
+    """Stands in for IPython's display publisher: display data goes to the notebook (or, in an
+    exported script, text to stdout and images to ``figure_dir``)."""
+
+    def __init__(self, send: Send | None, shown: bool = True, figure_dir: str | None = None,
+                 figure_prefix: str = "cell"):
+        self.send, self.shown = send, shown
+        self.figure_dir, self.figure_prefix = figure_dir, figure_prefix
+        self.is_publishing = False
+        self._saved = 0
+
+    def publish(self, data: dict, metadata: dict | None = None, source: Any = None, *,
+                transient: dict | None = None, update: bool = False, **_: Any) -> None:
+        if not self.shown:
+            return
+        if self.figure_dir is None and self.send is not None:
+            self.send(WorkerMessage(Kind.DISPLAY, Display(data, metadata or {}, transient or {}, update)))
+        elif "image/png" in data:
+            self._saved += 1
+            path = os.path.join(self.figure_dir, f"{self.figure_prefix}.figure-{self._saved}.png")
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(data["image/png"]))
+            print(f"[figure saved to {path}]")
+        elif "text/plain" in data:
+            print(data["text/plain"])
+
+    def clear_output(self, wait: bool = False) -> None:
+        if self.shown and self.figure_dir is None and self.send is not None:
+            self.send(WorkerMessage(Kind.CLEAR_OUTPUT, wait))
+
+
+def _comm_class(send: Send) -> type | None:
+    try:
+        from comm.base_comm import BaseComm
+    except ImportError:  # no comm package: no widget library can be imported either
+        return None
+
+    class PipeComm(BaseComm):
+        """A comm whose messages go to the launching kernel, which publishes them on iopub."""
+
+        def publish_msg(self, msg_type: str, data: dict | None = None, metadata: dict | None = None,
+                        buffers: list | None = None, **keys: Any) -> None:
+            content = dict(data=data or {}, comm_id=self.comm_id, **keys)
+            send(WorkerMessage(Kind.COMM, CommMessage(
+                msg_type, content, metadata or {}, [bytes(b) for b in buffers or []], self.topic)))
+
+    return PipeComm
+
+
+class KernelStandIn:
+    """What a worker sees as ``get_ipython().kernel``: the message the kernel answers, and no
+    sockets. ipywidgets' Output widget reads the parent to capture the output under it."""
+
+    def __init__(self, parent: dict, comm_manager: Any) -> None:
+        self._parent, self.comm_manager = parent, comm_manager
+
+    def get_parent(self, channel: str | None = None) -> dict:
+        return self._parent
+
+    @property
+    def _parent_header(self) -> dict:  # ipykernel < 6 spelling, read by older ipywidgets
+        return self._parent
+
+
+def install(kernel_parent: dict | None, send: Send | None) -> Any:
+    """Make this worker's display, widgets and input go through ``send`` (to the launcher);
+    returns the shell.
+
+    ``kernel_parent``: the message the launching kernel is answering (None in a terminal IPython,
+    where widgets have no front end to reach)."""
+    shell = _shell(kernel_parent is not None)
+    shell.display_pub = PipePublisher(send)
+    png = shell.display_formatter.formatters["image/png"]
+    png.for_type_by_name("matplotlib.figure", "Figure", _figures.figure_png)
+    builtins.input = _no_input
+    os.environ["MPLBACKEND"] = MPL_BACKEND
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].switch_backend(MPL_BACKEND)
+    comm_class = _comm_class(send) if send is not None and kernel_parent is not None else None
+    if comm_class is not None:
+        import comm
+        from comm.base_comm import CommManager
+
+        manager = CommManager()
+        comm.create_comm = comm_class
+        comm.get_comm_manager = lambda: manager
+        shell.kernel = KernelStandIn(kernel_parent or {}, manager)
+    elif hasattr(shell, "kernel"):
+        shell.kernel = None
+    return shell
+
+
+def _shell(in_kernel: bool) -> Any:
+    """The kernel's shell, inherited by fork (never use its sockets); under spawn a new one of the
+    same class when launched from a Jupyter kernel: libraries recognise a notebook by the class
+    ZMQInteractiveShell, by ``ipykernel.zmqshell`` being imported (tqdm.auto) or by the
+    ``IPKernelApp`` section of its config."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    if InteractiveShell.initialized():
+        return InteractiveShell.instance()
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False
+    if not in_kernel:
+        return InteractiveShell.instance(config=config)
+    from ipykernel.zmqshell import ZMQInteractiveShell
+
+    config.IPKernelApp.enot_nb_worker = True
+    return ZMQInteractiveShell.instance(config=config)
+
+
+def _no_input(prompt: str = "") -> str:
+    raise RuntimeError("input() is not available in a distributed worker: read the value in an "
+                       "ordinary cell before it and use the variable")
