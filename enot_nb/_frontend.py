@@ -61,6 +61,9 @@ class PipePublisher:
         elif "text/plain" in data:
             print(data["text/plain"])
 
+    def set_parent(self, parent: dict) -> None:
+        """The kernel stamps each message with its cell; here the launching kernel does that."""
+
     def clear_output(self, wait: bool = False) -> None:
         if self.shown and self.figure_dir is None and self.send is not None:
             self.send(WorkerMessage(Kind.CLEAR_OUTPUT, wait))
@@ -121,9 +124,13 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
         manager = CommManager()
         comm.create_comm = comm_class
         comm.get_comm_manager = lambda: manager
-        shell.kernel = KernelStandIn(kernel_parent or {}, manager)
+        shell.kernel = KernelStandIn(kernel_parent, manager)
+        if hasattr(shell, "set_parent"):
+            shell.set_parent(kernel_parent)
     elif hasattr(shell, "kernel"):
         shell.kernel = None
+    # ipykernel's shell sends a traceback shown inside an Output widget over its sockets.
+    shell._showtraceback = lambda etype, value, stb: print(shell.InteractiveTB.stb2text(stb), file=sys.stderr)
     return shell
 
 

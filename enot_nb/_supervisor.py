@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from enot_nb import _pickling, _relay, _rendezvous, _spawn, _worker
+from enot_nb import _pickling, _relay, _rendezvous, _spawn, _streams, _worker
 from enot_nb._channel import Kind, LaunchFds
 from enot_nb._groups import ForkedGroup, ServerGroup, WorkerGroup
 from enot_nb._ranks import Rank, RankIO, make_ranks
@@ -321,7 +321,8 @@ def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[in
         threads=plan.threads, init_kwargs=init_kwargs, parent_pid=os.getpid(),
         stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1], message_fd=r.pipes["msg"][1],
         close_fds=_not_for(r, ranks) if fork else [], result_fd=result_fd,
-        front_end=front_end, kernel_parent=parent) for r in ranks]
+        front_end=front_end, kernel_parent=parent,
+        output_setup=None if fork else _streams.capture()) for r in ranks]
     if fork:
         return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs]), folder
     job_bytes, shared = shipped or (b"", [])

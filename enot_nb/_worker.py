@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from enot_nb import _channel, _pickling
+from enot_nb import _channel, _pickling, _streams
 from enot_nb._channel import ErrorReport, Kind, WorkerMessage
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
@@ -65,6 +65,8 @@ class WorkerSpec:
     """Launched from IPython: display data and widgets go to the launcher (see _frontend)."""
     kernel_parent: dict | None = None
     """The message the launching Jupyter kernel answers; None outside a kernel."""
+    output_setup: _streams.OutputSetup | None = None
+    """The launcher's logging and warning set-up, for a worker that does not inherit it (spawn)."""
 
 
 def become_worker(spec: WorkerSpec) -> None:
@@ -84,12 +86,16 @@ def become_worker(spec: WorkerSpec) -> None:
     for fd in (spec.stdout_fd, spec.stderr_fd):
         if fd > 2:
             os.close(fd)
+    inherited = sys.stdout, sys.stderr
     # line_buffering flushes on "\n" and "\r": lines and progress bars arrive live.
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True)
     sys.stdin = open(os.devnull)  # lives as long as the process
+    _streams.redirect_inherited(*inherited)
+    if spec.output_setup is not None:
+        _streams.recreate(spec.output_setup)
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
