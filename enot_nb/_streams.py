@@ -15,6 +15,7 @@ A local cell's ``logging`` records and warnings follow what the notebook configu
 from __future__ import annotations
 
 import logging
+import pickle
 import sys
 import warnings
 from typing import Any, NamedTuple
@@ -40,8 +41,10 @@ def _std_name(stream: Any) -> str | None:
     return {id(sys.stdout): "stdout", id(sys.stderr): "stderr"}.get(id(stream))
 
 
-def capture() -> OutputSetup:
-    """This process's logging levels, std-stream handlers and warning filters."""
+def capture() -> bytes:
+    """This process's logging levels, std-stream handlers and warning filters, pickled: the
+    worker unpickles them after its front end is installed, since a filter's category may import
+    a library (Lightning) that decides at import how to display (tqdm.auto)."""
     levels, handlers = {}, []
     for name, lg in _loggers().items():
         if lg.level != logging.NOTSET:
@@ -52,11 +55,17 @@ def capture() -> OutputSetup:
                 handlers.append((name, which, h.level, h.formatter))
     # A category defined in the notebook cannot be pickled by reference: that filter stays behind.
     filters = [f for f in warnings.filters if getattr(f[2], "__module__", "") != "__main__"]
-    return OutputSetup(levels, handlers, filters)
+    return pickle.dumps(OutputSetup(levels, handlers, filters))
 
 
-def recreate(setup: OutputSetup) -> None:
+def recreate(pickled: bytes) -> None:
     """Set up a fresh (spawned) worker's logging and warnings as the launcher had them."""
+    try:
+        setup = pickle.loads(pickled)
+    except Exception as err:  # noqa: BLE001 - the cell can run without them; say so once
+        print(f"enot_nb: the notebook's logging and warning filters could not be recreated in this "
+              f"worker ({type(err).__name__}: {err}); the defaults apply", file=sys.stderr)
+        return
     loggers = _loggers()
     for name, level in setup.levels.items():
         (loggers.get(name) or logging.getLogger(name)).setLevel(level)

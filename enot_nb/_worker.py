@@ -65,8 +65,9 @@ class WorkerSpec:
     """Launched from IPython: display data and widgets go to the launcher (see _frontend)."""
     kernel_parent: dict | None = None
     """The message the launching Jupyter kernel answers; None outside a kernel."""
-    output_setup: _streams.OutputSetup | None = None
-    """The launcher's logging and warning set-up, for a worker that does not inherit it (spawn)."""
+    output_setup: bytes | None = None
+    """The launcher's logging and warning set-up (_streams.capture), for a worker that does not
+    inherit it (spawn)."""
 
 
 def become_worker(spec: WorkerSpec) -> None:
@@ -94,8 +95,6 @@ def become_worker(spec: WorkerSpec) -> None:
                                   errors="backslashreplace", line_buffering=True)
     sys.stdin = open(os.devnull)  # lives as long as the process
     _streams.redirect_inherited(*inherited)
-    if spec.output_setup is not None:
-        _streams.recreate(spec.output_setup)
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -148,6 +147,8 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
             from enot_nb import _frontend
 
             _frontend.install(spec.kernel_parent, send)
+        if spec.output_setup is not None:
+            _streams.recreate(spec.output_setup)
         _pickling.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
         job = load_job()
         from enot_nb import _rendezvous

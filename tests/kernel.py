@@ -17,12 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class CellRun:
+    msg_id: str = ""
     stdout: str = ""
     stderr: str = ""
     displays: list[dict] = field(default_factory=list)
     result: dict | None = None  # execute_result data
     error: dict | None = None  # ename, evalue, traceback
     status: str = ""
+    comms: list[dict] = field(default_factory=list)  # comm_open/comm_msg/comm_close messages
+
+    def comm_states(self) -> list[dict]:
+        """The widget states the client received, in order (comm_open and comm_msg updates)."""
+        return [m["content"]["data"].get("state", {}) for m in self.comms
+                if m["msg_type"] in ("comm_open", "comm_msg")]
 
     @property
     def traceback(self) -> str:
@@ -30,10 +37,16 @@ class CellRun:
 
 
 class Kernel:
-    def __init__(self, extra_env: dict[str, str] | None = None):
+    def __init__(self, extra_env: dict[str, str] | None = None, log_path: Path | None = None):
+        """``log_path``: the kernel's own stderr (its log) goes there."""
         env = dict(os.environ) | {"PYTHONPATH": str(ROOT)} | (extra_env or {})
         self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(cwd=str(ROOT), env=env)
+        self.log_path = log_path
+        if log_path is None:
+            self.manager.start_kernel(cwd=str(ROOT), env=env)
+        else:
+            with open(log_path, "wb") as log:
+                self.manager.start_kernel(cwd=str(ROOT), env=env, stderr=log)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
@@ -45,7 +58,7 @@ class Kernel:
     def run(self, code: str, timeout: float = 60, on_output=None) -> CellRun:
         """Execute one cell and collect its output until the kernel is idle again."""
         msg_id = self.client.execute(code)
-        run = CellRun()
+        run = CellRun(msg_id=msg_id)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -65,6 +78,8 @@ class Kernel:
                 run.result = content["data"]
             elif kind == "error":
                 run.error = content
+            elif kind.startswith("comm_"):
+                run.comms.append({"msg_type": kind, "content": content})
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         reply = self.client.get_shell_msg(timeout=10)

@@ -1,0 +1,260 @@
+"""Frameworks and widgets in a distributed cell, in a real kernel, under fork and spawn.
+
+What runs under torchrun runs unchanged in ``%%enot_distributed``: HF Trainer, Accelerate,
+Lightning's Trainer and Fabric with strategy="ddp"; what they display reaches the client (tqdm.auto
+bars and ipywidgets as comm messages under the cell), once, from the master only; logs and warnings
+show once. Tiny models are built in the tests (no downloads). The frameworks come from the
+``integrations`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests._util import METHODS
+from tests.kernel import CellRun, Kernel
+
+pytestmark = [pytest.mark.integrations, pytest.mark.slow, pytest.mark.timeout(300)]
+
+for _name in ("transformers", "accelerate", "pytorch_lightning", "ipywidgets", "tqdm"):
+    pytest.importorskip(_name, reason="the frameworks come with the 'integrations' extra")
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def nb(request, tmp_path_factory):
+    """One kernel per start method, its own log (stderr) kept to look for fork warnings."""
+    log = tmp_path_factory.mktemp(f"kernel-{request.param}") / "kernel.log"
+    kernel = Kernel(log_path=log)
+    kernel.method = request.param
+    try:
+        kernel.ok("%load_ext enot_nb\nimport json, os, torch")
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+def distributed(nb: Kernel, body: str, timeout: float = 240, flags: str = "") -> CellRun:
+    return nb.run(f"%%enot_distributed -n 2 --backend gloo --start-method {nb.method} {flags}\n{body}",
+                  timeout=timeout)
+
+
+def ok(run: CellRun) -> CellRun:
+    assert run.error is None and run.status == "ok", run.traceback + run.stderr
+    return run
+
+
+def value(nb: Kernel, expression: str):
+    return json.loads(nb.ok(f"print(json.dumps({expression}))").stdout)
+
+
+# ----------------------------------------------------------------------------- torchrun's environment
+
+TORCHRUN_KEYS = ["TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+                 "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "RANK"]
+
+
+def test_workers_look_like_torchrun_workers(nb):
+    ok(distributed(nb, f"""
+import torch.distributed as dist
+env = {{k: os.environ.get(k) for k in {TORCHRUN_KEYS!r}}}
+elastic = dist.is_torchelastic_launched()
+everyone = [None, None]
+dist.all_gather_object(everyone, (env["TORCHELASTIC_RUN_ID"], env["ROLE_RANK"], env["RANK"]))
+"""))
+    env = value(nb, "env")
+    run_id = env.pop("TORCHELASTIC_RUN_ID")
+    assert run_id and value(nb, "elastic") is True
+    assert env == {"GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": "2",
+                   "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0",
+                   "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": None, "RANK": "0"}
+    assert value(nb, "everyone") == [[run_id, "0", "0"], [run_id, "1", "1"]]
+
+
+# ----------------------------------------------------------------------------- Lightning
+
+LIGHTNING_SETUP = """
+import pytorch_lightning as pl
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, index):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+regressor = Regressor()
+start = regressor.layer.weight.detach().clone()
+"""
+TRAINER = ('pl.Trainer(accelerator="cpu", devices=2, strategy="{strategy}", max_epochs=2, logger=False, '
+           'enable_checkpointing=False, enable_model_summary=False)')
+
+
+def test_lightning_trainer_ddp_trains_on_the_workers(nb):
+    nb.ok(LIGHTNING_SETUP)
+    ok(distributed(nb, f"""
+trainer = {TRAINER.format(strategy="ddp")}
+trainer.fit(regressor, torch.utils.data.DataLoader(data, batch_size=8))
+seen = [trainer.world_size, trainer.global_rank, trainer.num_training_batches]
+"""))
+    assert value(nb, "seen") == [2, 0, 4]  # 64 samples, batches of 8, split over 2 ranks
+    assert value(nb, "(regressor.layer.weight - start).abs().sum().item()") > 1e-4
+
+
+def test_lightning_fabric_ddp_trains_on_the_workers(nb):
+    nb.ok("torch.manual_seed(1)\nnet = torch.nn.Linear(4, 1)\nfirst = net.weight.detach().clone()\n"
+          "pairs = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))")
+    ok(distributed(nb, """
+from lightning_fabric import Fabric
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+wrapped, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(pairs, batch_size=4))
+for x, y in loader:
+    loss = torch.nn.functional.mse_loss(wrapped(x), y)
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+fabric_seen = [fabric.world_size, fabric.global_rank, len(loader)]
+del wrapped, loader, fabric
+"""))
+    assert value(nb, "fabric_seen") == [2, 0, 4]
+    assert value(nb, "(net.weight - first).abs().sum().item()") > 1e-4
+
+
+@pytest.mark.parametrize("starter", [
+    f"{TRAINER.format(strategy='ddp_notebook')}.fit(regressor, torch.utils.data.DataLoader(data))",
+    "import torch.multiprocessing as mp\nmp.spawn(print, nprocs=2)",
+])
+def test_processes_started_inside_a_worker_are_a_clear_error(nb, starter):
+    nb.ok(LIGHTNING_SETUP)
+    began = time.monotonic()
+    run = distributed(nb, starter, timeout=60)
+    assert time.monotonic() - began < 30
+    assert run.status == "error" and "LaunchError" in run.traceback
+    assert "already one rank" in run.traceback and "strategy='ddp'" in run.traceback
+
+
+def test_dataloader_workers_keep_working(nb):
+    ok(distributed(nb, """
+loader = torch.utils.data.DataLoader(torch.arange(16.0), batch_size=4, num_workers=2,
+                                     sampler=torch.utils.data.DistributedSampler(torch.arange(16.0)))
+total = sum(batch.sum().item() for batch in loader)
+del loader
+"""))
+    assert value(nb, "total") > 0
+
+
+# ----------------------------------------------------------------------------- HF and Accelerate
+
+
+def test_hf_trainer_trains_a_model_built_in_the_notebook(nb, tmp_path):
+    nb.ok("""
+import transformers
+config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32, num_labels=2)
+torch.manual_seed(0)
+bert = transformers.BertForSequenceClassification(config)
+bert_start = bert.classifier.weight.detach().clone()
+rows = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.tensor(i % 2)} for i in range(32)]
+""")
+    ok(distributed(nb, f"""
+args = transformers.TrainingArguments(output_dir={str(tmp_path)!r}, max_steps=3, per_device_train_batch_size=4,
+                                      report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+hf = transformers.Trainer(model=bert, args=args, train_dataset=rows)
+hf.train()
+hf_seen = [hf.args.world_size, hf.state.global_step]
+del hf, args
+"""))
+    assert value(nb, "hf_seen") == [2, 3]
+    assert value(nb, "(bert.classifier.weight - bert_start).abs().sum().item()") > 1e-6
+
+
+def test_accelerate_prepare_backward_gather(nb):
+    nb.ok("torch.manual_seed(2)\nsmall = torch.nn.Linear(3, 1)\nsmall_start = small.weight.detach().clone()")
+    ok(distributed(nb, """
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=True)
+model, opt = accelerator.prepare(small, torch.optim.SGD(small.parameters(), lr=0.1))
+loss = model(torch.ones(4, 3)).pow(2).mean()
+accelerator.backward(loss)
+opt.step()
+gathered = accelerator.gather(torch.tensor([accelerator.process_index])).tolist()
+acc_seen = [accelerator.num_processes, accelerator.is_main_process]
+del model, opt, accelerator, loss
+"""))
+    assert value(nb, "gathered") == [0, 1] and value(nb, "acc_seen") == [2, True]
+    assert value(nb, "(small.weight - small_start).abs().sum().item()") > 1e-6
+
+
+# ----------------------------------------------------------------------------- widgets and output
+
+TQDM = "from tqdm.auto import tqdm\nfor step in tqdm(range(5)):\n    pass"
+
+
+def test_tqdm_auto_bar_reaches_the_client_once(nb):
+    local = nb.ok(TQDM)
+    run = ok(distributed(nb, TQDM))
+    opened = [m for m in run.comms if m["msg_type"] == "comm_open"]
+    assert len(opened) == sum(m["msg_type"] == "comm_open" for m in local.comms) > 0  # one bar
+    html = [s["value"] for s in run.comm_states() if isinstance(s.get("value"), str)]
+    assert any("5/5" in text for text in html), html  # the final update
+    assert 5 in [s.get("value") for s in run.comm_states()]  # the progress itself
+    assert "it/s" not in run.stderr  # not a text bar
+    views = [d for d in run.displays if "application/vnd.jupyter.widget-view+json" in d["data"]]
+    model_ids = {m["content"]["comm_id"] for m in opened}
+    assert views and all(v["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] in model_ids
+                         for v in views)
+
+
+def test_ipywidgets_progress_updated_in_a_loop(nb):
+    body = ("import ipywidgets\nbar = ipywidgets.IntProgress(max=4)\ndisplay(bar)\n"
+            "for i in range(4):\n    bar.value = i + 1\ndel bar")
+    local = nb.ok(body)
+    run = ok(distributed(nb, body))
+    values = [s["value"] for s in run.comm_states() if "value" in s]
+    assert values == [s["value"] for s in local.comm_states() if "value" in s] and values[-1] == 4
+
+
+def test_output_widget_captures_under_the_cell(nb):
+    run = ok(distributed(nb, "import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\n"
+                             "with out:\n    print('inside the widget')\ndel out"))
+    assert "inside the widget" in run.stdout  # published under the cell: the front end routes it
+    assert {"msg_id": run.msg_id} in run.comm_states()  # the widget captures the cell's output
+
+
+def test_widgets_from_a_launched_function(nb):
+    nb.ok("""
+import enot_nb
+def progress():
+    from tqdm.auto import tqdm
+    for _ in tqdm(range(3)):
+        pass
+    return "done"
+""")
+    run = nb.ok(f'enot_nb.notebook_launcher(progress, nprocs=2, backend="gloo", start_method="{nb.method}")')
+    assert run.result["text/plain"] == "'done'"
+    assert any("3/3" in str(s.get("value")) for s in run.comm_states())
+
+
+def test_logs_and_warnings_show_once(nb):
+    nb.ok("import logging, warnings\nlogging.basicConfig(level=logging.INFO, force=True)\n"
+          "train_log = logging.getLogger('train')")
+    body = "train_log.info('step %d', 7)\nwarnings.warn('mind the learning rate')"
+    local = nb.ok(body)
+    run = ok(distributed(nb, body))
+    for text in ("INFO:train:step 7", "UserWarning: mind the learning rate"):
+        assert local.stderr.count(text) == 1 and run.stderr.count(text) == 1, run.stderr
+    nb.ok("logging.getLogger().handlers.clear()")
+
+
+def test_no_worker_wrote_to_the_kernels_sockets(nb):
+    """ipykernel refuses (and logs) a send from a forked process: none was attempted."""
+    nb.ok("1")  # the kernel has written everything it logged
+    assert "send message from fork" not in nb.log_path.read_text(errors="replace")
