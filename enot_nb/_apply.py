@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import warnings
 from typing import Any
 
 from enot_nb import _objgraph, _pickling
@@ -28,7 +29,11 @@ class StateUnpickler(pickle.Unpickler):
 
 
 def load(state: PickledState, registry: Registry) -> Changes:
-    return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+    # Rebuilding objects can warn (a library's deprecated constructor): the worker already showed
+    # what the cell's own code warned; a local cell would show nothing more.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
 
 
 def apply_changes(namespace: dict[str, Any], registry: Registry, changes: Changes,

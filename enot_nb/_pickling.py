@@ -21,6 +21,7 @@ import pickle
 import struct
 import threading
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -315,8 +316,11 @@ class _ShippedUnpickler(pickle.Unpickler):
 
 
 def loads_shipped(data: bytes) -> Any:
-    """Load what dumps() pickled, in a worker."""
-    return _ShippedUnpickler(io.BytesIO(data)).load()
+    """Load what dumps() pickled, in a worker. Rebuilding the notebook's objects can warn (a
+    library's deprecated constructor); a local cell would not: those warnings are not shown."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _ShippedUnpickler(io.BytesIO(data)).load()
 
 
 def dumps(obj: Any, namespace: dict | None = None) -> tuple[bytes, list[int]]:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests._util import METHODS
-from tests.kernel import CellRun, Kernel
+from tests.kernel import ROOT, CellRun, Kernel
 
 pytestmark = [pytest.mark.integrations, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -258,3 +258,46 @@ def test_no_worker_wrote_to_the_kernels_sockets(nb):
     """ipykernel refuses (and logs) a send from a forked process: none was attempted."""
     nb.ok("1")  # the kernel has written everything it logged
     assert "send message from fork" not in nb.log_path.read_text(errors="replace")
+
+
+# ----------------------------------------------------------------------------- the Lightning adapter
+
+ADAPTED = """
+import sys
+sys.ps1 = ">>> "  # what a kernel has: Lightning would compute _IS_INTERACTIVE = True
+import torch, lightning_fabric.connector  # imported before the worker starts (as under fork)
+from enot_nb import _frameworks
+_frameworks.adapt()
+import pytorch_lightning, pytorch_lightning.callbacks.progress.rich_progress  # imported after (as in a cell)
+print(sorted(name for name in _frameworks.LIGHTNING_FLAG_SOURCES + _frameworks.LIGHTNING_FLAG_HOLDERS
+             if name in sys.modules and getattr(sys.modules[name], "_IS_INTERACTIVE") is False))
+"""
+
+
+def test_the_lightning_flag_is_cleared_in_every_module_that_holds_it():
+    import subprocess
+    import sys
+
+    import pytorch_lightning.callbacks.progress.rich_progress  # noqa: F401 - the holders exist
+    import pytorch_lightning.trainer.connectors.accelerator_connector  # noqa: F401
+
+    from enot_nb import _frameworks
+
+    out = subprocess.run([sys.executable, "-c", ADAPTED], capture_output=True, text=True, timeout=120,
+                         cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr
+    installed = [name for name in _frameworks.LIGHTNING_FLAG_SOURCES + _frameworks.LIGHTNING_FLAG_HOLDERS
+                 if name.split(".")[0] in ("lightning_fabric", "pytorch_lightning")]
+    assert json.loads(out.stdout.replace("'", '"')) == sorted(installed)
+    assert pytorch_lightning.__version__ == _frameworks.LIGHTNING_TESTED
+
+
+def test_a_lightning_without_the_flag_is_a_clear_error():
+    import types
+
+    from enot_nb import _frameworks
+    from enot_nb.errors import IncompatibleFrameworkError
+
+    with pytest.raises(IncompatibleFrameworkError, match=r"lightning_fabric.connector has no "
+                       r"_IS_INTERACTIVE.*pytorch-lightning==2\.6\.6"):
+        _frameworks._clear_flag(types.ModuleType("lightning_fabric.connector"))
