@@ -14,8 +14,9 @@ two things the environment cannot say are done here, in every worker, at its sta
 - **Processes started inside a worker** to form another process group (Lightning's
   ``ddp_notebook``/``ddp_spawn``, ``torch.multiprocessing.spawn``, Accelerate's
   ``notebook_launcher``) would wait forever in a rendezvous nobody else joins. They all go
-  through ``torch.multiprocessing.start_processes``, which a worker refuses at once with the fix.
-  DataLoader workers and torch.compile's compile workers use other means and keep working.
+  through ``torch.multiprocessing.start_processes`` or torch elastic's ``launch_agent``, which a
+  worker refuses at once with the fix. DataLoader workers and torch.compile's compile workers
+  start otherwise and keep working.
 """
 
 from __future__ import annotations
@@ -82,20 +83,20 @@ class _ClearingLoader(importlib.abc.Loader):
 
 
 def _refuse_nested_starts() -> None:
+    import torch.distributed.launcher.api as elastic_api
     import torch.multiprocessing as mp
 
     spawn_module = sys.modules["torch.multiprocessing.spawn"]
 
-    def start_processes(*args: Any, **kwargs: Any) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
         raise LaunchError(
             "this code runs in an enot_nb worker, which is already one rank of the job, and tried to "
-            "start more processes with torch.multiprocessing (Lightning's strategy='ddp_notebook' "
-            "or 'ddp_spawn', mp.spawn, a notebook_launcher). They would wait forever for a process "
-            "group nobody joins. Let each worker be a rank: use strategy='ddp' in Lightning, or call "
-            "the function directly instead of spawning it")
+            "start more processes to form another process group (Lightning's strategy="
+            "'ddp_notebook' or 'ddp_spawn', torch.multiprocessing.spawn, Accelerate's "
+            "notebook_launcher, torchrun's elastic_launch). They would wait forever for ranks that "
+            "never join. Let each worker be a rank: use strategy='ddp' in Lightning, or call the "
+            "function directly instead of launching it")
 
-    def spawn(*args: Any, **kwargs: Any) -> Any:
-        return start_processes(*args, **kwargs)
-
-    mp.start_processes = spawn_module.start_processes = start_processes
-    mp.spawn = spawn_module.spawn = spawn
+    mp.start_processes = spawn_module.start_processes = refuse
+    mp.spawn = spawn_module.spawn = refuse
+    elastic_api.launch_agent = refuse  # what elastic_launch (torchrun, Accelerate) calls

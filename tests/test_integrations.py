@@ -131,6 +131,7 @@ del wrapped, loader, fabric
 @pytest.mark.parametrize("starter", [
     f"{TRAINER.format(strategy='ddp_notebook')}.fit(regressor, torch.utils.data.DataLoader(data))",
     "import torch.multiprocessing as mp\nmp.spawn(print, nprocs=2)",
+    "import accelerate\naccelerate.notebook_launcher(print, num_processes=2)",
 ])
 def test_processes_started_inside_a_worker_are_a_clear_error(nb, starter):
     nb.ok(LIGHTNING_SETUP)
@@ -149,6 +150,15 @@ total = sum(batch.sum().item() for batch in loader)
 del loader
 """))
     assert value(nb, "total") > 0
+
+
+def test_torch_compile_workers_keep_working(nb):
+    ok(distributed(nb, """
+import torch._inductor.config
+torch._inductor.config.compile_threads = 2  # compile in a pool of worker processes
+compiled = torch.compile(lambda t: (t.sin() + 1).sum())(torch.ones(8)).item()
+"""))
+    assert abs(value(nb, "compiled") - (8 + 8 * 0.8414709848)) < 1e-4
 
 
 # ----------------------------------------------------------------------------- HF and Accelerate
