@@ -8,8 +8,9 @@ fall back to a text bar. :func:`install` gives a worker the same front end under
 
 - an IPython shell (the inherited one, or under spawn a new one of the kernel's class) whose
   display publisher sends DISPLAY messages;
-- ``comm.create_comm`` making :class:`PipeComm`, whose messages (comm_open/msg/close) travel as
-  COMM messages; the kernel publishes them on iopub under the cell (see :mod:`enot_nb._relay`);
+- comms (``comm.create_comm``'s, and under fork the kernel's own, e.g. a widget displayed before
+  the cell) whose messages (comm_open/msg/close) travel as COMM messages; the kernel publishes
+  them on iopub under the cell (see :mod:`enot_nb._relay`);
 - ``shell.kernel`` replaced by a stand-in that knows only the message the kernel is answering
   (ipywidgets' Output widget reads it to capture output);
 - ``input()`` refused with a clear error (ipykernel's would ask the frontend over the sockets).
@@ -69,22 +70,34 @@ class PipePublisher:
             self.send(WorkerMessage(Kind.CLEAR_OUTPUT, wait))
 
 
-def _comm_class(send: Send) -> type | None:
+def _publisher(send: Send) -> Callable[..., None]:
+    """A comm's ``publish_msg`` that sends to the launching kernel, which publishes on iopub."""
+
+    def publish_msg(self: Any, msg_type: str, data: dict | None = None, metadata: dict | None = None,
+                    buffers: list | None = None, **keys: Any) -> None:
+        content = dict(data=data or {}, comm_id=self.comm_id, **keys)
+        send(WorkerMessage(Kind.COMM, CommMessage(
+            msg_type, content, metadata or {}, [bytes(b) for b in buffers or []], self.topic)))
+
+    return publish_msg
+
+
+def _install_comms(send: Send) -> Any:
+    """New comms (``comm.create_comm``) and the kernel's own (widgets made before the cell, under
+    fork) publish through ``send``; returns the worker's comm manager, or None without ``comm``."""
     try:
-        from comm.base_comm import BaseComm
+        import comm
+        from comm.base_comm import BaseComm, CommManager
     except ImportError:  # no comm package: no widget library can be imported either
         return None
-
-    class PipeComm(BaseComm):
-        """A comm whose messages go to the launching kernel, which publishes them on iopub."""
-
-        def publish_msg(self, msg_type: str, data: dict | None = None, metadata: dict | None = None,
-                        buffers: list | None = None, **keys: Any) -> None:
-            content = dict(data=data or {}, comm_id=self.comm_id, **keys)
-            send(WorkerMessage(Kind.COMM, CommMessage(
-                msg_type, content, metadata or {}, [bytes(b) for b in buffers or []], self.topic)))
-
-    return PipeComm
+    publish = _publisher(send)
+    pipe_comm = type("PipeComm", (BaseComm,), {"publish_msg": publish, "__doc__": _publisher.__doc__})
+    manager = CommManager()
+    comm.create_comm = pipe_comm
+    comm.get_comm_manager = lambda: manager
+    if "ipykernel.comm.comm" in sys.modules:  # the kernel's comm class (its Comm subclasses it)
+        sys.modules["ipykernel.comm.comm"].BaseComm.publish_msg = publish
+    return manager
 
 
 class KernelStandIn:
@@ -116,14 +129,8 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
     os.environ["MPLBACKEND"] = MPL_BACKEND
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].switch_backend(MPL_BACKEND)
-    comm_class = _comm_class(send) if send is not None and kernel_parent is not None else None
-    if comm_class is not None:
-        import comm
-        from comm.base_comm import CommManager
-
-        manager = CommManager()
-        comm.create_comm = comm_class
-        comm.get_comm_manager = lambda: manager
+    manager = _install_comms(send) if send is not None and kernel_parent is not None else None
+    if manager is not None:
         shell.kernel = KernelStandIn(kernel_parent, manager)
         if hasattr(shell, "set_parent"):
             shell.set_parent(kernel_parent)

@@ -232,6 +232,16 @@ def test_ipywidgets_progress_updated_in_a_loop(nb):
     assert values == [s["value"] for s in local.comm_states() if "value" in s] and values[-1] == 4
 
 
+def test_a_widget_shown_before_the_cell_updates_live(nb):
+    nb.ok("import ipywidgets\nearlier = ipywidgets.IntProgress(max=3)\ndisplay(earlier)")
+    run = distributed(nb, "for i in range(3):\n    earlier.value = i + 1")
+    if nb.method == "spawn":  # a widget holds a comm and locks: it cannot be sent to a new process
+        assert run.status == "error" and "'earlier' could not be sent to the workers" in run.traceback
+        return
+    ok(run)
+    assert [s["value"] for s in run.comm_states()] == [1, 2, 3]  # under the cell, from the master
+
+
 def test_output_widget_captures_under_the_cell(nb):
     run = ok(distributed(nb, "import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\n"
                              "with out:\n    print('inside the widget')\ndel out"))
