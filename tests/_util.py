@@ -13,13 +13,57 @@ HELPERS = Path(__file__).parent / "helpers"
 METHODS = ["fork", "spawn"]  # the start methods every behaviour must hold under
 
 
-def process_state(pid: int) -> str | None:
-    """The one-letter state of a process ("R", "S", "Z", ...) from /proc; None if it is gone."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name; None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of a process ("R", "S", "Z", ...) from /proc; None if it is gone."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Pids of every living (not zombie) descendant of ``pid`` (this process by default), from /proc."""
+    pid = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        fields = _stat(int(entry))
+        if fields is not None and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line of ``pid`` (empty once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
+    except OSError:
+        return []
+
+
+def is_fork_server_of(pid: int, owners: set[int]) -> bool:
+    """The fork server and the watchdog are by-design helpers that live as long as their owner
+    (tested apart)."""
+    args = " ".join(cmdline(pid))
+    helper = "enot_nb._forkserver" in args or "enot_nb/_watchdog.py" in args
+    return helper and parent_of(pid) in owners
 
 
 def alive(pid: int) -> bool:

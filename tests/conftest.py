@@ -8,49 +8,11 @@ import time
 
 import pytest
 
+from tests._util import descendants, is_fork_server_of
+
 
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", help="run the 200-launch soak (slow)")
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def descendants(pid: int | None = None) -> list[int]:
-    """Pids of every living descendant of ``pid`` (this process by default), from /proc."""
-    pid = os.getpid() if pid is None else pid
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat(int(entry))
-        if fields is None or fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def is_fork_server_of(pid: int, owners: set[int]) -> bool:
-    """The fork server and the watchdog are by-design helpers that live as long as their owner
-    (tested apart)."""
-    fields = _stat(pid)
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-    except OSError:
-        return False
-    helper = b"enot_nb._forkserver" in cmdline or b"enot_nb/_watchdog.py" in cmdline
-    return fields is not None and int(fields[1]) in owners and helper
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from tests._util import METHODS, alive, record_figure
-from tests.conftest import descendants, is_fork_server_of
+from tests._util import METHODS, alive, descendants, is_fork_server_of, record_figure
 from tests.kernel import running_kernel
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

@@ -17,8 +17,7 @@ import torch
 import enot_nb
 from enot_nb import WorkerFailedError
 from enot_nb.errors import LaunchError
-from tests._util import HELPERS, METHODS, alive, free_port, gone_within, record_figure
-from tests.conftest import descendants
+from tests._util import HELPERS, METHODS, alive, descendants, free_port, gone_within, record_figure
 from tests.helpers import jobs
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 
 import enot_nb
 from enot_nb import WorkerFailedError
-from tests._util import METHODS, record_figure
-from tests.conftest import descendants, is_fork_server_of
+from tests._util import METHODS, descendants, is_fork_server_of, record_figure
 from tests.helpers import faults
 from tests.kernel import running_kernel
 

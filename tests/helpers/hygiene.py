@@ -16,7 +16,7 @@ import time
 import enot_nb
 from enot_nb import _spawn
 from enot_nb import distributed as ed
-from tests.conftest import descendants, is_fork_server_of
+from tests._util import descendants, is_fork_server_of
 
 
 def say(*words: object) -> None:
