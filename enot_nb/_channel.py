@@ -17,15 +17,17 @@ _HEADER = struct.Struct("<Q")
 class Kind:
     """Every message kind, defined once.
 
-    worker -> launcher, ``(kind, payload)`` on one message pipe per rank: DISPLAY, CLEAR_OUTPUT,
-    COMM, PARTIAL, then one of RESULT (rank 0), DONE, ERROR (an ErrorReport). A RESULT or PARTIAL
-    payload is (MEMFD, size) or (INLINE, pickle bytes). The fork server's messages are the
+    worker -> launcher, ``(kind, payload)`` on one message pipe per rank: CONNECTED (past
+    init_process_group), DISPLAY, CLEAR_OUTPUT, COMM, PARTIAL, then one of RESULT (rank 0),
+    DONE, ERROR (an ErrorReport). A RESULT or PARTIAL payload is (MEMFD, size) or (INLINE,
+    pickle bytes). The fork server's messages are the
     NamedTuples below (Ready, Launch, Started, StartFailed, Exit).
     """
 
     DISPLAY = "display"
     CLEAR_OUTPUT = "clear_output"
     COMM = "comm"
+    CONNECTED = "connected"
     PARTIAL = "partial"
     RESULT = "result"
     DONE = "done"
@@ -70,6 +72,9 @@ class ErrorReport(NamedTuple):
     message: str
     traceback: str | None
     exitcode: int
+    connecting: bool = False
+    """It failed while the ranks were connecting (gloo's connectFullMesh), before any user code
+    ran: the launcher starts the attempt again (see launcher.run_plan)."""
 
 
 class Ready(NamedTuple):

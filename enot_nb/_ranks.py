@@ -37,6 +37,7 @@ class Rank:
     partial: Any = None  # rank 0's state at an interrupt or failure ("partial" message)
     stack_text: str = ""
     stopped_by_us: bool = False  # we sent it a stop signal: its death is not a failure of its own
+    connected: bool = False  # it got past init_process_group ("connected" message)
     open_reads: set[str] = field(default_factory=lambda: set(STREAMS))
 
     @property
@@ -104,6 +105,9 @@ class RankIO:
         return True
 
     def _message(self, r: Rank, kind: str, payload: Any) -> None:
+        if kind == Kind.CONNECTED:
+            r.connected = True
+            return
         if kind in Kind.OUTCOMES:
             r.outcome, r.payload = kind, payload
         if kind == Kind.PARTIAL:

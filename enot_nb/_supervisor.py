@@ -78,6 +78,9 @@ class Outcome:
     result: Any = None
     failures: list[WorkerFailure] = field(default_factory=list)
     partial: Any = None
+    reconnectable: bool = False
+    """Every failure happened while the ranks connected and no rank got past it (nothing of the
+    user's ran anywhere): the launch may simply start again."""
 
 
 class _Stopping:
@@ -256,7 +259,10 @@ class Attempt(_Stopping):
     def _collect(self) -> Outcome:
         if self.failures:
             self.failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
-            return Outcome(ok=False, failures=self.failures, partial=self._partial())
+            reconnectable = (self.plan.nnodes == 1 and all(f.connecting for f in self.failures)
+                             and not any(r.connected for r in self.ranks))
+            return Outcome(ok=False, failures=self.failures, partial=self._partial(),
+                           reconnectable=reconnectable)
         master = next((r for r in self.ranks if r.rank == 0), None)
         if master is None:
             return Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere

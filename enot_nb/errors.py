@@ -72,13 +72,15 @@ class WorkerFailure:
     attempt: int = 0
     output_tail: str = ""
     """The last lines the worker wrote to stderr (shown when it died without a traceback)."""
+    connecting: bool = False
+    """It failed while the ranks connected, before any user code ran (a transient gloo error)."""
 
     @classmethod
     def raised(cls, rank: int, report: Any, attempt: int, output_tail: str) -> WorkerFailure:
         """A worker reported an exception (its ErrorReport)."""
         return cls(rank=rank, exitcode=report.exitcode, signal_name=None, error_type=report.type,
                    message=report.message, traceback=report.traceback, attempt=attempt,
-                   output_tail=output_tail)
+                   output_tail=output_tail, connecting=report.connecting)
 
     @classmethod
     def died(cls, rank: int, exitcode: int, attempt: int, output_tail: str) -> WorkerFailure:

@@ -134,18 +134,32 @@ def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None
                 _pickling.release_later(shipped[1])
 
 
+# Times a launch is started again when its ranks fail to connect before any user code ran.
+RECONNECTS = 2
+
+
 def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
              on_message: Callable[[str, Any], None] | None = None) -> Any:
     """Run every attempt of a validated plan; return rank 0's result or raise the last failure."""
     root_causes: list[WorkerFailure] = []
-    for attempt in range(plan.max_restarts + 1):
+    reconnects = 0
+    attempt = 0
+    while True:
         outcome = Attempt(plan, job, shipped, attempt, on_message).run()
         if outcome.ok:
             return outcome.result
+        if outcome.reconnectable and reconnects < RECONNECTS:
+            # Nothing of the user's ran: the same attempt starts again, not counted as a restart.
+            reconnects += 1
+            print(f"enot_nb: the ranks could not connect ({outcome.failures[0].summary()}); "
+                  "starting them again", file=sys.stderr, flush=True)
+            continue
         root_causes.append(outcome.failures[0])
-        if attempt < plan.max_restarts:
-            print(f"enot_nb: {outcome.failures[0].summary()}; restarting "
-                  f"({attempt + 1} of {plan.max_restarts})", file=sys.stderr, flush=True)
+        if attempt == plan.max_restarts:
+            break
+        print(f"enot_nb: {outcome.failures[0].summary()}; restarting "
+              f"({attempt + 1} of {plan.max_restarts})", file=sys.stderr, flush=True)
+        attempt += 1
     raise WorkerFailedError(outcome.failures, root_causes, partial_result=outcome.partial)
 
 

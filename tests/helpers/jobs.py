@@ -143,3 +143,8 @@ def raise_after_stamp():
         time.sleep(0.2)  # let rank 0 enter the barrier first
         raise RuntimeError(f"raising at {time.monotonic():.6f}")
     dist.barrier()
+
+
+def raise_like_a_lost_connection():
+    """User code that raises the text of gloo's connect failure: a failure like any other."""
+    raise RuntimeError("Gloo connectFullMesh failed with [user code] Connection closed by peer")
