@@ -156,8 +156,9 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
 
         _rendezvous.register()
         connecting = True
-        _injected_connect_fault()
         init_torch(**spec.init_kwargs)
+        _injected_connect_fault()
+        _check_connected()
         connecting = False
         send(WorkerMessage(Kind.CONNECTED, None))
         result = job.fn(*job.args, **job.kwargs)
@@ -196,12 +197,29 @@ def send_partial(result: Any) -> None:
     send(WorkerMessage(Kind.PARTIAL, _result_payload(_result_fd, result)))
 
 
+class _MeshBroken(RuntimeError):
+    """The first collective after init_process_group failed: the ranks are not all connected."""
+
+
+def _check_connected() -> None:
+    """gloo's connectFullMesh can succeed on one rank and fail on its peer; one barrier makes
+    every rank see it before any user code runs (a broken mesh fails here, not in the job)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        try:
+            dist.barrier()
+        except RuntimeError as err:
+            raise _MeshBroken(f"the ranks are not all connected: the first barrier failed ({err})") from err
+
+
 def _is_transient_connect_error(exc: BaseException) -> bool:
     """gloo's connectFullMesh sometimes fails between two healthy ranks on loopback ("Connection
     closed by peer"; 3 launches in 1,400 here, torch 2.13, the same before and after enot_nb's own
     start-up changes). Only gloo's text says so: it raises a plain RuntimeError."""
     while exc is not None:
-        if isinstance(exc, RuntimeError) and "Gloo connectFullMesh failed" in str(exc):
+        if isinstance(exc, _MeshBroken) or (isinstance(exc, RuntimeError)
+                                             and "Gloo connectFullMesh failed" in str(exc)):
             return True
         exc = exc.__cause__
     return False
@@ -209,7 +227,8 @@ def _is_transient_connect_error(exc: BaseException) -> bool:
 
 def _injected_connect_fault() -> None:
     """Tests: with ENOT_NB_TEST_CONNECT_FAULT=PATH, the rank that creates PATH first fails as
-    gloo's connectFullMesh does (the real failure is too rare to wait for)."""
+    gloo's connectFullMesh does on one side only, after its peer connected (the real failure is
+    too rare to wait for)."""
     path = os.environ.get("ENOT_NB_TEST_CONNECT_FAULT")
     if not path:
         return
