@@ -8,6 +8,8 @@
   place, against a local cloudpickle round trip; memory in use (PSS of kernel and workers).
 * Output: 100,000 printed lines from the master against the same cell run locally; and the
   delay from a worker's print to its arrival at the notebook client.
+* Widgets: an IntProgress updated 1,000 times from the master, against a local cell: the
+  updates' pace and the delay from each update to its arrival at the client.
 * Training: DDP steps per second in a cell against the same code under torchrun.
 """
 
@@ -162,6 +164,56 @@ def output(kernel, repeats: int) -> list[Row]:
     return rows
 
 
+WIDGET_UPDATES = """
+import ipywidgets, time
+bar = ipywidgets.IntProgress(max=UPDATES)
+display(bar)
+for i in range(UPDATES):
+    bar.description = f"{i} {time.time()!r}"  # the client reads the send time back
+    bar.value = i + 1
+    time.sleep(PAUSE)
+del bar
+"""
+
+
+def _widget_stamps(kernel, code: str) -> list[tuple[float, float]]:
+    """(sent, received) of each description update of the cell's IntProgress."""
+    run = kernel.run(code, timeout=300)
+    assert run.error is None, run.traceback
+    return [(float(m["content"]["data"]["state"]["description"].split()[1]), m["received"])
+            for m in run.comms
+            if m["msg_type"] == "comm_msg" and "description" in m["content"]["data"].get("state", {})]
+
+
+def widgets(kernel, repeats: int, updates: int = 1000) -> list[Row]:
+    """A widget updated in a loop, in a local cell and from the master of a distributed one (fork
+    and spawn): the pace of 1,000 updates as fast as they go, and the delay from an update to
+    the client when they come 50 ms apart (a burst measures the client's queue, not the delay)."""
+    variants = [("local cell (reference)", ""),
+                ("%%enot_distributed, fork", "%%enot_distributed -n 2 --no-return --start-method fork\n"),
+                ("%%enot_distributed, spawn", "%%enot_distributed -n 2 --no-return --start-method spawn\n")]
+    burst = WIDGET_UPDATES.replace("UPDATES", str(updates)).replace("PAUSE", "0")
+    paced = WIDGET_UPDATES.replace("UPDATES", "20").replace("PAUSE", "0.05")
+    rates: dict[str, float] = {}
+    delays: dict[str, list[float]] = {}
+    for label, prefix in variants:
+        per_run = []
+        for _ in range(repeats):
+            stamps = _widget_stamps(kernel, prefix + burst)
+            assert len(stamps) == updates, len(stamps)
+            per_run.append(updates / (stamps[-1][1] - stamps[0][0]))  # first sent to last received
+        rates[label] = median(per_run)
+        delays[label] = [received - sent for sent, received in _widget_stamps(kernel, prefix + paced)]
+    reference = variants[0][0]
+    rows = [Row(f"widgets: {updates} updates of an IntProgress, to the client", label, rates[label],
+                "updates/s", "local cell", rates[label] / rates[reference], ">= 0.5x" if prefix else "",
+                repeats) for label, prefix in variants]
+    rows += [Row("widgets: update-to-client delay", label, median(delays[label]), "s", "local cell",
+                 median(delays[label]) / median(delays[reference]), "<= 0.05 s" if prefix else "",
+                 len(delays[label])) for label, prefix in variants]
+    return rows
+
+
 def training(kernel, rounds: int = 3) -> list[Row]:
     """Alternate the two, ``rounds`` times each: the machine's noise hits both alike."""
     ours, theirs = [], []
@@ -190,7 +242,18 @@ def run(repeats: int = 5) -> list[Row]:
         kernel.ok(SETUP)
         return (state_return(kernel, repeats) + state_parity(kernel, repeats)
                 + big_tensor(kernel, max(3, repeats // 2))
-                + output(kernel, max(3, repeats // 2)) + training(kernel))
+                + output(kernel, max(3, repeats // 2)) + widgets(kernel, max(3, repeats // 2))
+                + training(kernel))
+    finally:
+        kernel.shutdown()
+
+
+def run_widgets(repeats: int = 5) -> list[Row]:
+    """Only the widget rows (``run_all.py --only widgets``)."""
+    kernel = start_kernel()
+    try:
+        kernel.ok(SETUP)
+        return widgets(kernel, repeats)
     finally:
         kernel.shutdown()
 

@@ -79,7 +79,7 @@ class Kernel:
             elif kind == "error":
                 run.error = content
             elif kind.startswith("comm_"):
-                run.comms.append({"msg_type": kind, "content": content})
+                run.comms.append({"msg_type": kind, "content": content, "received": time.time()})
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         reply = self.client.get_shell_msg(timeout=10)
