@@ -14,9 +14,10 @@ two things the environment cannot say are done here, in every worker, at its sta
 - **Processes started inside a worker** to form another process group (Lightning's
   ``ddp_notebook``/``ddp_spawn``, ``torch.multiprocessing.spawn``, Accelerate's
   ``notebook_launcher``) would wait forever in a rendezvous nobody else joins. They all go
-  through ``torch.multiprocessing.start_processes`` or torch elastic's ``launch_agent``, which a
-  worker refuses at once with the fix. DataLoader workers and torch.compile's compile workers
-  start otherwise and keep working.
+  through ``torch.multiprocessing.start_processes`` (whose children run, but get the error with
+  the fix when they call ``init_process_group``: helper processes that only compute keep
+  working) or torch elastic's ``launch_agent`` (refused at once). DataLoader workers and
+  torch.compile's compile workers start otherwise and keep working.
 """
 
 from __future__ import annotations
@@ -82,21 +83,44 @@ class _ClearingLoader(importlib.abc.Loader):
         _clear_flag(module)
 
 
+_NESTED = (
+    "this code runs in an enot_nb worker, which is already one rank of the job, and started "
+    "processes that form another process group (Lightning's strategy='ddp_notebook' or 'ddp_spawn', "
+    "torch.multiprocessing.spawn of init_process_group, Accelerate's notebook_launcher, torchrun's "
+    "elastic_launch). They would wait forever for ranks that never join. Let each worker be a rank: "
+    "use strategy='ddp' in Lightning, or call the function directly instead of launching it")
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise LaunchError(_NESTED)
+
+
+class NoProcessGroup:
+    """A function started by torch.multiprocessing inside a worker: it runs, but may not form a
+    process group (helper processes that only compute or fill a queue keep working)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        dist.init_process_group = c10d.init_process_group = _refuse
+        # Forked, it inherits the worker's group (its sockets are the worker's): not its own.
+        dist.is_initialized = c10d.is_initialized = lambda: False
+        return self.fn(*args)
+
+
 def _refuse_nested_starts() -> None:
     import torch.distributed.launcher.api as elastic_api
     import torch.multiprocessing as mp
 
     spawn_module = sys.modules["torch.multiprocessing.spawn"]
+    start = spawn_module.start_processes
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise LaunchError(
-            "this code runs in an enot_nb worker, which is already one rank of the job, and tried to "
-            "start more processes to form another process group (Lightning's strategy="
-            "'ddp_notebook' or 'ddp_spawn', torch.multiprocessing.spawn, Accelerate's "
-            "notebook_launcher, torchrun's elastic_launch). They would wait forever for ranks that "
-            "never join. Let each worker be a rank: use strategy='ddp' in Lightning, or call the "
-            "function directly instead of launching it")
+    def start_processes(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return start(NoProcessGroup(fn), *args, **kwargs)
 
-    mp.start_processes = spawn_module.start_processes = refuse
-    mp.spawn = spawn_module.spawn = refuse
-    elastic_api.launch_agent = refuse  # what elastic_launch (torchrun, Accelerate) calls
+    mp.start_processes = spawn_module.start_processes = start_processes  # mp.spawn calls it too
+    elastic_api.launch_agent = _refuse  # what elastic_launch (torchrun, Accelerate) calls

@@ -13,7 +13,9 @@ fall back to a text bar. :func:`install` gives a worker the same front end under
   them on iopub under the cell (see :mod:`enot_nb._relay`);
 - ``shell.kernel`` replaced by a stand-in that knows only the message the kernel is answering
   (ipywidgets' Output widget reads it to capture output);
-- ``input()`` refused with a clear error (ipykernel's would ask the frontend over the sockets).
+- ``input()`` and ``getpass()`` refused with a clear error (ipykernel's would ask the front end
+  over the sockets), ``sys.displayhook`` showing values as display data;
+- a comm that comes back with the cell's state is adopted by the kernel (same id, no new open).
 
 Messages from the front end back to a worker's widget are not delivered (one-way widgets only).
 Every rank installs it; the kernel shows what the ranks whose output is shown send.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import getpass
 import os
 import sys
 from collections.abc import Callable
@@ -91,13 +94,27 @@ def _install_comms(send: Send) -> Any:
     except ImportError:  # no comm package: no widget library can be imported either
         return None
     publish = _publisher(send)
-    pipe_comm = type("PipeComm", (BaseComm,), {"publish_msg": publish, "__doc__": _publisher.__doc__})
+    pipe_comm = type("PipeComm", (BaseComm,), {"publish_msg": publish, "__reduce__": _adopted_in_kernel,
+                                               "__doc__": _publisher.__doc__})
     manager = CommManager()
     comm.create_comm = pipe_comm
     comm.get_comm_manager = lambda: manager
-    if "ipykernel.comm.comm" in sys.modules:  # the kernel's comm class (its Comm subclasses it)
-        sys.modules["ipykernel.comm.comm"].BaseComm.publish_msg = publish
+    try:  # the kernel's own comm class (its Comm subclasses it), used directly by older code
+        from ipykernel.comm.comm import BaseComm as KernelComm
+    except ImportError:
+        pass
+    else:
+        KernelComm.publish_msg = publish
+        KernelComm.__reduce__ = _adopted_in_kernel
     return manager
+
+
+def _adopted_in_kernel(self: Any) -> tuple:
+    """A comm (a widget's) that comes back with the cell's state becomes the kernel's comm of the
+    same id: later cells update the same front-end model (see _relay.adopt_comm)."""
+    from enot_nb import _relay
+
+    return (_relay.adopt_comm, (self.comm_id, self.target_name))
 
 
 class KernelStandIn:
@@ -125,7 +142,8 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
     shell.display_pub = PipePublisher(send)
     png = shell.display_formatter.formatters["image/png"]
     png.for_type_by_name("matplotlib.figure", "Figure", _figures.figure_png)
-    builtins.input = _no_input
+    builtins.input = getpass.getpass = _no_input  # ipykernel's ask the front end over its sockets
+    sys.displayhook = _display_value
     os.environ["MPLBACKEND"] = MPL_BACKEND
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].switch_backend(MPL_BACKEND)
@@ -162,6 +180,16 @@ def _shell(in_kernel: bool) -> Any:
     return ZMQInteractiveShell.instance(config=config)
 
 
-def _no_input(prompt: str = "") -> str:
-    raise RuntimeError("input() is not available in a distributed worker: read the value in an "
-                       "ordinary cell before it and use the variable")
+def _display_value(value: Any) -> None:
+    """``sys.displayhook`` (``run_cell``, an interactive ``exec``): the value is shown as display
+    data, not by the kernel's hook, which writes to its sockets."""
+    if value is not None:
+        builtins._ = value
+        from IPython.display import display
+
+        display(value)
+
+
+def _no_input(prompt: str = "", stream: Any = None) -> str:
+    raise RuntimeError("input() and getpass() are not available in a distributed worker: read the "
+                       "value in an ordinary cell before it and use the variable")

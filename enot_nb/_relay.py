@@ -53,3 +53,16 @@ def _publish_comm(message: Any) -> None:
     kernel.session.send(kernel.iopub_socket, message.msg_type, message.content,
                         metadata=message.metadata, parent=kernel.get_parent(), ident=message.topic,
                         buffers=message.buffers)
+
+
+def adopt_comm(comm_id: str, target_name: str) -> Any:
+    """The kernel's comm for one a worker opened (its model exists in the front end already):
+    registered without a new comm_open, so the object that came back keeps working, both ways."""
+    import comm
+
+    adopted = comm.create_comm(comm_id=comm_id, target_name=target_name, primary=False)
+    comm.get_comm_manager().register_comm(adopted)
+    kernel = getattr(_shell(), "kernel", None)
+    if kernel is not None and hasattr(adopted, "kernel"):
+        adopted.kernel = kernel  # ipywidgets syncs a widget's changes only through a comm with a kernel
+    return adopted

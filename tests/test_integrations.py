@@ -130,7 +130,7 @@ del wrapped, loader, fabric
 
 @pytest.mark.parametrize("starter", [
     f"{TRAINER.format(strategy='ddp_notebook')}.fit(regressor, torch.utils.data.DataLoader(data))",
-    "import torch.multiprocessing as mp\nmp.spawn(print, nprocs=2)",
+    "import torch.multiprocessing as mp\nfrom tests.helpers import jobs\nmp.spawn(jobs.forms_a_group, nprocs=2)",
     "import accelerate\naccelerate.notebook_launcher(print, num_processes=2)",
 ])
 def test_processes_started_inside_a_worker_are_a_clear_error(nb, starter):
@@ -140,6 +140,12 @@ def test_processes_started_inside_a_worker_are_a_clear_error(nb, starter):
     assert time.monotonic() - began < 30
     assert run.status == "error" and "LaunchError" in run.traceback
     assert "already one rank" in run.traceback and "strategy='ddp'" in run.traceback
+
+
+def test_helper_processes_that_form_no_group_keep_working(nb):
+    run = ok(distributed(nb, "import torch.multiprocessing as mp\n"
+                             "mp.start_processes(print, args=('helper',), nprocs=2, start_method='fork')"))
+    assert "0 helper" in run.stdout and "1 helper" in run.stdout
 
 
 def test_dataloader_workers_keep_working(nb):

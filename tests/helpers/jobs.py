@@ -148,3 +148,10 @@ def raise_after_stamp():
 def raise_like_a_lost_connection():
     """User code that raises the text of gloo's connect failure: a failure like any other."""
     raise RuntimeError("Gloo connectFullMesh failed with [user code] Connection closed by peer")
+
+
+def forms_a_group(index):
+    """What torch.multiprocessing.spawn's users start: a process that joins a process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=index, world_size=2, init_method="tcp://127.0.0.1:1")
