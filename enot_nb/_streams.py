@@ -8,8 +8,8 @@ A local cell's ``logging`` records and warnings follow what the notebook configu
   fork"): :func:`redirect_inherited` points them, and the old stream objects, at the worker's
   pipes, where the output mode decides who is shown;
 - under spawn, nothing is inherited: :func:`capture` (in the launcher) records logger levels, the
-  stream handlers writing to stdout/stderr and the warning filters, and :func:`recreate` (in
-  the worker) sets them up again.
+  root logger's stream handlers writing to stdout/stderr and the warning filters, and
+  :func:`recreate` (in the worker) sets them up again.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class OutputSetup(NamedTuple):
     levels: dict[str, int]
     """Logger name ("" for the root) -> level, for loggers with a level of their own."""
     handlers: list[tuple[str, str, int, logging.Formatter | None]]
-    """(logger name, "stdout" or "stderr", level, formatter) of each handler writing there."""
+    """(logger name, "stdout" or "stderr", level, formatter) of each root handler writing there."""
     warning_filters: list[tuple]
 
 
@@ -44,15 +44,18 @@ def _std_name(stream: Any) -> str | None:
 def capture() -> bytes:
     """This process's logging levels, std-stream handlers and warning filters, pickled: the
     worker unpickles them after its front end is installed, since a filter's category may import
-    a library (Lightning) that decides at import how to display (tqdm.auto)."""
-    levels, handlers = {}, []
-    for name, lg in _loggers().items():
-        if lg.level != logging.NOTSET:
-            levels[name] = lg.level
-        for h in lg.handlers:
-            which = _std_name(getattr(h, "stream", None)) if type(h) is logging.StreamHandler else None
-            if which is not None:
-                handlers.append((name, which, h.level, h.formatter))
+    a library (Lightning) that decides at import how to display (tqdm.auto), and after the job's
+    own imports, which in the kernel also came first (Lightning adds its own handler only if the
+    root logger has none)."""
+    levels = {name: lg.level for name, lg in _loggers().items() if lg.level != logging.NOTSET}
+    # The root logger's handlers only (logging.basicConfig): a library's own handler on its logger
+    # (transformers, Lightning) is added again by the library in the worker; copied, it would
+    # show every record twice.
+    handlers = []
+    for h in logging.getLogger().handlers:
+        which = _std_name(getattr(h, "stream", None)) if type(h) is logging.StreamHandler else None
+        if which is not None:
+            handlers.append(("", which, h.level, h.formatter))
     # A category defined in the notebook cannot be pickled by reference: that filter stays behind.
     filters = [f for f in warnings.filters if getattr(f[2], "__module__", "") != "__main__"]
     return pickle.dumps(OutputSetup(levels, handlers, filters))

@@ -147,10 +147,10 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
             from enot_nb import _frontend
 
             _frontend.install(spec.kernel_parent, send)
-        if spec.output_setup is not None:
-            _streams.recreate(spec.output_setup)
         _pickling.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
         job = load_job()
+        if spec.output_setup is not None:  # after the job's imports, as in the kernel (see _streams)
+            _streams.recreate(spec.output_setup)
         from enot_nb import _rendezvous
         from enot_nb.distributed import init_torch
 

@@ -270,12 +270,15 @@ def progress():
 
 
 def test_logs_and_warnings_show_once(nb):
-    nb.ok("import logging, warnings\nlogging.basicConfig(level=logging.INFO, force=True)\n"
-          "train_log = logging.getLogger('train')")
-    body = "train_log.info('step %d', 7)\nwarnings.warn('mind the learning rate')"
+    nb.ok("import logging, warnings, pytorch_lightning, transformers\n"
+          "logging.basicConfig(level=logging.INFO, force=True)\ntrain_log = logging.getLogger('train')")
+    body = ("train_log.info('step %d', 7)\nwarnings.warn('mind the learning rate')\n"
+            "pytorch_lightning._logger.info('from Lightning')\n"
+            "transformers.logging.get_logger('transformers').warning('from transformers')")
     local = nb.ok(body)
     run = ok(distributed(nb, body))
-    for text in ("INFO:train:step 7", "UserWarning: mind the learning rate"):
+    for text in ("INFO:train:step 7", "UserWarning: mind the learning rate", "from Lightning",
+                 "from transformers"):
         assert local.stderr.count(text) == 1 and run.stderr.count(text) == 1, run.stderr
     nb.ok("logging.getLogger().handlers.clear()")
 
