@@ -8,7 +8,8 @@ two things the environment cannot say are done here, in every worker, at its sta
   ``lightning_fabric.utilities.imports`` is imported (usually in the kernel, before the fork),
   and copied by ``from ... import`` into the modules in ``LIGHTNING_FLAG_HOLDERS``. A worker is
   not interactive: the flag is set to False in each holder already imported, and in the source
-  module as soon as it is imported later (so later copies are False too). Tested with
+  module as soon as it is imported later (so later copies are False too); a copy in any other
+  Lightning module already imported is cleared as well. Tested with
   pytorch-lightning / lightning-fabric ``LIGHTNING_TESTED``; a Lightning that moved the flag gets
   a clear error instead of a silent "not compatible with an interactive environment".
 - **Processes started inside a worker** to form another process group (Lightning's
@@ -30,6 +31,7 @@ from typing import Any
 from enot_nb.errors import IncompatibleFrameworkError, LaunchError
 
 LIGHTNING_TESTED = "2.6.6"
+_LIGHTNING_PACKAGES = ("lightning_fabric", "pytorch_lightning", "lightning")
 _FLAG = "_IS_INTERACTIVE"
 # Where the flag is defined, per distribution of Lightning (standalone packages, or `lightning`).
 LIGHTNING_FLAG_SOURCES = ("lightning_fabric.utilities.imports", "lightning.fabric.utilities.imports")
@@ -47,6 +49,9 @@ def adapt() -> None:
     for name in LIGHTNING_FLAG_SOURCES + LIGHTNING_FLAG_HOLDERS:
         if name in sys.modules:
             _clear_flag(sys.modules[name])
+    for name, module in list(sys.modules.items()):  # a copy in a module not named above (newer)
+        if name.split(".", 1)[0] in _LIGHTNING_PACKAGES and getattr(module, _FLAG, None) is True:
+            setattr(module, _FLAG, False)
     sys.meta_path.insert(0, _FlagClearingFinder())
 
 
