@@ -37,6 +37,13 @@ class Kind:
     OUTCOMES = (RESULT, DONE, ERROR)
 
 
+# Written by a worker into its stdout and stderr pipes just before each message that is not an
+# outcome (see _worker.send): the launcher shows the output before it, then the message, then
+# what follows (_output.Fenced), so prints, display data and widgets keep the worker's order.
+# An APC escape sequence: a terminal that ever received it would show nothing.
+OUTPUT_FENCE = b"\x1b_enot_nb\x1b\\"
+
+
 class WorkerMessage(NamedTuple):
     """worker -> launcher, on the rank's message pipe: a Kind and its payload."""
 

@@ -6,6 +6,8 @@ import codecs
 import sys
 from collections import deque
 
+from enot_nb._channel import OUTPUT_FENCE
+
 TAIL_CHARS = 8192  # kept per stream for failure reports
 
 
@@ -52,3 +54,37 @@ class StreamSink:
 
     def tail(self) -> str:
         return "".join(self._tail)[-TAIL_CHARS:]
+
+
+class Fenced:
+    """One worker stream cut at the fences the worker writes before each message it sends (see
+    _channel.OUTPUT_FENCE): a piece after the k-th fence is released once the k-th message has
+    been handled, so output and messages reach the notebook in the order the worker made them."""
+
+    def __init__(self) -> None:
+        self.fences = 0
+        self._pieces: deque[tuple[int, bytes]] = deque()
+        self._partial = b""  # the stream's end, if it may be the start of a fence
+
+    def add(self, data: bytes, final: bool = False) -> None:
+        data, self._partial = self._partial + data, b""
+        while (at := data.find(OUTPUT_FENCE)) >= 0:
+            if at:
+                self._pieces.append((self.fences, data[:at]))
+            self.fences += 1
+            data = data[at + len(OUTPUT_FENCE):]
+        if not final:
+            keep = next((n for n in range(min(len(data), len(OUTPUT_FENCE) - 1), 0, -1)
+                         if data.endswith(OUTPUT_FENCE[:n])), 0)
+            if keep:
+                data, self._partial = data[:-keep], data[-keep:]
+        if data:
+            self._pieces.append((self.fences, data))
+
+    def release(self, handled: int, everything: bool = False) -> bytes:
+        """What may be shown once ``handled`` messages have been: every piece before fence
+        ``handled + 1`` (or everything, when the stream has ended)."""
+        out = []
+        while self._pieces and (everything or self._pieces[0][0] <= handled):
+            out.append(self._pieces.popleft()[1])
+        return b"".join(out)

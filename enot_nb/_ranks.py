@@ -3,7 +3,8 @@
 Each rank has three pipes (stdout, stderr, messages). ``RankIO`` reads whichever is ready,
 forwards output to the sinks (shown or not by the output mode), and keeps the rank's outcome
 ("result", "done" or "error"), its partial state ("partial") and any other message, which goes
-to ``on_message`` (display data, ...) after the output written before it.
+to ``on_message`` (display data, ...) exactly between the output written before and after it
+(the worker fences its streams, see _output.Fenced).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from enot_nb import _channel, _spawn
 from enot_nb._channel import Kind
-from enot_nb._output import StreamSink
+from enot_nb._output import Fenced, StreamSink
 
 STREAMS = ("out", "err", "msg")
 
@@ -38,6 +39,8 @@ class Rank:
     stack_text: str = ""
     stopped_by_us: bool = False  # we sent it a stop signal: its death is not a failure of its own
     connected: bool = False  # it got past init_process_group ("connected" message)
+    fenced: dict[str, Fenced] = field(default_factory=lambda: {"out": Fenced(), "err": Fenced()})
+    handled: int = 0  # messages handled that the worker fenced its output for (all but outcomes)
     open_reads: set[str] = field(default_factory=lambda: set(STREAMS))
 
     @property
@@ -93,30 +96,46 @@ class RankIO:
             os.close(fd)
             r.open_reads.discard(name)
             if name != "msg":
+                r.fenced[name].add(b"", final=True)
+                self._show(r, name, force_show, everything=True)
                 r.sinks[name].feed(b"", final=True, force_show=force_show)
             return False
         if name == "msg":
             for kind, payload in r.messages.feed(data):
                 self._message(r, kind, payload)
-        elif self.capturing_stacks and name == "err":
+        else:
+            r.fenced[name].add(data)
+            self._show(r, name, force_show)
+        return True
+
+    def _show(self, r: Rank, name: str, force_show: bool = False, everything: bool = False) -> None:
+        data = r.fenced[name].release(r.handled, everything)
+        if not data:
+            return
+        if self.capturing_stacks and name == "err":
             r.stack_text += data.decode("utf-8", "backslashreplace")
         else:
             r.sinks[name].feed(data, force_show=force_show)
-        return True
 
     def _message(self, r: Rank, kind: str, payload: Any) -> None:
-        if kind == Kind.CONNECTED:
-            r.connected = True
-            return
         if kind in Kind.OUTCOMES:
             r.outcome, r.payload = kind, payload
-        if kind == Kind.PARTIAL:
+            if kind == Kind.ERROR:
+                self.on_error(r, payload)
+            return
+        # The worker fenced its output before this message: show what came before it first.
+        for name in ("out", "err"):
+            while name in r.open_reads and r.fenced[name].fences <= r.handled and self.read(r, name):
+                pass
+        if kind == Kind.CONNECTED:
+            r.connected = True
+        elif kind == Kind.PARTIAL:
             r.partial = payload
-        elif kind == Kind.ERROR:
-            self.on_error(r, payload)
-        elif kind not in Kind.OUTCOMES and self.on_message and r.sinks["out"].show:
-            self.drain(r, ("out", "err"))  # what the worker printed before comes first
+        elif self.on_message and r.sinks["out"].show:
             self.on_message(kind, payload)
+        r.handled += 1
+        for name in ("out", "err"):
+            self._show(r, name)
 
     def drain(self, r: Rank, names: tuple[str, ...] = STREAMS) -> None:
         for name in names:

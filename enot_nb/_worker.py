@@ -87,6 +87,8 @@ def become_worker(spec: WorkerSpec) -> None:
     for fd in (spec.stdout_fd, spec.stderr_fd):
         if fd > 2:
             os.close(fd)
+    global _fence_fds
+    _fence_fds = (os.dup(1), os.dup(2))  # the pipes themselves, even if the user redirects fd 1/2
     inherited = sys.stdout, sys.stderr
     # line_buffering flushes on "\n" and "\r": lines and progress bars arrive live.
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
@@ -123,13 +125,16 @@ def _die_with_parent(parent_pid: int) -> None:
 
 _message_fd: int | None = None
 _result_fd: int | None = None
+_fence_fds: tuple[int, int] | None = None
 
 
 def send(message: Any) -> None:
     """Send a message (display data, ...) to the launcher, after the output written so far."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    assert _message_fd is not None, "send() is for worker processes"
+    assert _message_fd is not None and _fence_fds is not None, "send() is for worker processes"
+    for fd in _fence_fds:
+        os.write(fd, _channel.OUTPUT_FENCE)  # atomic: far below PIPE_BUF
     _channel.write_message(_message_fd, message)
 
 

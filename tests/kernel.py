@@ -25,6 +25,7 @@ class CellRun:
     error: dict | None = None  # ename, evalue, traceback
     status: str = ""
     comms: list[dict] = field(default_factory=list)  # comm_open/comm_msg/comm_close messages
+    arrived: list[tuple[str, dict]] = field(default_factory=list)  # (msg_type, content), in order
 
     def comm_states(self) -> list[dict]:
         """The widget states the client received, in order (comm_open and comm_msg updates)."""
@@ -68,6 +69,7 @@ class Kernel:
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
+            run.arrived.append((kind, content))
             if kind == "stream":
                 setattr(run, content["name"], getattr(run, content["name"]) + content["text"])
                 if on_output:

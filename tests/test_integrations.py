@@ -248,11 +248,32 @@ def test_a_widget_shown_before_the_cell_updates_live(nb):
     assert [s["value"] for s in run.comm_states()] == [1, 2, 3]  # under the cell, from the master
 
 
+def _order(run: CellRun) -> list[str]:
+    """What the client received, in order: stream text, display data, Output's msg_id changes."""
+    seen = []
+    for kind, content in run.arrived:
+        if kind == "stream":
+            seen += [line for line in content["text"].splitlines() if line]
+        elif kind == "display_data":
+            seen.append("display " + content["data"]["text/plain"])
+        elif kind == "comm_msg" and "msg_id" in content["data"].get("state", {}):
+            seen.append("capture on" if content["data"]["state"]["msg_id"] else "capture off")
+    return seen
+
+
 def test_output_widget_captures_under_the_cell(nb):
-    run = ok(distributed(nb, "import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\n"
-                             "with out:\n    print('inside the widget')\ndel out"))
-    assert "inside the widget" in run.stdout  # published under the cell: the front end routes it
-    assert {"msg_id": run.msg_id} in run.comm_states()  # the widget captures the cell's output
+    body = ("import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\nprint('before')\n"
+            "with out:\n    print('inside the widget')\nprint('after')\ndel out")
+    local, run = nb.ok(body), ok(distributed(nb, body))
+    # The front end puts into the widget what arrives, under the cell, while its msg_id is set.
+    expected = ["display Output()", "before", "capture on", "inside the widget", "capture off", "after"]
+    assert _order(local) == expected and _order(run) == expected
+    assert {"msg_id": run.msg_id} in run.comm_states()
+
+
+def test_prints_and_display_data_keep_their_order(nb):
+    body = "print('a')\ndisplay('X')\nprint('b')\ndisplay('Y')\nprint('c')"
+    assert _order(ok(distributed(nb, body))) == _order(nb.ok(body)) == ["a", "display 'X'", "b", "display 'Y'", "c"]
 
 
 def test_widgets_from_a_launched_function(nb):

@@ -166,3 +166,21 @@ def test_device_for_a_local_rank():
         device_for(2, 2)
     with pytest.raises(ValueError, match="no GPU is available"):
         device_for(0, 0)
+
+
+def test_fenced_stream_releases_each_piece_after_its_message():
+    from enot_nb._channel import OUTPUT_FENCE
+    from enot_nb._output import Fenced
+
+    stream = Fenced()
+    data = b"a" + OUTPUT_FENCE + b"b" + OUTPUT_FENCE + b"c"
+    for i in range(0, len(data), 3):  # in chunks that cut the fences
+        stream.add(data[i:i + 3])
+    assert stream.fences == 2
+    assert stream.release(0) == b"a"  # no message handled yet: only what came before the first
+    assert stream.release(1) == b"b"
+    assert stream.release(2) == b"c"
+    stream.add(OUTPUT_FENCE[:4])  # may be a fence: held back until more arrives
+    assert stream.release(2) == b""
+    stream.add(b"", final=True)  # it was not: the stream ended
+    assert stream.release(2, everything=True) == OUTPUT_FENCE[:4]
