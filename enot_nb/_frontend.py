@@ -143,7 +143,9 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
     png = shell.display_formatter.formatters["image/png"]
     png.for_type_by_name("matplotlib.figure", "Figure", _figures.figure_png)
     builtins.input = getpass.getpass = _no_input  # ipykernel's ask the front end over its sockets
-    sys.displayhook = _display_value
+    hook = _pipe_displayhook(shell)
+    # The trap swaps sys.displayhook for the shell's during run_cell and restores "old_hook".
+    shell.displayhook = shell.display_trap.hook = shell.display_trap.old_hook = sys.displayhook = hook
     os.environ["MPLBACKEND"] = MPL_BACKEND
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].switch_backend(MPL_BACKEND)
@@ -180,14 +182,28 @@ def _shell(in_kernel: bool) -> Any:
     return ZMQInteractiveShell.instance(config=config)
 
 
-def _display_value(value: Any) -> None:
-    """``sys.displayhook`` (``run_cell``, an interactive ``exec``): the value is shown as display
-    data, not by the kernel's hook, which writes to its sockets."""
-    if value is not None:
-        builtins._ = value
-        from IPython.display import display
+def _pipe_displayhook(shell: Any) -> Any:
+    """The shell's displayhook (``run_cell`` in a cell, ``sys.displayhook``): a value is shown as
+    display data through the publisher, not by ipykernel's hook, which writes to its sockets."""
+    from IPython.core.displayhook import DisplayHook
 
-        display(value)
+    class PipeDisplayHook(DisplayHook):
+        def start_displayhook(self) -> None:
+            pass
+
+        def write_output_prompt(self) -> None:
+            pass
+
+        def write_format_data(self, format_dict: dict, md_dict: dict | None = None) -> None:
+            shell.display_pub.publish(format_dict, md_dict or {})
+
+        def finish_displayhook(self) -> None:
+            pass
+
+        def set_parent(self, parent: dict) -> None:  # ipykernel's shell stamps its hook's messages
+            pass
+
+    return PipeDisplayHook(shell=shell, cache_size=0)
 
 
 def _no_input(prompt: str = "", stream: Any = None) -> str:

@@ -276,6 +276,19 @@ def test_prints_and_display_data_keep_their_order(nb):
     assert _order(ok(distributed(nb, body))) == _order(nb.ok(body)) == ["a", "display 'X'", "b", "display 'Y'", "c"]
 
 
+def test_a_widget_made_in_the_cell_keeps_working_in_the_notebook(nb):
+    ok(distributed(nb, "import ipywidgets\nmade = ipywidgets.IntProgress(max=3)\ndisplay(made)\nmade.value = 3"))
+    run = nb.ok("made.value = 1")  # a local cell: the kernel now owns the widget's comm
+    assert [s.get("value") for s in run.comm_states()] == [1]
+
+
+def test_values_shown_by_the_displayhook_and_no_input(nb):
+    run = ok(distributed(nb, "get_ipython().run_cell('6 * 7')\nimport sys\nsys.displayhook(12345)"))
+    assert [d["data"]["text/plain"] for d in run.displays] == ["42", "12345"]
+    run = distributed(nb, "import getpass\nsecret = getpass.getpass('password: ')", timeout=60)
+    assert run.status == "error" and "getpass() are not available in a distributed worker" in run.traceback
+
+
 def test_widgets_from_a_launched_function(nb):
     nb.ok("""
 import enot_nb
