@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from enot_nb.errors import IncompatibleFrameworkError, LaunchError
@@ -45,14 +46,27 @@ LIGHTNING_FLAG_HOLDERS = tuple(
 
 def adapt() -> None:
     """Make this worker look like a torchrun worker to Lightning; refuse nested process starts."""
-    _refuse_nested_starts()
-    for name in LIGHTNING_FLAG_SOURCES + LIGHTNING_FLAG_HOLDERS:
+    after_import: dict[str, Callable[[Any], None]] = {}
+    _refuse_nested_starts(after_import)
+    for name in LIGHTNING_FLAG_HOLDERS:  # imported later, they copy the cleared source's flag
         if name in sys.modules:
             _clear_flag(sys.modules[name])
+    for name in LIGHTNING_FLAG_SOURCES:
+        _patch_when_imported(name, _clear_flag, after_import)
     for name, module in list(sys.modules.items()):  # a copy in a module not named above (newer)
         if name.split(".", 1)[0] in _LIGHTNING_PACKAGES and getattr(module, _FLAG, None) is True:
             setattr(module, _FLAG, False)
-    sys.meta_path.insert(0, _FlagClearingFinder())
+    sys.meta_path.insert(0, _AfterImportFinder(after_import))
+
+
+def _patch_when_imported(name: str, patch: Callable[[Any], None],
+                         after_import: dict[str, Callable[[Any], None]]) -> None:
+    """Patch a module now if it is imported, else right after its import (nothing is imported
+    here: a worker that never uses it pays nothing)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        after_import[name] = patch
 
 
 def _clear_flag(module: Any) -> None:
@@ -64,28 +78,31 @@ def _clear_flag(module: Any) -> None:
     setattr(module, _FLAG, False)
 
 
-class _FlagClearingFinder(importlib.abc.MetaPathFinder):
-    """Clears the flag in Lightning's source module right after it is first executed."""
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Runs a module's patch right after the module is first executed."""
+
+    def __init__(self, after_import: dict[str, Callable[[Any], None]]) -> None:
+        self.after_import = after_import
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in LIGHTNING_FLAG_SOURCES:
+        if name not in self.after_import:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _ClearingLoader(spec.loader)
+            spec.loader = _PatchingLoader(spec.loader, self.after_import[name])
         return spec
 
 
-class _ClearingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, patch: Callable[[Any], None]) -> None:
+        self.loader, self.patch = loader, patch
 
     def create_module(self, spec: Any) -> Any:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
-        _clear_flag(module)
+        self.patch(module)
 
 
 _NESTED = (
@@ -117,8 +134,7 @@ class NoProcessGroup:
         return self.fn(*args)
 
 
-def _refuse_nested_starts() -> None:
-    import torch.distributed.launcher.api as elastic_api
+def _refuse_nested_starts(after_import: dict[str, Callable[[Any], None]]) -> None:
     import torch.multiprocessing as mp
 
     spawn_module = sys.modules["torch.multiprocessing.spawn"]
@@ -128,4 +144,6 @@ def _refuse_nested_starts() -> None:
         return start(NoProcessGroup(fn), *args, **kwargs)
 
     mp.start_processes = spawn_module.start_processes = start_processes  # mp.spawn calls it too
-    elastic_api.launch_agent = _refuse  # what elastic_launch (torchrun, Accelerate) calls
+    # What elastic_launch (torchrun, Accelerate) calls; its import costs ~25 ms, so only if used.
+    _patch_when_imported("torch.distributed.launcher.api",
+                         lambda module: setattr(module, "launch_agent", _refuse), after_import)

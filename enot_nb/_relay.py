@@ -18,6 +18,11 @@ def _shell() -> Any:
     return get_ipython()
 
 
+def _kernel() -> Any:
+    """This process's Jupyter kernel; None outside one (a plain process, a terminal IPython)."""
+    return getattr(_shell(), "kernel", None)
+
+
 def in_ipython() -> bool:
     """Launched from IPython (a kernel or a terminal): workers get a front end to talk to."""
     return _shell() is not None
@@ -26,7 +31,7 @@ def in_ipython() -> bool:
 def kernel_parent() -> dict | None:
     """The message this Jupyter kernel is answering (its cell's execute_request); None outside a
     kernel. The workers' widgets and Output captures hang under it."""
-    kernel = getattr(_shell(), "kernel", None)
+    kernel = _kernel()
     if kernel is None or not hasattr(kernel, "get_parent"):
         return None
     header = kernel.get_parent().get("header")
@@ -47,7 +52,7 @@ def show(kind: str, payload: Any) -> None:
 
 
 def _publish_comm(message: Any) -> None:
-    kernel = getattr(_shell(), "kernel", None)
+    kernel = _kernel()
     if kernel is None:  # a terminal IPython: no front end can show a widget
         return
     kernel.session.send(kernel.iopub_socket, message.msg_type, message.content,
@@ -62,7 +67,7 @@ def adopt_comm(comm_id: str, target_name: str) -> Any:
 
     adopted = comm.create_comm(comm_id=comm_id, target_name=target_name, primary=False)
     comm.get_comm_manager().register_comm(adopted)
-    kernel = getattr(_shell(), "kernel", None)
+    kernel = _kernel()
     if kernel is not None and hasattr(adopted, "kernel"):
         adopted.kernel = kernel  # ipywidgets syncs a widget's changes only through a comm with a kernel
     return adopted

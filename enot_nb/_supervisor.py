@@ -321,6 +321,7 @@ def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[in
         init_kwargs["init_method"] = _rendezvous.url(address, port)
     fork = plan.start_method == "fork"
     front_end, parent = _relay.in_ipython(), _relay.kernel_parent()
+    output_setup = None if fork else _streams.capture()  # one pickle for every rank
     specs = [_worker.WorkerSpec(
         rank=r.rank, env=rank_environment(plan, r.local_rank, address, port, attempt),
         cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
@@ -328,7 +329,7 @@ def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[in
         stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1], message_fd=r.pipes["msg"][1],
         close_fds=_not_for(r, ranks) if fork else [], result_fd=result_fd,
         front_end=front_end, kernel_parent=parent,
-        output_setup=None if fork else _streams.capture()) for r in ranks]
+        output_setup=output_setup) for r in ranks]
     if fork:
         return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs]), folder
     job_bytes, shared = shipped or (b"", [])
