@@ -21,7 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness import ROOT, Row, kernel_json, median, start_kernel
 
@@ -236,33 +239,32 @@ print("RESULT", json.dumps(rate))"""))
                 "torchrun", median(ours) / median(theirs), ">= 0.97x", rounds)]
 
 
-def run(repeats: int = 5) -> list[Row]:
+@contextmanager
+def _kernel() -> Iterator[Any]:
+    """A real kernel with SETUP run; shut down on the way out."""
     kernel = start_kernel()
     try:
         kernel.ok(SETUP)
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+def run(repeats: int = 5) -> list[Row]:
+    with _kernel() as kernel:
         return (state_return(kernel, repeats) + state_parity(kernel, repeats)
                 + big_tensor(kernel, max(3, repeats // 2))
                 + output(kernel, max(3, repeats // 2)) + widgets(kernel, max(3, repeats // 2))
                 + training(kernel))
-    finally:
-        kernel.shutdown()
 
 
 def run_widgets(repeats: int = 5) -> list[Row]:
     """Only the widget rows (``run_all.py --only widgets``)."""
-    kernel = start_kernel()
-    try:
-        kernel.ok(SETUP)
+    with _kernel() as kernel:
         return widgets(kernel, repeats)
-    finally:
-        kernel.shutdown()
 
 
 def run_state(repeats: int = 5) -> list[Row]:
     """Only the state-return and state-parity rows (``run_all.py --only state``)."""
-    kernel = start_kernel()
-    try:
-        kernel.ok(SETUP)
+    with _kernel() as kernel:
         return state_return(kernel, repeats) + state_parity(kernel, repeats)
-    finally:
-        kernel.shutdown()
