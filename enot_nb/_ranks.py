@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ class Rank:
     payload: Any = None
     partial: Any = None  # rank 0's state at an interrupt or failure ("partial" message)
     stack_text: str = ""
-    stopped_by_us: bool = False  # we sent it a stop signal: its death is not a failure of its own
+    stop_signals: set[int] = field(default_factory=set)  # the stop signals we sent it
     connected: bool = False  # it got past init_process_group ("connected" message)
     fenced: dict[str, Fenced] = field(default_factory=lambda: {"out": Fenced(), "err": Fenced()})
     handled: int = 0  # messages handled that the worker fenced its output for (all but outcomes)
@@ -46,6 +47,13 @@ class Rank:
     @property
     def running(self) -> bool:
         return self.pid is not None and self.exitcode is None
+
+    def stopped_by_us(self, exitcode: int) -> bool:
+        """Its death is ours, not a failure of its own: killed by a signal we sent, or anything
+        after an interrupt. Any other end after SIGTERM/SIGKILL (default actions in a worker) it
+        met on its own, in the moment before our signal (``os._exit(7)`` or a SIGKILL while its
+        peer's "connection closed" error arrived first): it may be the root cause."""
+        return -exitcode in self.stop_signals or signal.SIGINT in self.stop_signals
 
 
 def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:

@@ -96,7 +96,8 @@ class _Stopping:
         assert self.group is not None
         for r in ranks if ranks is not None else self.ranks:
             if r.running:
-                r.stopped_by_us |= signum != signal.SIGUSR1  # a stack dump stops nothing
+                if signum != signal.SIGUSR1:  # a stack dump stops nothing
+                    r.stop_signals.add(signum)
                 self.group.signal(r.rank, signum)
 
     def _stop(self, ranks: list[Rank], signals: tuple[int, ...] = _ESCALATION) -> None:
@@ -247,7 +248,7 @@ class Attempt(_Stopping):
             self.io.drain(r)
             if r.outcome is not None:
                 continue  # finished (a crash in teardown does not matter), or already recorded
-            if r.stopped_by_us and exitcode != 0:
+            if exitcode != 0 and r.stopped_by_us(exitcode):
                 continue  # stopped by us after another rank failed, or interrupted
             self.failures.append(WorkerFailure.died(r.rank, exitcode, self.attempt, r.sinks["err"].tail()))
 

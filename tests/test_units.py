@@ -184,3 +184,20 @@ def test_fenced_stream_releases_each_piece_after_its_message():
     assert stream.release(2) == b""
     stream.add(b"", final=True)  # it was not: the stream ended
     assert stream.release(2, everything=True) == OUTPUT_FENCE[:4]
+
+
+def test_a_stopped_rank_that_exited_with_a_code_may_be_the_root_cause():
+    import signal
+
+    from enot_nb._ranks import Rank
+
+    r = Rank(rank=1, local_rank=1, pipes={}, sinks={})
+    assert not r.stopped_by_us(-signal.SIGTERM)  # never signalled: any death is its own
+    r.stop_signals.add(signal.SIGTERM)
+    r.stop_signals.add(signal.SIGKILL)
+    assert r.stopped_by_us(-signal.SIGTERM) and r.stopped_by_us(-signal.SIGKILL)
+    assert not r.stopped_by_us(7)  # os._exit(7) just before our SIGTERM reached it
+    r.stop_signals = {signal.SIGTERM}
+    assert not r.stopped_by_us(-signal.SIGKILL)  # killed by another before our SIGTERM
+    r.stop_signals.add(signal.SIGINT)
+    assert r.stopped_by_us(1)  # after an interrupt, whatever it did is ours
