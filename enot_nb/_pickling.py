@@ -19,6 +19,7 @@ import mmap
 import os
 import pickle
 import struct
+import sys
 import threading
 import types
 import warnings
@@ -163,6 +164,52 @@ def _numpy_view(root: Any, offset: int, shape: tuple, strides: tuple, dtype: Any
     return numpy.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
 
 
+def _array_of_storage(storage: Any, offset: int, shape: tuple, strides: tuple, dtype: Any) -> Any:
+    """A NumPy array over a tensor's memory (``tensor.numpy()``), rebuilt over the storage."""
+    import numpy
+    import torch
+
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    return numpy.ndarray(shape, dtype, buffer=flat, offset=offset, strides=strides)
+
+
+def _storage_of_array(root: Any, offset: int, nbytes: int) -> Any:
+    """A tensor storage over a NumPy array's memory (``torch.from_numpy``), rebuilt over it."""
+    import numpy
+    import torch
+
+    flat = root.reshape(-1).view(numpy.uint8)[offset : offset + nbytes]
+    if not flat.flags.writeable:  # torch would warn; the memory cannot be shared anyway
+        flat = flat.copy()
+    return torch.from_numpy(flat).untyped_storage()
+
+
+def _tensor_owned(array: Any) -> Any:
+    """The tensor whose memory a NumPy array views (``tensor.numpy()``, ``np.asarray(t)``), or
+    None."""
+    import torch
+
+    base = array_owner(array).base
+    return base if isinstance(base, torch.Tensor) and base.device.type == "cpu" else None
+
+
+class ArrayMemory:
+    """Which NumPy array owns the memory a storage lies in: ``torch.from_numpy`` leaves no Python
+    reference from the tensor back to its array, so the arrays are looked up by address."""
+
+    def __init__(self, arrays: list[Any]) -> None:
+        owners = {id(a): a for a in map(array_owner, arrays)
+                  if a.flags.c_contiguous and _tensor_owned(a) is None and a.nbytes}
+        self._ranges = sorted((a.__array_interface__["data"][0], a.nbytes, a) for a in owners.values())
+
+    def holding(self, start: int, nbytes: int) -> tuple[Any, int] | None:
+        """The array whose memory holds ``nbytes`` from address ``start``, and the offset."""
+        for first, size, array in self._ranges:
+            if first <= start and start + nbytes <= first + size:
+                return array, start - first
+        return None
+
+
 def _make_weakref(referent: Any) -> Any:
     return weakref.ref(referent)
 
@@ -210,11 +257,27 @@ class TensorPickler(cloudpickle.Pickler):
         self.namespace = namespace
         """Functions whose globals are this dict are the notebook's: rebuilt on its globals."""
         self._function_cells: set[int] = set()
+        self._root: Any = None
+        self._array_memory: ArrayMemory | None = None
+        self.arrays_met: list[Any] | None = None
+        """When a list, every NumPy array this pickler meets is added (the collecting pass)."""
+
+    def dump(self, obj: Any) -> None:
+        self._root = obj
+        super().dump(obj)
 
     def is_known(self, array: Any, root: Any) -> Any:
         """An array the receiver holds whose memory holds ``array`` (a view of ``root``), or
         None."""
         return None
+
+    def known_arrays(self) -> list[Any]:
+        """The NumPy arrays the receiver already holds (they travel as references)."""
+        return []
+
+    def dry_copy(self) -> TensorPickler:
+        """A pickler like this one that only walks what would be pickled."""
+        return type(self)(_Discard(), "dry", buffer_callback=_ignore, namespace=self.namespace)
 
     def reducer_override(self, obj: Any) -> Any:
         import torch
@@ -229,6 +292,13 @@ class TensorPickler(cloudpickle.Pickler):
                 and obj.__globals__ is self.namespace:
             return self._reduce_function(obj)
         if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+            if self.arrays_met is not None:
+                self.arrays_met.append(obj)
+            tensor = _tensor_owned(obj)
+            if tensor is not None:  # its memory is a storage: it travels over that storage
+                storage = tensor.untyped_storage()
+                offset = obj.__array_interface__["data"][0] - storage.data_ptr()
+                return _array_of_storage, (storage, offset, obj.shape, obj.strides, obj.dtype)
             view = _reduce_numpy_view(obj, self.is_known)
             if view is not None:
                 return view
@@ -257,6 +327,9 @@ class TensorPickler(cloudpickle.Pickler):
         device = str(storage.device) if self.mode == "ship" else "cpu"
         if self.mode == "dry":
             return _rebuild_storage, (b"",)
+        held = self._array_holding(storage)
+        if held is not None:
+            return _storage_of_array, (*held, storage.nbytes())
         data = storage_bytes(storage)
         if self.mode == "ship" and data.numel() >= SHM_MIN_BYTES and hasattr(os, "memfd_create"):
             if self.shared is None:
@@ -264,6 +337,19 @@ class TensorPickler(cloudpickle.Pickler):
             return _storage_from_shared, (self.shared.add(data.numpy()), data.numel(), device)
         raw = data.numpy() if data.numel() else b""
         return _rebuild_storage, (pickle.PickleBuffer(raw), device)
+
+    def _array_holding(self, storage: Any) -> tuple[Any, int] | None:
+        """The NumPy array (and offset) whose memory a storage made by ``torch.from_numpy`` is,
+        so that the two stay one memory. Such storages cannot be resized; the arrays are found
+        once, by a walk of what is pickled, only when one is met."""
+        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules:
+            return None
+        if self._array_memory is None:
+            walker = self.dry_copy()
+            walker.arrays_met = list(self.known_arrays())
+            walker.dump(self._root)
+            self._array_memory = ArrayMemory(walker.arrays_met)
+        return self._array_memory.holding(storage.data_ptr(), storage.nbytes())
 
     def _reduce_function(self, function: Any) -> Any:
         closure = function.__closure__
@@ -353,6 +439,10 @@ def release_later(fds: list[int]) -> None:
         threading.Thread(target=close_all, args=(fds,), name="enot_nb-release", daemon=True).start()
 
 
+def _ignore(_: Any) -> None:
+    pass
+
+
 class _Discard(io.RawIOBase):
     def write(self, data: Any) -> int:
         return len(memoryview(data))
@@ -360,7 +450,7 @@ class _Discard(io.RawIOBase):
 
 def dry_run(obj: Any, pickler_class: Any = None, **kwargs: Any) -> int:
     """Raise if ``obj`` cannot be pickled; return how many of its tensors are off the CPU."""
-    pickler = (pickler_class or TensorPickler)(_Discard(), "dry", buffer_callback=lambda b: None,
+    pickler = (pickler_class or TensorPickler)(_Discard(), "dry", buffer_callback=_ignore,
                                                **kwargs)
     pickler.dump(obj)
     return pickler.off_cpu

@@ -100,6 +100,13 @@ class StatePickler(_pickling.TensorPickler):
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
 
+    def dry_copy(self) -> StatePickler:
+        return StatePickler(_pickling._Discard(), "dry", buffer_callback=_pickling._ignore,
+                            registry=self.registry)
+
+    def known_arrays(self) -> list[Any]:
+        return [obj for obj, kind in zip(self.registry.objects, self.registry.kinds) if kind == "ndarray"]
+
     def is_known(self, array: Any, root: Any) -> Any:
         if self._arrays is None:
             self._arrays = {}

@@ -136,6 +136,16 @@ CASES = [
      ["alias.tolist()", "alias is w"], ""),
     ("attribute-rebound-to-an-equal-list", "class T:\n    pass\nt = T()\nt.h = []\nold = t.h\n"
      "d = {'h': []}\nold_d = d['h']\n", "t.h = []\nd['h'] = []", ["t.h is old", "d['h'] is old_d"], ""),
+    ("numpy-of-notebook-tensor", "t = torch.zeros(4)\n", "a = t.numpy()\nb = np.asarray(t[1:])\n"
+     "c = t.view(2, 2).T.numpy()", ["a.tolist()", "b.tolist()", "c.tolist()", "np.shares_memory(a, b)"],
+     "t[1] = 5"),
+    ("tensor-from-notebook-array", "arr = np.zeros(4)\n",
+     "t = torch.from_numpy(arr)\ntv = torch.from_numpy(arr[2:])", ["t.tolist()", "tv.tolist()"],
+     "arr[3] = 7"),
+    ("array-and-tensor-made-in-cell", "", "data = np.arange(6.0)\nx = torch.from_numpy(data).view(2, 3)\n"
+     "back = x.numpy()", ["data.tolist()", "back.tolist()"], "x.mul_(2)"),
+    ("tensor-over-notebook-array-changed-in-cell", "arr = np.zeros(3)\nt = torch.from_numpy(arr)\n",
+     "t.add_(1)\ns = float(arr.sum())", ["s", "arr.tolist()", "t.tolist()"], "arr[0] = 9"),
     ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
      ["round(a, 12)", "round(rng.random(), 12)"], ""),
     ("torch-generator", "g = torch.Generator().manual_seed(0)\n", "first = torch.rand(1, generator=g)",

@@ -201,3 +201,19 @@ def test_a_stopped_rank_that_exited_with_a_code_may_be_the_root_cause():
     assert not r.stopped_by_us(-signal.SIGKILL)  # killed by another before our SIGTERM
     r.stop_signals.add(signal.SIGINT)
     assert r.stopped_by_us(1)  # after an interrupt, whatever it did is ours
+
+
+def test_numpy_and_torch_memory_stays_shared_through_a_round_trip():
+    x = np.arange(6.0)
+    u = torch.arange(6.0)
+    sent = (x, torch.from_numpy(x), torch.from_numpy(x[2:]), u, u.numpy(), u.view(2, 3).T.numpy())
+    data, buffers = _pickling.dump_result(sent)
+    x2, t2, tail2, u2, a2, c2 = pickle.loads(data, buffers=buffers)
+    t2.add_(1)
+    assert x2.tolist() == [1, 2, 3, 4, 5, 6] and tail2.tolist() == [3, 4, 5, 6]
+    u2.mul_(10)
+    assert a2.tolist() == [0, 10, 20, 30, 40, 50] and c2.tolist() == [[0, 30], [10, 40], [20, 50]]
+    data, buffers = _pickling.dump_result(torch.from_numpy(np.ones(2)))
+    alone = pickle.loads(data, buffers=buffers)
+    assert alone.tolist() == [1, 1]  # its array did not travel: the tensor comes by value
+
