@@ -5,7 +5,8 @@
 * A spawned cell reading a 2 GiB notebook tensor, against one local copy of that tensor.
 * State parity: a cell that changes nothing in a notebook holding 2 GiB of tensors, against the
   same trivial cell in a notebook holding none; a cell that updates a ResNet-50-sized model in
-  place, against a local cloudpickle round trip; memory in use (PSS of kernel and workers).
+  place, against a local cloudpickle round trip; host memory at the end and at its peak (PSS of
+  kernel and workers).
 * Output: 100,000 printed lines from the master against the same cell run locally; and the
   delay from a worker's print to its arrival at the notebook client.
 * Widgets: an IntProgress updated 1,000 times from the master, against a local cell: the
@@ -70,7 +71,48 @@ def host_gib(body):
     rest with the kernel): the host memory the cell needs."""
     get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS}", body + PROBE)
     return (memory_kb(("Rss",)) + workers_kb) / 2**20
+def tree_pss_kb():
+    """PSS of the kernel and every process below it: shared pages counted once in all."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    tree, grew = {os.getpid()}, True
+    while grew:
+        below = {p for p, parent in parents.items() if parent in tree} - tree
+        tree |= below
+        grew = bool(below)
+    total = 0
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(l.split()[1]) for l in f if l.startswith("Pss:"))
+        except OSError:
+            pass  # ended meanwhile
+    return total
+def peak_gib(body):
+    """The most host memory the kernel and its workers held together while the cell ran
+    (PSS, sampled every 10 ms)."""
+    import threading
+    done, peak = threading.Event(), [tree_pss_kb()]
+    def sample():
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], tree_pss_kb())
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS}", body)
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], tree_pss_kb()) / 2**20
 '''
+
+
+PEAK = "peak host memory during the cell (PSS of kernel + workers, sampled every 10 ms)"
 
 
 def state_parity(kernel, repeats: int) -> list[Row]:
@@ -84,17 +126,20 @@ held = {{i: torch.zeros(2**26) for i in range(8)}}  # ...8 x 256 MiB = 2 GiB of 
 untracked = times(cell("--no-return", TRIVIAL), {repeats})
 heavy = times(cell("", TRIVIAL), {repeats})
 heavy_gib = host_gib(TRIVIAL)
+heavy_peak = peak_gib(TRIVIAL)
 del held
 net = resnet50_like()
 UPDATE = "for p in net.parameters():\\n    p.data.add_(0.01)"
 update_without = times(cell("--no-return", UPDATE), {repeats})
 update_with = times(cell("", UPDATE), {repeats})
 update_gib = host_gib(UPDATE)
+update_peak = peak_gib(UPDATE)
 local = times(lambda: cloudpickle.loads(cloudpickle.dumps(net)), {repeats})
 del net
-print("RESULT", json.dumps([empty, untracked, heavy, heavy_gib, update_without, update_with,
-                            update_gib, local]))""")
-    empty, untracked, heavy, heavy_gib, without, with_return, update_gib, local = found
+print("RESULT", json.dumps([empty, untracked, heavy, heavy_gib, heavy_peak, update_without,
+                            update_with, update_gib, update_peak, local]))""")
+    (empty, untracked, heavy, heavy_gib, heavy_peak, without, with_return, update_gib, update_peak,
+     local) = found
     empty, untracked, heavy, without, with_return, local = map(
         median, (empty, untracked, heavy, without, with_return, local))
     name = "state parity: a cell that changes nothing, 2 GiB of tensors in the notebook"
@@ -109,12 +154,14 @@ print("RESULT", json.dumps([empty, untracked, heavy, heavy_gib, update_without, 
             empty / untracked, "", repeats),
         Row(name, "host memory at the end (kernel RSS + workers' own pages)", heavy_gib, "GiB", "",
             None, "", 1),
+        Row(name, PEAK, heavy_peak, "GiB", "", None, "", 1),
         Row(update, "local cloudpickle round trip (reference)", local, "s", "local round trip", 1.0,
             "", repeats),
         Row(update, "bringing the changes back from the master", cost, "s", "local round trip",
             cost / local, "<= 0.68x", repeats),
         Row(update, "host memory at the end (kernel RSS + workers' own pages)", update_gib, "GiB",
             "", None, "", 1),
+        Row(update, PEAK, update_peak, "GiB", "", None, "", 1),
     ]
 
 

@@ -64,6 +64,8 @@ class CellOutcome:
     moved_to_cpu: int = 0
     changed_names: list[str] = field(default_factory=list)
     """The names bound by the cell or whose objects it changed (an exported run saves them)."""
+    unbound_returns: list[str] = field(default_factory=list)
+    """Names given to --return that the cell did not bind."""
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -115,10 +117,17 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
             _send_partial(tracker, options)
         raise
     _show_new_figures(figures_before, rank == 0 and options.shown)
-    if tracker is None:
-        return None if rank != 0 else CellOutcome()
     has_value = last is not None and not suppressed and value is not None
-    return tracker.outcome(options, value if has_value else None, has_value, last, shell)
+    if tracker is None:
+        if rank != 0:
+            return None
+        # --no-return: nothing comes back, but the cell's value is shown, as a local cell shows it
+        return CellOutcome(has_value=has_value, value_bundle=_bundle(value, shell) if has_value else None)
+    return tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
+
+
+def _bundle(value: Any, shell: Any) -> tuple[dict, dict] | None:
+    return shell.display_formatter.format(value) if shell else None
 
 
 def _cell_shell(options: CellOptions) -> Any:
@@ -161,25 +170,38 @@ class _Tracker:
         self.snapshot = _objgraph.Snapshot.take(registry)
 
     def outcome(self, options: CellOptions, value: Any, has_value: bool,
-                last: ast.Expression | None, shell: Any) -> CellOutcome:
+                last: ast.Expression | None, shell: Any, body: ast.Module | None = None) -> CellOutcome:
         changes, changed = _state.collect(self.registry, self.snapshot, self.names_before,
                                           self.namespace, self.hidden)
         outcome = CellOutcome(has_value=has_value)
         outcome.changed_names = sorted(set(changes.bound) | {
             name for name in map(self.registry.root_name, changed) if name in self.namespace})
         if options.returns is not None:
+            written = set(changes.bound) | set(changes.deleted) | names_written(body, last)
+            outcome.unbound_returns = [n for n in options.returns if n not in written]
             changes.bound = {n: v for n, v in changes.bound.items() if n in options.returns}
             changes.deleted = [n for n in changes.deleted if n in options.returns]
             outcome.changed_names = [n for n in outcome.changed_names if n in options.returns]
-        if has_value and last is not None and isinstance(last.body, ast.Name) \
-                and self.namespace.get(last.body.id) is value:
-            outcome.value_name = last.body.id
+        name = last.body.id if has_value and last is not None and isinstance(last.body, ast.Name) else None
+        if name is not None and self.namespace.get(name) is value and (
+                name in changes.bound or self.names_before.get(name, _MISSING) is value):
+            outcome.value_name = name  # the notebook will hold it under that name: show that object
+            outcome.value_bundle = _bundle(value, shell)  # in case it cannot come back
         elif has_value:
             changes.value, changes.has_value = value, True
-            outcome.value_bundle = shell.display_formatter.format(value) if shell else None
+            outcome.value_bundle = _bundle(value, shell)
         outcome.state, outcome.moved_to_cpu = _state.dump(changes, self.registry,
                                                           outcome.not_returned)
         return outcome
+
+
+_MISSING = object()
+
+
+def names_written(*trees: ast.AST | None) -> set[str]:
+    """Names a cell's text assigns or deletes (``x = 1; del x`` bound x, though it left none)."""
+    return {node.id for tree in trees if tree is not None for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del)}
 
 
 def _send_partial(tracker: _Tracker, options: CellOptions) -> None:

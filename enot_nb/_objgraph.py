@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb import _pagemap, _pickling
-from enot_nb._pickling import storage_bytes
+from enot_nb._pickling import storage_array
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
 _IPYTHON_NAME = re.compile(r"^(_|__|___|_i|_ii|_iii|_i\d+|_\d+|_dh|_oh|_ih|In|Out|exit|quit|"
@@ -347,7 +347,7 @@ def _storage_digests(storages: list[Any]) -> list[tuple]:
 
 
 def _device_digest(storage: Any) -> tuple:
-    return (storage.data_ptr(), storage.nbytes(), digest(storage_bytes(storage).numpy()))
+    return (storage.data_ptr(), storage.nbytes(), digest(storage_array(storage)))
 
 
 def _changed_storages(storages: list[Any], before: list[tuple]) -> list[int]:
@@ -390,7 +390,7 @@ def _bytes_of(obj: Any) -> Any:
 
     if isinstance(obj, numpy.ndarray):  # subclasses too (masked arrays, memmaps): their data
         return numpy.asarray(obj).reshape(-1).view(numpy.uint8)
-    return storage_bytes(obj).numpy()
+    return storage_array(obj)
 
 
 # Areas this large are not scanned before the cell: in a forked or spawned worker nothing has

@@ -76,17 +76,18 @@ class _SharedFile:
 
 
 def _rebuild_storage(buffer: Any, device: str = "cpu") -> Any:
+    import numpy
     import torch
 
     view = memoryview(buffer).cast("B")
     if view.readonly or view.nbytes < SHM_MIN_BYTES:
         # In band (the pickle's own bytes), or small: a copy of its own, so that a small tensor
-        # kept in the notebook does not pin the whole result mapping it arrived in.
-        view = memoryview(bytearray(view))
-    if view.nbytes:
+        # kept in the notebook does not pin the whole result mapping it arrived in; allocated
+        # by torch, so that it can be resized as any tensor can.
+        storage = torch.UntypedStorage(view.nbytes)
+        storage_array(storage)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
+    else:  # maps the result: no copy, but it cannot be resized
         storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
-    else:
-        storage = torch.UntypedStorage(0)
     return _to_device(storage, device)
 
 
@@ -330,12 +331,12 @@ class TensorPickler(cloudpickle.Pickler):
         held = self._array_holding(storage)
         if held is not None:
             return _storage_of_array, (*held, storage.nbytes())
-        data = storage_bytes(storage)
-        if self.mode == "ship" and data.numel() >= SHM_MIN_BYTES and hasattr(os, "memfd_create"):
+        data = storage_array(storage)
+        if self.mode == "ship" and data.nbytes >= SHM_MIN_BYTES and hasattr(os, "memfd_create"):
             if self.shared is None:
                 self.shared = _SharedFile()
-            return _storage_from_shared, (self.shared.add(data.numpy()), data.numel(), device)
-        raw = data.numpy() if data.numel() else b""
+            return _storage_from_shared, (self.shared.add(data), data.nbytes, device)
+        raw = data if data.nbytes else b""
         return _rebuild_storage, (pickle.PickleBuffer(raw), device)
 
     def _array_holding(self, storage: Any) -> tuple[Any, int] | None:
@@ -370,12 +371,20 @@ class TensorPickler(cloudpickle.Pickler):
         return _make_function, args, state, None, None, _set_function_state
 
 
-def storage_bytes(storage: Any) -> Any:
-    """The bytes of an untyped storage as a CPU uint8 tensor (no copy on the CPU)."""
+def storage_array(storage: Any) -> Any:
+    """The bytes of an untyped storage as a NumPy uint8 array (no copy on the CPU). Not through
+    ``Tensor.numpy()``: that marks the storage as never resizable again, and the user's
+    ``t.resize_()`` would then fail."""
+    import numpy
     import torch
 
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    return flat.cpu() if flat.device.type != "cpu" else flat
+    if storage.device.type != "cpu":
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).cpu().numpy()
+    if not storage.nbytes():
+        return numpy.empty(0, dtype=numpy.uint8)
+    area = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+    area.storage = storage  # the array keeps the memory alive
+    return numpy.frombuffer(area, dtype=numpy.uint8)
 
 
 class ShipPickler(TensorPickler):

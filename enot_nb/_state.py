@@ -74,7 +74,7 @@ def collect(registry: Registry, snapshot: _objgraph.Snapshot, names_before: dict
     for i in changed:
         changes.objects.append((i, _new_state(registry.objects[i], registry.kinds[i])))
     # By value, as a buffer: the storage itself would travel as a reference to the notebook's.
-    changes.storages = [(j, pickle.PickleBuffer(_pickling.storage_bytes(registry.storages[j]).numpy()))
+    changes.storages = [(j, pickle.PickleBuffer(_pickling.storage_array(registry.storages[j])))
                         for j in snapshot.changed_storages(registry)]
     return changes, changed
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from enot_nb._devices import device_for
 from enot_nb._env import read_layout
 from enot_nb._sync import collective_device, sync_model
-from enot_nb.errors import DistributedRuntimeException
+from enot_nb.errors import DistributedRuntimeException, LaunchConfigError
 
 __all__ = [
     "DistributedRuntimeException",
@@ -131,6 +131,7 @@ def init_torch(
 
     Raises:
         RuntimeError: both CUDA flags are set (checked before anything is touched).
+        LaunchConfigError: (a ValueError) ``seed`` is not an int in [0, 2**32) or None.
         DistributedRuntimeException: the process group could not be created.
     """
     if cuda_optimize_for_speed and cuda_reproducible:
@@ -140,7 +141,8 @@ def init_torch(
     if seed is not None:
         # Checked before any generator is seeded: a bad seed leaves them all as they were.
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed={seed!r} must be an int in [0, 2**32) (NumPy's range) or None")
+            raise LaunchConfigError(f"seed={seed!r} must be an int in [0, 2**32) (NumPy's range) or None",
+                                    parameter="seed")
         _seed_everything(seed)
     if cuda_optimize_for_speed:
         torch.backends.cudnn.benchmark = True

@@ -250,16 +250,15 @@ def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
         print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)
     for line in problems:
         print(f"enot_nb: {line}", file=sys.stderr)
-    missing = [n for n in options.returns or [] if n not in shell.user_ns]
-    if missing:
-        print(f"enot_nb: --return {','.join(missing)}: the cell bound no such variable; "
-              "everything else came back", file=sys.stderr)
+    if outcome.unbound_returns:
+        print(f"enot_nb: --return {','.join(outcome.unbound_returns)}: the cell bound no such "
+              "variable; everything else came back", file=sys.stderr)
     if outcome.moved_to_cpu:
         print(f"enot_nb: {outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel "
               "does not initialize CUDA and later cells still start fast", file=sys.stderr)
     if not show_value or not outcome.has_value:
         return None
-    if outcome.value_name is not None:
+    if outcome.value_name is not None and outcome.value_name not in outcome.not_returned:
         return shell.user_ns.get(outcome.value_name)
     if changes is not None and changes.has_value:
         return changes.value

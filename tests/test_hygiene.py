@@ -257,11 +257,13 @@ def test_a_bad_seed_seeds_nothing():
     import torch
 
     from enot_nb.distributed import init_torch
+    from enot_nb.errors import LaunchConfigError
 
     states = (random.getstate(), numpy.random.get_state()[1].tolist(), torch.random.get_rng_state())
     for seed in ("abc", 2**70, -1, 1.5):
-        with pytest.raises(ValueError, match="seed="):
+        with pytest.raises(LaunchConfigError, match="seed=") as caught:
             init_torch(seed=seed, backend="gloo")
+        assert caught.value.parameter == "seed"
     assert random.getstate() == states[0]
     assert numpy.random.get_state()[1].tolist() == states[1]
     assert torch.equal(torch.random.get_rng_state(), states[2])

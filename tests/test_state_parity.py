@@ -146,6 +146,10 @@ CASES = [
      "back = x.numpy()", ["data.tolist()", "back.tolist()"], "x.mul_(2)"),
     ("tensor-over-notebook-array-changed-in-cell", "arr = np.zeros(3)\nt = torch.from_numpy(arr)\n",
      "t.add_(1)\ns = float(arr.sum())", ["s", "arr.tolist()", "t.tolist()"], "arr[0] = 9"),
+    ("resize-notebook-tensor", "t = torch.zeros(2)\nalias = t\n", "t.resize_(5)\nt[2:] = 1",
+     ["t.tolist()", "alias is t", "t.shape"], "t.resize_(1)"),
+    ("out-argument-grows", "out = torch.zeros(0)\n", "torch.add(torch.ones(3), 1, out=out)",
+     ["out.tolist()"], ""),
     ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
      ["round(a, 12)", "round(rng.random(), 12)"], ""),
     ("torch-generator", "g = torch.Generator().manual_seed(0)\n", "first = torch.rand(1, generator=g)",
@@ -285,11 +289,30 @@ def test_return_narrows_names_but_never_loses_in_place_changes(kernel):
     assert kernel.ok("print(torch.allclose(model.weight, w0 + 2), loss)").stdout == "True 5\n"
 
 
+def test_return_warns_only_for_names_the_cell_did_not_bind(kernel):
+    kernel.ok("x = 1\ny = 2")
+    run = kernel.ok(f"{MAGIC} --return x,y,z\nz = 1\ndel z\ny = 3")
+    assert "--return x: the cell bound no such variable" in run.stderr  # only read, never bound
+    assert kernel.ok("print(x, y, 'z' in dir())").stdout == "1 3 False\n"
+
+
 def test_no_return_says_so(kernel):
     kernel.ok("z = [0]")
-    run = kernel.ok(f"{MAGIC} --no-return\nz.append(1)\nq = 1")
+    run = kernel.ok(f"{MAGIC} --no-return\nz.append(1)\nq = 1\n6 * 7")
     assert "--no-return: nothing came back" in run.stderr
+    assert run.result["text/plain"] == "42"  # still shown, as a local cell shows it
     assert kernel.ok("print(z, 'q' in dir())").stdout == "[0] False\n"
+
+
+@pytest.mark.parametrize("header, cell, shown", [
+    ("--return loss", "loss = 3\nother = 4\nother", "4"),  # not returned: shown all the same
+    ("", "import threading\nlk = threading.Lock()\nlk", "<unlocked _thread.lock object"),
+    ("", "other = 5\nother", "5"),
+])
+def test_the_value_shown_is_the_cells(kernel, header, cell, shown):
+    kernel.ok("other = 'old'\nlk = 'old lock'")
+    run = kernel.ok(f"{MAGIC} {header}\n{cell}")
+    assert run.result["text/plain"].startswith(shown), run.result
 
 
 @pytest.mark.parametrize("method", METHODS)
