@@ -161,13 +161,33 @@ def _apply_object(obj: Any, state: tuple) -> None:
 
 def _apply_ndarray(obj: Any, new: Any) -> None:
     if obj.shape != new.shape or obj.dtype != new.dtype:
-        raise ValueError(f"its shape or dtype changed to {new.shape}, {new.dtype}; "
-                         "assign the array to a name to bring it back")
+        _reshape_in_place(obj, new)
     obj[...] = new
+
+
+def _reshape_in_place(obj: Any, new: Any) -> None:
+    """As the cell did (``arr.shape = ...``, ``arr.dtype = ...``, ``arr.resize(...)``), where
+    NumPy allows it for this array."""
+    try:
+        if obj.nbytes != new.nbytes:
+            obj.resize(new.nbytes // obj.itemsize, refcheck=False)  # it owns its memory
+        if obj.dtype != new.dtype:
+            obj.dtype = new.dtype
+        obj.shape = new.shape
+    except (ValueError, AttributeError, TypeError) as err:
+        raise ValueError(f"its shape or dtype changed to {new.shape}, {new.dtype}, which NumPy "
+                         f"cannot do in place here ({err}); assign the array to a name to bring "
+                         "it back") from None
 
 
 def _apply_bytearray(obj: bytearray, new: bytes) -> None:
     obj[:] = new
+
+
+def _apply_array(obj: Any, new: bytes) -> None:
+    """An ``array.array``: same typecode, new items."""
+    del obj[:]
+    obj.frombytes(new)
 
 
 def _apply_function(obj: Any, state: tuple) -> None:
@@ -197,6 +217,7 @@ def _apply_cell(cell: Any, state: tuple) -> None:
 _APPLY = {"rng": _objgraph.set_rng_state, "dict": _apply_dict, "list": _apply_list,
           "deque": _apply_deque, "set": _apply_set,
           "object": _apply_object, "ndarray": _apply_ndarray, "bytearray": _apply_bytearray,
+          "array": _apply_array,
           "function": _apply_function, "class": _apply_class, "cell": _apply_cell}
 
 

@@ -65,7 +65,9 @@ class CellOutcome:
     changed_names: list[str] = field(default_factory=list)
     """The names bound by the cell or whose objects it changed (an exported run saves them)."""
     unbound_returns: list[str] = field(default_factory=list)
-    """Names given to --return that the cell did not bind."""
+    """Names given to --return that the cell neither bound nor changed."""
+    detached: list[str] = field(default_factory=list)
+    """Names bound to tensors with an autograd graph: they come back without it."""
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -177,11 +179,14 @@ class _Tracker:
         outcome.changed_names = sorted(set(changes.bound) | {
             name for name in map(self.registry.root_name, changed) if name in self.namespace})
         if options.returns is not None:
-            written = set(changes.bound) | set(changes.deleted) | names_written(body, last)
+            written = set(outcome.changed_names) | set(changes.deleted) | names_written(body, last)
             outcome.unbound_returns = [n for n in options.returns if n not in written]
             changes.bound = {n: v for n, v in changes.bound.items() if n in options.returns}
             changes.deleted = [n for n in changes.deleted if n in options.returns]
             outcome.changed_names = [n for n in outcome.changed_names if n in options.returns]
+        tensor = sys.modules["torch"].Tensor
+        outcome.detached = sorted(n for n, v in changes.bound.items()
+                                  if isinstance(v, tensor) and v.grad_fn is not None)
         name = last.body.id if has_value and last is not None and isinstance(last.body, ast.Name) else None
         if name is not None and self.namespace.get(name) is value and (
                 name in changes.bound or self.names_before.get(name, _MISSING) is value):

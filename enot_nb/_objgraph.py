@@ -23,7 +23,9 @@ matplotlib objects), which are referenced, never walked.
 
 from __future__ import annotations
 
+import array
 import collections
+import functools
 import pickle
 import re
 import sys
@@ -103,6 +105,10 @@ def kind_of(obj: Any) -> str | None:
         return "tuple"
     if isinstance(obj, bytearray):
         return "bytearray"
+    if isinstance(obj, array.array):
+        return "array"
+    if isinstance(obj, functools.partial):
+        return "partial"
     module = getattr(t, "__module__", "") or ""
     if module.split(".", 1)[0] in _PLUMBING_MODULES:
         return "opaque"
@@ -200,6 +206,9 @@ def children(obj: Any, kind: str) -> list[tuple[str, Any]]:
         steps = [(f".{k}", v) for k, v in class_attributes(obj).items()]
     elif kind == "method":
         steps = [(".__self__", obj.__self__), (".__func__", obj.__func__)]
+    elif kind == "partial":  # never changes itself; what it holds may
+        steps = [(".func", obj.func), (".args", obj.args), (".keywords", obj.keywords)]
+        steps += _attribute_steps(obj)
     elif kind == "cell":
         try:
             steps = [(".cell_contents", obj.cell_contents)]
@@ -475,7 +484,7 @@ def shallow_state(obj: Any, kind: str) -> Any:
         return tensor_meta(obj)
     if kind == "ndarray":
         return _array_digest(obj)
-    if kind == "bytearray":
+    if kind in ("bytearray", "array"):
         return digest(obj)
     if kind == "function":
         return (obj.__code__, obj.__defaults__, obj.__kwdefaults__, dict(obj.__dict__))
@@ -585,7 +594,7 @@ class Snapshot:
         changed = []
         for i, (obj, kind) in enumerate(zip(registry.objects, registry.kinds)):
             before = self.states[i]
-            if before is None or kind in ("namespace", "opaque", "method", "tuple"):
+            if before is None or kind in ("namespace", "opaque", "method", "tuple", "partial"):
                 continue
             try:
                 if kind == "ndarray":

@@ -87,6 +87,8 @@ def _new_state(obj: Any, kind: str) -> Any:
         return obj.copy()  # by value: the object itself would travel as a reference
     if kind == "bytearray":
         return bytes(obj)
+    if kind == "array":  # array.array
+        return obj.tobytes()
     if kind == "rng":
         return _objgraph.rng_state(obj)
     return _objgraph.shallow_state(obj, kind)

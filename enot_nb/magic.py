@@ -250,9 +250,12 @@ def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
         print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)
     for line in problems:
         print(f"enot_nb: {line}", file=sys.stderr)
+    if outcome.detached:
+        print(f"enot_nb: {', '.join(outcome.detached)}: came back without the autograd graph, which "
+              "stays in the worker; call backward() inside the distributed cell", file=sys.stderr)
     if outcome.unbound_returns:
-        print(f"enot_nb: --return {','.join(outcome.unbound_returns)}: the cell bound no such "
-              "variable; everything else came back", file=sys.stderr)
+        print(f"enot_nb: --return {','.join(outcome.unbound_returns)}: the cell bound or changed no "
+              "such variable; everything else came back", file=sys.stderr)
     if outcome.moved_to_cpu:
         print(f"enot_nb: {outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel "
               "does not initialize CUDA and later cells still start fast", file=sys.stderr)

@@ -150,6 +150,12 @@ CASES = [
      ["t.tolist()", "alias is t", "t.shape"], "t.resize_(1)"),
     ("out-argument-grows", "out = torch.zeros(0)\n", "torch.add(torch.ones(3), 1, out=out)",
      ["out.tolist()"], ""),
+    ("partial-keywords", "def rec(v, store):\n    store.append(v)\nimport functools\n"
+     "cb = functools.partial(rec, store=[])\n", "cb(5)", ["cb.keywords['store']"], "cb(6)"),
+    ("array-module-array", "import array\nar = array.array('d', [1, 2])\n", "ar.append(3)\nar[0] = 7",
+     ["ar.tolist()", "ar.typecode"], ""),
+    ("numpy-reshaped-in-place", "arr = np.zeros(4)\nalias = arr\n", "arr.shape = (2, 2)\narr[1, 1] = 3",
+     ["arr.tolist()", "alias is arr"], ""),
     ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
      ["round(a, 12)", "round(rng.random(), 12)"], ""),
     ("torch-generator", "g = torch.Generator().manual_seed(0)\n", "first = torch.rand(1, generator=g)",
@@ -285,15 +291,22 @@ def test_return_narrows_names_but_never_loses_in_place_changes(kernel):
     check = kernel.ok("print(torch.allclose(model.weight, w0 + 1), loss, 'other' in dir())")
     assert check.stdout == "True 3 False\n"
     run = kernel.ok(f"{MAGIC} --return modle,loss\nmodel.weight.data.add_(1)\nloss = 5")
-    assert "--return modle: the cell bound no such variable" in run.stderr
+    assert "--return modle: the cell bound or changed no such variable" in run.stderr
     assert kernel.ok("print(torch.allclose(model.weight, w0 + 2), loss)").stdout == "True 5\n"
 
 
-def test_return_warns_only_for_names_the_cell_did_not_bind(kernel):
-    kernel.ok("x = 1\ny = 2")
-    run = kernel.ok(f"{MAGIC} --return x,y,z\nz = 1\ndel z\ny = 3")
-    assert "--return x: the cell bound no such variable" in run.stderr  # only read, never bound
-    assert kernel.ok("print(x, y, 'z' in dir())").stdout == "1 3 False\n"
+def test_return_warns_only_for_names_the_cell_did_not_bind_or_change(kernel):
+    kernel.ok("x = 1\ny = 2\nwarm = [0]")
+    run = kernel.ok(f"{MAGIC} --return x,y,z,warm\nz = 1\ndel z\ny = 3\nwarm.append(x)")
+    assert "--return x: the cell bound or changed no such variable" in run.stderr  # only read
+    assert kernel.ok("print(x, y, 'z' in dir(), warm)").stdout == "1 3 False [0, 1]\n"
+
+
+def test_a_tensor_with_a_graph_comes_back_detached_and_says_so(kernel):
+    kernel.ok(LINEAR)
+    run = kernel.ok(f"{MAGIC}\nloss = model(torch.ones(1, 2)).sum()\nvalue = loss.item()")
+    assert "loss: came back without the autograd graph" in run.stderr
+    assert kernel.ok("print(loss.requires_grad, loss.grad_fn)").stdout == "True None\n"
 
 
 def test_no_return_says_so(kernel):
