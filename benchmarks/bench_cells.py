@@ -5,8 +5,8 @@
 * A spawned cell reading a 2 GiB notebook tensor, against one local copy of that tensor.
 * State parity: a cell that changes nothing in a notebook holding 2 GiB of tensors, against the
   same trivial cell in a notebook holding none; a cell that updates a ResNet-50-sized model in
-  place, against a local cloudpickle round trip; host memory at the end and at its peak (PSS of
-  kernel and workers).
+  place, against a local cloudpickle round trip; the peak host memory (PSS of kernel and
+  workers) against the kernel's before the cell.
 * Output: 100,000 printed lines from the master against the same cell run locally; and the
   delay from a worker's print to its arrival at the notebook client.
 * Widgets: an IntProgress updated 1,000 times from the master, against a local cell: the
@@ -59,18 +59,6 @@ print("RESULT", json.dumps([without, with_return, local]))""")
 
 
 MEMORY = r'''
-def memory_kb(fields):
-    with open("/proc/self/smaps_rollup") as f:
-        return sum(int(l.split()[1]) for l in f if l.split(":")[0] in fields)
-PROBE = ("\nimport torch.distributed as dist\n"
-         "__own = [None] * dist.get_world_size()\n"
-         "dist.all_gather_object(__own, memory_kb(('Private_Clean', 'Private_Dirty')))\n"
-         "workers_kb = sum(__own)")
-def host_gib(body):
-    """Kernel RSS + the workers' own pages at the end of the cell (forked workers share the
-    rest with the kernel): the host memory the cell needs."""
-    get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS}", body + PROBE)
-    return (memory_kb(("Rss",)) + workers_kb) / 2**20
 def tree_pss_kb():
     """PSS of the kernel and every process below it: shared pages counted once in all."""
     parents = {}
@@ -94,10 +82,11 @@ def tree_pss_kb():
             pass  # ended meanwhile
     return total
 def peak_gib(body):
-    """The most host memory the kernel and its workers held together while the cell ran
-    (PSS, sampled every 10 ms)."""
+    """The kernel's memory before the cell, and the most host memory the kernel and its workers
+    held together while the cell ran (PSS, sampled every 10 ms), in GiB."""
     import threading
-    done, peak = threading.Event(), [tree_pss_kb()]
+    before = tree_pss_kb()
+    done, peak = threading.Event(), [before]
     def sample():
         while not done.wait(0.01):
             peak[0] = max(peak[0], tree_pss_kb())
@@ -108,10 +97,11 @@ def peak_gib(body):
     finally:
         done.set()
         sampler.join()
-    return max(peak[0], tree_pss_kb()) / 2**20
+    return before / 2**20, max(peak[0], tree_pss_kb()) / 2**20
 '''
 
 
+BEFORE = "host memory before the cell (kernel PSS, reference)"
 PEAK = "peak host memory during the cell (PSS of kernel + workers, sampled every 10 ms)"
 
 
@@ -125,21 +115,19 @@ empty = times(cell("", TRIVIAL), {repeats})
 held = {{i: torch.zeros(2**26) for i in range(8)}}  # ...8 x 256 MiB = 2 GiB of float32
 untracked = times(cell("--no-return", TRIVIAL), {repeats})
 heavy = times(cell("", TRIVIAL), {repeats})
-heavy_gib = host_gib(TRIVIAL)
-heavy_peak = peak_gib(TRIVIAL)
+heavy_before, heavy_peak = peak_gib(TRIVIAL)
 del held
 net = resnet50_like()
 UPDATE = "for p in net.parameters():\\n    p.data.add_(0.01)"
 update_without = times(cell("--no-return", UPDATE), {repeats})
 update_with = times(cell("", UPDATE), {repeats})
-update_gib = host_gib(UPDATE)
-update_peak = peak_gib(UPDATE)
+update_before, update_peak = peak_gib(UPDATE)
 local = times(lambda: cloudpickle.loads(cloudpickle.dumps(net)), {repeats})
 del net
-print("RESULT", json.dumps([empty, untracked, heavy, heavy_gib, heavy_peak, update_without,
-                            update_with, update_gib, update_peak, local]))""")
-    (empty, untracked, heavy, heavy_gib, heavy_peak, without, with_return, update_gib, update_peak,
-     local) = found
+print("RESULT", json.dumps([empty, untracked, heavy, heavy_before, heavy_peak, update_without,
+                            update_with, update_before, update_peak, local]))""")
+    (empty, untracked, heavy, heavy_before, heavy_peak, without, with_return, update_before,
+     update_peak, local) = found
     empty, untracked, heavy, without, with_return, local = map(
         median, (empty, untracked, heavy, without, with_return, local))
     name = "state parity: a cell that changes nothing, 2 GiB of tensors in the notebook"
@@ -152,16 +140,14 @@ print("RESULT", json.dumps([empty, untracked, heavy, heavy_gib, heavy_peak, upda
             heavy / untracked, "<= 1.2x", repeats),
         Row(name, "the cell in a notebook holding nothing", empty, "s", "untracked cell",
             empty / untracked, "", repeats),
-        Row(name, "host memory at the end (kernel RSS + workers' own pages)", heavy_gib, "GiB", "",
-            None, "", 1),
-        Row(name, PEAK, heavy_peak, "GiB", "", None, "", 1),
+        Row(name, BEFORE, heavy_before, "GiB", "kernel before", 1.0, "", 1),
+        Row(name, PEAK, heavy_peak, "GiB", "kernel before", heavy_peak / heavy_before, "", 1),
         Row(update, "local cloudpickle round trip (reference)", local, "s", "local round trip", 1.0,
             "", repeats),
         Row(update, "bringing the changes back from the master", cost, "s", "local round trip",
             cost / local, "<= 0.68x", repeats),
-        Row(update, "host memory at the end (kernel RSS + workers' own pages)", update_gib, "GiB",
-            "", None, "", 1),
-        Row(update, PEAK, update_peak, "GiB", "", None, "", 1),
+        Row(update, BEFORE, update_before, "GiB", "kernel before", 1.0, "", 1),
+        Row(update, PEAK, update_peak, "GiB", "kernel before", update_peak / update_before, "", 1),
     ]
 
 

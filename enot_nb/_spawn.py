@@ -71,6 +71,9 @@ class _CleanThread:
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
+            # Not held until the next request: a launch's closure holds its job (a cell's
+            # registry of every notebook object), which must be freed with the launch.
+            del fn, future
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -343,3 +343,11 @@ def test_optimizer_built_from_ddp_parameters_drives_the_notebook_model(kernel, m
                       "model.weight)\nmodel.weight.grad = torch.ones_like(w)\noptimizer.step()\n"
                       "print(torch.allclose(model.weight, w - 0.1))")
     assert check.stdout == "True\nTrue\n"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_variable_deleted_after_a_cell_is_freed(kernel, method):
+    """A launch must not keep the notebook's objects alive (its job holds the registry of them)."""
+    kernel.ok("import gc, weakref\nheld = {'t': torch.zeros(4)}\nheld_ref = weakref.ref(held['t'])")
+    kernel.ok(f"{MAGIC} --start-method {method}\ntotal = float(held['t'].sum())")
+    assert kernel.ok("del held\ngc.collect()\nprint(held_ref() is None)").stdout == "True\n"
