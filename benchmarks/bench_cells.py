@@ -1,12 +1,13 @@
 """In a real kernel: state return, output throughput and latency, and training speed.
 
 * State return: a cell that creates a ResNet-50-sized model, with and without bringing it
-  back; the difference against a local cloudpickle round trip of the same object.
+  back, run alternately (the median of the pairs' differences) against a local cloudpickle
+  round trip of the same object.
 * A spawned cell reading a 2 GiB notebook tensor, against one local copy of that tensor.
 * State parity: a cell that changes nothing in a notebook holding 2 GiB of tensors, against the
   same trivial cell in a notebook holding none; a cell that updates a ResNet-50-sized model in
-  place, against a local cloudpickle round trip; the peak host memory (PSS of kernel and
-  workers) against the kernel's before the cell.
+  place (with and without the return, alternately), against a local cloudpickle round trip;
+  the peak host memory (PSS of kernel and workers) against the kernel's before the cell.
 * Output: 100,000 printed lines from the master against the same cell run locally; and the
   delay from a worker's print to its arrival at the notebook client.
 * Widgets: an IntProgress updated 1,000 times from the master, against a local cell: the
@@ -34,7 +35,7 @@ import json, os, time, torch, cloudpickle
 %load_ext enot_nb
 NPROCS = torch.cuda.device_count() or 2
 from benchmarks.shapes import resnet50_like
-from benchmarks.harness import timed as times
+from benchmarks.harness import timed as times, paired_cost
 def cell(options, body):
     return lambda: get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS} {options}", body)
 MAKE = "from benchmarks.shapes import resnet50_like\ntorch.manual_seed(0)\nnet = resnet50_like()"
@@ -44,12 +45,10 @@ local_net = resnet50_like()
 
 def state_return(kernel, repeats: int) -> list[Row]:
     found = kernel_json(kernel, f"""
-without = times(cell("--no-return", MAKE), {repeats})
-with_return = times(cell("", MAKE), {repeats})
+cost = paired_cost(cell("--no-return", MAKE), cell("", MAKE), {repeats})
 local = times(lambda: cloudpickle.loads(cloudpickle.dumps(local_net)), {repeats})
-print("RESULT", json.dumps([without, with_return, local]))""")
-    without, with_return, local = (median(v) for v in found)
-    cost = with_return - without
+print("RESULT", json.dumps([cost, local]))""")
+    cost, local = (median(v) for v in found)
     return [
         Row("state return (ResNet-50-sized model, 102 MB)", "local cloudpickle round trip (reference)",
             local, "s", "local round trip", 1.0, "", repeats),
@@ -119,20 +118,17 @@ heavy_before, heavy_peak = peak_gib(TRIVIAL)
 del held
 net = resnet50_like()
 UPDATE = "for p in net.parameters():\\n    p.data.add_(0.01)"
-update_without = times(cell("--no-return", UPDATE), {repeats})
-update_with = times(cell("", UPDATE), {repeats})
+update_cost = paired_cost(cell("--no-return", UPDATE), cell("", UPDATE), {repeats})
 update_before, update_peak = peak_gib(UPDATE)
 local = times(lambda: cloudpickle.loads(cloudpickle.dumps(net)), {repeats})
 del net
-print("RESULT", json.dumps([empty, untracked, heavy, heavy_before, heavy_peak, update_without,
-                            update_with, update_before, update_peak, local]))""")
-    (empty, untracked, heavy, heavy_before, heavy_peak, without, with_return, update_before,
-     update_peak, local) = found
-    empty, untracked, heavy, without, with_return, local = map(
-        median, (empty, untracked, heavy, without, with_return, local))
+print("RESULT", json.dumps([empty, untracked, heavy, heavy_before, heavy_peak, update_cost,
+                            update_before, update_peak, local]))""")
+    (empty, untracked, heavy, heavy_before, heavy_peak, cost, update_before, update_peak,
+     local) = found
+    empty, untracked, heavy, cost, local = map(median, (empty, untracked, heavy, cost, local))
     name = "state parity: a cell that changes nothing, 2 GiB of tensors in the notebook"
     update = "state parity: a ResNet-50-sized model (102 MB) updated in place in a cell"
-    cost = with_return - without
     return [
         Row(name, "the same cell with --no-return: nothing tracked (reference)", untracked, "s",
             "untracked cell", 1.0, "", repeats),

@@ -46,6 +46,21 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float
     return times
 
 
+def paired_cost(without: Callable[[], object], with_: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds ``with_`` takes over ``without``, run alternately: one difference per pair, so
+    that drift over the run (page cache, CPU clock) cancels; report their median."""
+    without()
+    with_()
+    costs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        without()
+        middle = time.perf_counter()
+        with_()
+        costs.append((time.perf_counter() - middle) - (middle - start))
+    return costs
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
