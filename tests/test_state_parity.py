@@ -159,6 +159,8 @@ CASES = [
     ("shared-memory-tensor", "shared = torch.zeros(3).share_memory_()\nview = shared[1:]\n",
      "shared.add_(1)\nview.mul_(2)", ["shared.tolist()", "view.tolist()", "shared.is_shared()"],
      "shared.add_(1)"),
+    ("import-in-cell", "", "import math\nfrom collections import OrderedDict as OD\nimport torch.nn.functional as F\n"
+     "y = math.pi", ["math.pi", "OD.__name__", "F.relu(torch.tensor([-1.0])).tolist()", "y"], ""),
     ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
      ["round(a, 12)", "round(rng.random(), 12)"], ""),
     ("torch-generator", "g = torch.Generator().manual_seed(0)\n", "first = torch.rand(1, generator=g)",
