@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _figures, _frontend, _objgraph, _private, _state, _worker
+from enot_nb import _figures, _frontend, _objgraph, _state, _worker
 from enot_nb._objgraph import Registry
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -104,8 +104,6 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
     hidden = _objgraph.hidden_names(namespace)
     namespace.setdefault("get_ipython", lambda: shell)
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
-    if registry is not None:  # no rank writes the notebook's shared memory (see _private)
-        _private.make_private(registry.storages)
     _sync_models(namespace, _objgraph.names_used(code), options)
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back

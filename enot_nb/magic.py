@@ -213,9 +213,8 @@ def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions,
               "notebook is unchanged", file=sys.stderr)
     shared = _apply.shared_memory_tensors(registry)
     if shared:
-        print(f"enot_nb: the cell failed, so the notebook is unchanged, its {shared} tensor(s) in "
-              "shared memory (share_memory_()) included: the workers wrote private copies",
-              file=sys.stderr)
+        print(f"enot_nb: the cell failed, so the notebook is unchanged, except {shared} tensor(s) "
+              "in shared memory (share_memory_()), which may hold partial writes", file=sys.stderr)
 
 
 def _export(shell: Any, code: str, args: Any) -> None:

@@ -156,9 +156,6 @@ CASES = [
      ["ar.tolist()", "ar.typecode"], ""),
     ("numpy-reshaped-in-place", "arr = np.zeros(4)\nalias = arr\n", "arr.shape = (2, 2)\narr[1, 1] = 3",
      ["arr.tolist()", "alias is arr"], ""),
-    ("shared-memory-tensor", "shared = torch.zeros(3).share_memory_()\nview = shared[1:]\n",
-     "shared.add_(1)\nview.mul_(2)", ["shared.tolist()", "view.tolist()", "shared.is_shared()"],
-     "shared.add_(1)"),
     ("import-in-cell", "", "import math\nfrom collections import OrderedDict as OD\nimport torch.nn.functional as F\n"
      "y = math.pi", ["math.pi", "OD.__name__", "F.relu(torch.tensor([-1.0])).tolist()", "y"], ""),
     ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
@@ -230,14 +227,14 @@ def kernel():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_a_failed_cell_changes_nothing_not_even_shared_memory(kernel, method):
+def test_a_failed_cell_changes_nothing_and_says_so_for_shared_memory(kernel, method):
     kernel.ok(LINEAR + "shared = torch.zeros(2).share_memory_()\nkept = [1]\nw0 = model.weight.clone()")
     run = kernel.run(f"{MAGIC} --start-method {method}\nmodel.weight.data.fill_(5)\nkept.append(2)\n"
                      "new_name = 1\nshared.fill_(1)\nraise ValueError('boom')")
     assert run.error["ename"] == "WorkerFailedError"
-    assert "shared memory (share_memory_()) included" in run.stderr
-    check = kernel.ok("print(torch.equal(model.weight, w0), kept, 'new_name' in dir(), shared.tolist())")
-    assert check.stdout == "True [1] False [0.0, 0.0]\n"
+    assert "may hold partial writes" in run.stderr
+    check = kernel.ok("print(torch.equal(model.weight, w0), kept, 'new_name' in dir())")
+    assert check.stdout == "True [1] False\n"
 
 
 @pytest.mark.parametrize("method", METHODS)
