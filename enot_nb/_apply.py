@@ -7,6 +7,7 @@ other reference to it sees the change.
 
 from __future__ import annotations
 
+import array
 import io
 import pickle
 import sys
@@ -167,17 +168,20 @@ def _apply_ndarray(obj: Any, new: Any) -> None:
 
 def _reshape_in_place(obj: Any, new: Any) -> None:
     """As the cell did (``arr.shape = ...``, ``arr.dtype = ...``, ``arr.resize(...)``), where
-    NumPy allows it for this array."""
-    try:
-        if obj.nbytes != new.nbytes:
-            obj.resize(new.nbytes // obj.itemsize, refcheck=False)  # it owns its memory
-        if obj.dtype != new.dtype:
-            obj.dtype = new.dtype
-        obj.shape = new.shape
-    except (ValueError, AttributeError, TypeError) as err:
+    NumPy allows it for this array: checked first, so that nothing is half done."""
+    import numpy
+
+    resize = obj.nbytes != new.nbytes
+    if not obj.flags.c_contiguous or resize and not obj.flags.owndata:
         raise ValueError(f"its shape or dtype changed to {new.shape}, {new.dtype}, which NumPy "
-                         f"cannot do in place here ({err}); assign the array to a name to bring "
-                         "it back") from None
+                         "cannot do in place for this array; assign the array to a name to bring "
+                         "it back")
+    obj.shape = (obj.size,)
+    obj.dtype = numpy.uint8  # its bytes, as a 1-d array: from here every step is allowed
+    if resize:
+        obj.resize(new.nbytes, refcheck=False)
+    obj.dtype = new.dtype
+    obj.shape = new.shape
 
 
 def _apply_bytearray(obj: bytearray, new: bytes) -> None:
@@ -185,9 +189,11 @@ def _apply_bytearray(obj: bytearray, new: bytes) -> None:
 
 
 def _apply_array(obj: Any, new: bytes) -> None:
-    """An ``array.array``: same typecode, new items."""
-    del obj[:]
-    obj.frombytes(new)
+    """An ``array.array``: same typecode, new items (assigned in place when the length is the
+    same, so that a memoryview of it stays valid)."""
+    items = array.array(obj.typecode)
+    items.frombytes(new)
+    obj[:] = items
 
 
 def _apply_function(obj: Any, state: tuple) -> None:
@@ -216,7 +222,7 @@ def _apply_cell(cell: Any, state: tuple) -> None:
 
 _APPLY = {"rng": _objgraph.set_rng_state, "dict": _apply_dict, "list": _apply_list,
           "deque": _apply_deque, "set": _apply_set,
-          "object": _apply_object, "ndarray": _apply_ndarray, "bytearray": _apply_bytearray,
+          "object": _apply_object, "partial": _apply_object, "ndarray": _apply_ndarray, "bytearray": _apply_bytearray,
           "array": _apply_array,
           "function": _apply_function, "class": _apply_class, "cell": _apply_cell}
 

@@ -204,9 +204,17 @@ _MISSING = object()
 
 
 def names_written(*trees: ast.AST | None) -> set[str]:
-    """Names a cell's text assigns or deletes (``x = 1; del x`` bound x, though it left none)."""
-    return {node.id for tree in trees if tree is not None for node in ast.walk(tree)
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del)}
+    """Names a cell's text binds or deletes (``x = 1; del x`` bound x, though it left none;
+    ``import math`` binds math even when it was imported before)."""
+    names = set()
+    for node in (n for tree in trees if tree is not None for n in ast.walk(tree)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+            names.add(node.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+    return names
 
 
 def _send_partial(tracker: _Tracker, options: CellOptions) -> None:

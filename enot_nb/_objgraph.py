@@ -206,6 +206,8 @@ def children(obj: Any, kind: str) -> list[tuple[str, Any]]:
         steps = [(f".{k}", v) for k, v in class_attributes(obj).items()]
     elif kind == "method":
         steps = [(".__self__", obj.__self__), (".__func__", obj.__func__)]
+    elif kind == "ndarray" and obj.dtype.hasobject:  # an object array holds Python objects
+        steps = [(f"[{i}]", v) for i, v in enumerate(obj.ravel(order="K").tolist())]
     elif kind == "partial":  # never changes itself; what it holds may
         steps = [(".func", obj.func), (".args", obj.args), (".keywords", obj.keywords)]
         steps += _attribute_steps(obj)
@@ -478,7 +480,7 @@ def shallow_state(obj: Any, kind: str) -> Any:
         return (list(obj.items()), getattr(obj, "default_factory", None), _attrs(obj))
     if kind in ("list", "deque", "set"):
         return (list(obj), _attrs(obj))
-    if kind == "object":
+    if kind in ("object", "partial"):  # a partial's own state cannot change, its attributes can
         return (type(obj), _attrs(obj))
     if kind == "tensor":
         return tensor_meta(obj)
@@ -559,7 +561,7 @@ def same_state(kind: str, a: Any, b: Any) -> bool:
         return _same_items(a[0], b[0]) and _same_attrs(a[1], b[1])
     if kind == "set":
         return {id(x) for x in a[0]} == {id(x) for x in b[0]} and _same_attrs(a[1], b[1])
-    if kind == "object":
+    if kind in ("object", "partial"):
         return a[0] is b[0] and _same_attrs(a[1], b[1])
     if kind == "tensor":
         return (a[0] is b[0] and a[1] is b[1] and a[2:5] == b[2:5] and a[5] == b[5] and a[6] == b[6]
@@ -594,7 +596,7 @@ class Snapshot:
         changed = []
         for i, (obj, kind) in enumerate(zip(registry.objects, registry.kinds)):
             before = self.states[i]
-            if before is None or kind in ("namespace", "opaque", "method", "tuple", "partial"):
+            if before is None or kind in ("namespace", "opaque", "method", "tuple"):
                 continue
             try:
                 if kind == "ndarray":

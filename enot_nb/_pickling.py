@@ -13,6 +13,7 @@ descriptor open: a kept result pins memory, never a file descriptor.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import io
 import mmap
@@ -174,12 +175,20 @@ def _array_of_storage(storage: Any, offset: int, shape: tuple, strides: tuple, d
     return numpy.ndarray(shape, dtype, buffer=flat, offset=offset, strides=strides)
 
 
+def _owned_array(buffer: Any, dtype: Any, shape: tuple, order: str) -> Any:
+    import numpy
+
+    array = numpy.empty(shape, dtype, order=order)
+    numpy.ravel(array, order="K").view(numpy.uint8)[:] = numpy.frombuffer(buffer, dtype=numpy.uint8)
+    return array
+
+
 def _storage_of_array(root: Any, offset: int, nbytes: int) -> Any:
     """A tensor storage over a NumPy array's memory (``torch.from_numpy``), rebuilt over it."""
     import numpy
     import torch
 
-    flat = root.reshape(-1).view(numpy.uint8)[offset : offset + nbytes]
+    flat = numpy.ravel(root, order="K").view(numpy.uint8)[offset : offset + nbytes]
     if not flat.flags.writeable:  # torch would warn; the memory cannot be shared anyway
         flat = flat.copy()
     return torch.from_numpy(flat).untyped_storage()
@@ -194,21 +203,34 @@ def _tensor_owned(array: Any) -> Any:
     return base if isinstance(base, torch.Tensor) and base.device.type == "cpu" else None
 
 
-class ArrayMemory:
-    """Which NumPy array owns the memory a storage lies in: ``torch.from_numpy`` leaves no Python
-    reference from the tensor back to its array, so the arrays are looked up by address."""
+class MemoryMap:
+    """Objects by the address range of their memory, for "which one holds this range" lookups:
+    ``torch.from_numpy`` leaves no Python reference between a tensor and its array."""
 
-    def __init__(self, arrays: list[Any]) -> None:
-        owners = {id(a): a for a in map(array_owner, arrays)
-                  if a.flags.c_contiguous and _tensor_owned(a) is None and a.nbytes}
-        self._ranges = sorted((a.__array_interface__["data"][0], a.nbytes, a) for a in owners.values())
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._entries: list[tuple[int, int, Any]] = []
 
-    def holding(self, start: int, nbytes: int) -> tuple[Any, int] | None:
-        """The array whose memory holds ``nbytes`` from address ``start``, and the offset."""
-        for first, size, array in self._ranges:
-            if first <= start and start + nbytes <= first + size:
-                return array, start - first
+    def add(self, start: int, size: int, obj: Any) -> None:
+        i = bisect.bisect_right(self._starts, start)
+        self._starts.insert(i, start)
+        self._entries.insert(i, (start, start + size, obj))
+
+    def holding(self, start: int, size: int) -> tuple[Any, int] | None:
+        """The object whose memory holds ``size`` bytes from ``start``, and the offset."""
+        i = bisect.bisect_right(self._starts, start)
+        for first, end, obj in reversed(self._entries[max(0, i - 8) : i]):  # nested views: a few
+            if start + size <= end:
+                return obj, start - first
         return None
+
+
+def _contiguous_memory(array: Any) -> tuple[int, int] | None:
+    """Where a NumPy array's memory is, if it is one contiguous block it owns the view of."""
+    if not array.nbytes or not (array.flags.c_contiguous or array.flags.f_contiguous) \
+            or _tensor_owned(array) is not None:
+        return None
+    return array.__array_interface__["data"][0], array.nbytes
 
 
 def _make_weakref(referent: Any) -> Any:
@@ -258,14 +280,10 @@ class TensorPickler(cloudpickle.Pickler):
         self.namespace = namespace
         """Functions whose globals are this dict are the notebook's: rebuilt on its globals."""
         self._function_cells: set[int] = set()
-        self._root: Any = None
-        self._array_memory: ArrayMemory | None = None
-        self.arrays_met: list[Any] | None = None
-        """When a list, every NumPy array this pickler meets is added (the collecting pass)."""
-
-    def dump(self, obj: Any) -> None:
-        self._root = obj
-        super().dump(obj)
+        # NumPy arrays and torch storages sharing memory stay one memory: whichever of the two
+        # is met first travels, the other is rebuilt over it.
+        self._array_memory: MemoryMap | None = None
+        self._storages = MemoryMap()
 
     def is_known(self, array: Any, root: Any) -> Any:
         """An array the receiver holds whose memory holds ``array`` (a view of ``root``), or
@@ -275,10 +293,6 @@ class TensorPickler(cloudpickle.Pickler):
     def known_arrays(self) -> list[Any]:
         """The NumPy arrays the receiver already holds (they travel as references)."""
         return []
-
-    def dry_copy(self) -> TensorPickler:
-        """A pickler like this one that only walks what would be pickled."""
-        return type(self)(_Discard(), "dry", buffer_callback=_ignore, namespace=self.namespace)
 
     def reducer_override(self, obj: Any) -> Any:
         import torch
@@ -293,16 +307,22 @@ class TensorPickler(cloudpickle.Pickler):
                 and obj.__globals__ is self.namespace:
             return self._reduce_function(obj)
         if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
-            if self.arrays_met is not None:
-                self.arrays_met.append(obj)
             tensor = _tensor_owned(obj)
             if tensor is not None:  # its memory is a storage: it travels over that storage
-                storage = tensor.untyped_storage()
-                offset = obj.__array_interface__["data"][0] - storage.data_ptr()
-                return _array_of_storage, (storage, offset, obj.shape, obj.strides, obj.dtype)
+                return self._array_over(tensor.untyped_storage(), obj)
             view = _reduce_numpy_view(obj, self.is_known)
             if view is not None:
                 return view
+            memory = _contiguous_memory(obj)
+            if memory is not None and self.mode != "dry":
+                held = self._storages.holding(*memory)  # torch.from_numpy(obj), met before
+                if held is not None:
+                    return self._array_over(held[0], obj)
+                self._array_map().add(*memory, obj)
+                if self.mode == "ship" and obj.flags.owndata and not obj.dtype.hasobject:
+                    # The worker's copy owns its memory too, as the notebook's does (resize()).
+                    order = "C" if obj.flags.c_contiguous else "F"
+                    return _owned_array, (pickle.PickleBuffer(obj), obj.dtype, obj.shape, order)
         if t is types.CellType and id(obj) in self._function_cells:
             return types.CellType, ()
         if t is weakref.ReferenceType and obj() is not None:
@@ -341,16 +361,28 @@ class TensorPickler(cloudpickle.Pickler):
 
     def _array_holding(self, storage: Any) -> tuple[Any, int] | None:
         """The NumPy array (and offset) whose memory a storage made by ``torch.from_numpy`` is,
-        so that the two stay one memory. Such storages cannot be resized; the arrays are found
-        once, by a walk of what is pickled, only when one is met."""
-        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules:
+        if the receiver holds it or it was met before; else the storage is noted, and an array
+        met later is rebuilt over it. Only storages that cannot be resized can be an array's."""
+        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules \
+                or not storage.nbytes():
             return None
+        held = self._array_map().holding(storage.data_ptr(), storage.nbytes())
+        if held is None:
+            self._storages.add(storage.data_ptr(), storage.nbytes(), storage)
+        return held
+
+    def _array_map(self) -> MemoryMap:
         if self._array_memory is None:
-            walker = self.dry_copy()
-            walker.arrays_met = list(self.known_arrays())
-            walker.dump(self._root)
-            self._array_memory = ArrayMemory(walker.arrays_met)
-        return self._array_memory.holding(storage.data_ptr(), storage.nbytes())
+            self._array_memory = MemoryMap()
+            for array in self.known_arrays():
+                memory = _contiguous_memory(array)
+                if memory is not None:
+                    self._array_memory.add(*memory, array)
+        return self._array_memory
+
+    def _array_over(self, storage: Any, array: Any) -> Any:
+        offset = array.__array_interface__["data"][0] - storage.data_ptr()
+        return _array_of_storage, (storage, offset, array.shape, array.strides, array.dtype)
 
     def _reduce_function(self, function: Any) -> Any:
         closure = function.__closure__
@@ -382,9 +414,18 @@ def storage_array(storage: Any) -> Any:
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).cpu().numpy()
     if not storage.nbytes():
         return numpy.empty(0, dtype=numpy.uint8)
-    area = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
-    area.storage = storage  # the array keeps the memory alive
-    return numpy.frombuffer(area, dtype=numpy.uint8)
+    return numpy.asarray(_StorageMemory(storage))
+
+
+class _StorageMemory:
+    """A storage's bytes as NumPy sees them (the array keeps this, so the storage, alive)."""
+
+    __slots__ = ("__array_interface__", "storage")
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.__array_interface__ = {"data": (storage.data_ptr(), False), "shape": (storage.nbytes(),),
+                                    "typestr": "|u1", "version": 3}
 
 
 class ShipPickler(TensorPickler):

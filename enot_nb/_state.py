@@ -102,10 +102,6 @@ class StatePickler(_pickling.TensorPickler):
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
 
-    def dry_copy(self) -> StatePickler:
-        return StatePickler(_pickling._Discard(), "dry", buffer_callback=_pickling._ignore,
-                            registry=self.registry)
-
     def known_arrays(self) -> list[Any]:
         return [obj for obj, kind in zip(self.registry.objects, self.registry.kinds) if kind == "ndarray"]
 
@@ -192,7 +188,7 @@ def _leave_out_unpicklable(changes: Changes, registry: Registry, not_returned: d
 def _keep_what_pickles(i: int, registry: Registry, state: Any, not_returned: dict[str, str]) -> Any:
     """Leave out the attributes or items of a changed object that cannot be pickled."""
     kind, path = registry.kinds[i], registry.path(i)
-    if kind in ("object", "dict") and state[-1][0] is not None:
+    if kind in ("object", "partial", "dict") and state[-1][0] is not None:
         attributes = dict(state[-1][0])
         for key, value in attributes.items():
             reason = _reason(value, registry)

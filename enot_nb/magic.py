@@ -147,15 +147,21 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         values, left_out, registry = _objgraph.shippable_namespace(namespace, code)
         objects = _objgraph.shippable_objects(registry, namespace)
         job = _worker.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
+    failure: BaseException | None = None
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace,
                                                        on_message=_relay.show)
     except LaunchInterrupted as err:
         _after_interrupt(shell, registry, options, err.partial_result)
-        raise CellInterrupted() from None
+        failure = CellInterrupted()
     except WorkerFailedError as err:
         _after_failure(shell, registry, options, err.partial_result)
-        raise
+        failure = err.with_traceback(None)  # the launcher's frames hold the job
+    if failure is not None:
+        # IPython keeps the traceback (sys.last_traceback) until the next error: it must not
+        # keep the notebook's objects alive, so neither may this frame.
+        job = registry = values = objects = None
+        raise failure
     if outcome is None:  # this node has no global rank 0
         return None
     if args.no_return:
@@ -261,7 +267,8 @@ def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
               "does not initialize CUDA and later cells still start fast", file=sys.stderr)
     if not show_value or not outcome.has_value:
         return None
-    if outcome.value_name is not None and outcome.value_name not in outcome.not_returned:
+    if outcome.value_name is not None and outcome.value_name not in outcome.not_returned \
+            and outcome.value_name not in outcome.detached:  # else shown as the worker had it
         return shell.user_ns.get(outcome.value_name)
     if changes is not None and changes.has_value:
         return changes.value

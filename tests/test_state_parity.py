@@ -158,6 +158,13 @@ CASES = [
      ["arr.tolist()", "alias is arr"], ""),
     ("import-in-cell", "", "import math\nfrom collections import OrderedDict as OD\nimport torch.nn.functional as F\n"
      "y = math.pi", ["math.pi", "OD.__name__", "F.relu(torch.tensor([-1.0])).tolist()", "y"], ""),
+    ("numpy-retyped-and-resized", "arr = np.zeros(1)\nobjs = np.array([None, [1]], dtype=object)\n",
+     "arr.dtype = np.int8\narr.resize(3, refcheck=False)\narr[0] = 1\nobjs[1].append(2)",
+     ["arr.tolist()", "str(arr.dtype)", "objs.tolist()"], ""),
+    ("array-with-a-memoryview", "import array\nar = array.array('d', [1, 2])\nmv = memoryview(ar)\n",
+     "ar[0] = 7", ["ar.tolist()", "mv.tolist()"], ""),
+    ("partial-attribute", "import functools\np = functools.partial(max, 1)\n", "p.note = 'hi'",
+     ["getattr(p, 'note', None)", "p(5)"], ""),
     ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
      ["round(a, 12)", "round(rng.random(), 12)"], ""),
     ("torch-generator", "g = torch.Generator().manual_seed(0)\n", "first = torch.rand(1, generator=g)",
@@ -308,7 +315,15 @@ def test_a_tensor_with_a_graph_comes_back_detached_and_says_so(kernel):
     kernel.ok(LINEAR)
     run = kernel.ok(f"{MAGIC}\nloss = model(torch.ones(1, 2)).sum()\nvalue = loss.item()")
     assert "loss: came back without the autograd graph" in run.stderr
+    run = kernel.ok(f"{MAGIC}\ny = model.weight * 2\ny")
+    assert "grad_fn=<MulBackward0>" in run.result["text/plain"]  # shown as the cell had it
     assert kernel.ok("print(loss.requires_grad, loss.grad_fn)").stdout == "True None\n"
+
+
+def test_return_of_a_name_the_cell_imports_again_does_not_warn(kernel):
+    kernel.ok("import math")
+    run = kernel.ok(f"{MAGIC} --return math,tau\nimport math\ntau = math.tau")
+    assert "--return" not in run.stderr and kernel.ok("print(tau)").stdout.startswith("6.28")
 
 
 def test_no_return_says_so(kernel):
@@ -349,4 +364,13 @@ def test_a_variable_deleted_after_a_cell_is_freed(kernel, method):
     """A launch must not keep the notebook's objects alive (its job holds the registry of them)."""
     kernel.ok("import gc, weakref\nheld = {'t': torch.zeros(4)}\nheld_ref = weakref.ref(held['t'])")
     kernel.ok(f"{MAGIC} --start-method {method}\ntotal = float(held['t'].sum())")
+    assert kernel.ok("del held\ngc.collect()\nprint(held_ref() is None)").stdout == "True\n"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_variable_deleted_after_a_failed_cell_is_freed(kernel, method):
+    """IPython keeps a failed cell's traceback: it must not keep the notebook's objects alive."""
+    kernel.ok("import gc, weakref\nheld = {'t': torch.zeros(4)}\nheld_ref = weakref.ref(held['t'])")
+    run = kernel.run(f"{MAGIC} --start-method {method}\ntotal = float(held['t'].sum())\nraise ValueError('x')")
+    assert run.error["ename"] == "WorkerFailedError"
     assert kernel.ok("del held\ngc.collect()\nprint(held_ref() is None)").stdout == "True\n"
