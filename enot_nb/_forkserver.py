@@ -135,6 +135,11 @@ def main() -> None:
     import IPython.core.interactiveshell  # noqa: F401 - preloaded for the workers
     import torch  # noqa: F401 - the expensive import, done once here instead of in every worker
 
+    try:  # a worker launched from a Jupyter kernel makes a ZMQInteractiveShell (~0.2 s to import)
+        import ipykernel.zmqshell  # noqa: F401 - preloaded for the workers
+    except ImportError:
+        pass
+
     import enot_nb._cell  # noqa: F401 - preloaded for the workers
     import enot_nb.distributed  # noqa: F401 - preloaded for the workers
 
