@@ -111,7 +111,10 @@ def test_interrupts_at_random_moments_leave_nothing(start_method):
         outcome = proc.stdout.readline().strip()
         interrupted += outcome == "interrupted"
         left = proc.stdout.readline().strip()
-        assert left == "left []", left
+        if left != "left []":
+            proc.kill()
+            _, err = proc.communicate()
+            raise AssertionError(f"after {outcome!r}: {left!r}\n{err[-4000:]}")
     assert proc.stdout.readline().strip() == "ready"
     proc.stdin.write("go\n")
     proc.stdin.flush()
