@@ -222,8 +222,8 @@ def _apply_cell(cell: Any, state: tuple) -> None:
 
 _APPLY = {"rng": _objgraph.set_rng_state, "dict": _apply_dict, "list": _apply_list,
           "deque": _apply_deque, "set": _apply_set,
-          "object": _apply_object, "partial": _apply_object, "ndarray": _apply_ndarray, "bytearray": _apply_bytearray,
-          "array": _apply_array,
+          "object": _apply_object, "partial": _apply_object, "ndarray": _apply_ndarray,
+          "bytearray": _apply_bytearray, "array": _apply_array,
           "function": _apply_function, "class": _apply_class, "cell": _apply_cell}
 
 

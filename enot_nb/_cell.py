@@ -189,7 +189,7 @@ class _Tracker:
                                   if isinstance(v, tensor) and v.grad_fn is not None)
         name = last.body.id if has_value and last is not None and isinstance(last.body, ast.Name) else None
         if name is not None and self.namespace.get(name) is value and (
-                name in changes.bound or self.names_before.get(name, _MISSING) is value):
+                name in changes.bound or self.names_before.get(name, _state._MISSING) is value):
             outcome.value_name = name  # the notebook will hold it under that name: show that object
             outcome.value_bundle = _bundle(value, shell)  # in case it cannot come back
         elif has_value:
@@ -198,9 +198,6 @@ class _Tracker:
         outcome.state, outcome.moved_to_cpu = _state.dump(changes, self.registry,
                                                           outcome.not_returned)
         return outcome
-
-
-_MISSING = object()
 
 
 def names_written(*trees: ast.AST | None) -> set[str]:

@@ -171,6 +171,8 @@ def _array_of_storage(storage: Any, offset: int, shape: tuple, strides: tuple, d
     import numpy
     import torch
 
+    # Through Tensor.numpy(), not storage_array(): the storage then cannot be resized under the
+    # array, as after the cell's own t.numpy().
     flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
     return numpy.ndarray(shape, dtype, buffer=flat, offset=offset, strides=strides)
 
@@ -226,9 +228,9 @@ class MemoryMap:
 
 
 def _contiguous_memory(array: Any) -> tuple[int, int] | None:
-    """Where a NumPy array's memory is, if it is one contiguous block it owns the view of."""
-    if not array.nbytes or not (array.flags.c_contiguous or array.flags.f_contiguous) \
-            or _tensor_owned(array) is not None:
+    """Where a NumPy array's memory is, if it is one contiguous block (callers have checked that
+    it is not a tensor's: that memory travels as the storage)."""
+    if not array.nbytes or not (array.flags.c_contiguous or array.flags.f_contiguous):
         return None
     return array.__array_interface__["data"][0], array.nbytes
 
@@ -375,7 +377,7 @@ class TensorPickler(cloudpickle.Pickler):
         if self._array_memory is None:
             self._array_memory = MemoryMap()
             for array in self.known_arrays():
-                memory = _contiguous_memory(array)
+                memory = _contiguous_memory(array) if _tensor_owned(array) is None else None
                 if memory is not None:
                     self._array_memory.add(*memory, array)
         return self._array_memory

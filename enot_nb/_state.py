@@ -108,8 +108,8 @@ class StatePickler(_pickling.TensorPickler):
     def is_known(self, array: Any, root: Any) -> Any:
         if self._arrays is None:
             self._arrays = {}
-            for obj, kind in zip(self.registry.objects, self.registry.kinds):
-                if kind == "ndarray" and obj.flags.c_contiguous:
+            for obj in self.known_arrays():
+                if obj.flags.c_contiguous:
                     self._arrays.setdefault(id(_pickling.array_owner(obj)), []).append(obj)
         start, end = _extent(array)
         for known in self._arrays.get(id(root), ()):
