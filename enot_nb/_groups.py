@@ -106,10 +106,13 @@ class ForkedGroup:
     def _reap(self, entry: tuple[int, int, int]) -> tuple[int, int]:
         rank, pid, pidfd = entry
         _kill_group(pid)  # its descendants: the leader is not reaped yet, so the group is ours
-        code = _exit_code(os.waitid(os.P_PIDFD, pidfd, os.WEXITED))
-        os.close(pidfd)
+        try:
+            code = _exit_code(os.waitid(os.P_PIDFD, pidfd, os.WEXITED))
+        except ChildProcessError:  # reaped here just before a stop press cut this short
+            code = -signal.SIGKILL
         self._exited[rank] = code
         _spawn.watchdog().tell(f"forget {pid}")
+        os.close(pidfd)
         return rank, code
 
     def signal(self, rank: int, signum: int) -> None:

@@ -87,26 +87,31 @@ class RankIO:
         self.ranks, self.on_message, self.on_error = ranks, on_message, on_error
         self.selector = selectors.DefaultSelector()
         self.capturing_stacks = False
-        for r in ranks:  # from here on, close() closes every read end through the selector
+        self.read_ends = [r.pipes[name][0] for r in ranks for name in STREAMS]  # close() closes them
+        for r in ranks:
             for name in STREAMS:
                 os.set_blocking(r.pipes[name][0], False)
                 self.selector.register(r.pipes[name][0], selectors.EVENT_READ, (r, name))
 
     def read(self, r: Rank, name: str, force_show: bool = False) -> bool:
-        """Read what is available from one pipe; False once it is closed or empty."""
+        """Read what is available from one pipe; False once it is at its end or empty.
+
+        A stop press (KeyboardInterrupt) may come between any two steps, and the interrupt's
+        handling reads again: so the steps at a pipe's end can all be done twice, the last one
+        marks the end, and the read ends are closed in close(), once."""
         fd = r.pipes[name][0]
         try:
             data = os.read(fd, 1 << 20)
         except BlockingIOError:
             return False
         if not data:
-            self.selector.unregister(fd)
-            os.close(fd)
-            r.open_reads.discard(name)
+            if fd in self.selector.get_map():
+                self.selector.unregister(fd)
             if name != "msg":
                 r.fenced[name].add(b"", final=True)
                 self._show(r, name, force_show, everything=True)
                 r.sinks[name].feed(b"", final=True, force_show=force_show)
+            r.open_reads.discard(name)
             return False
         if name == "msg":
             for kind, payload in r.messages.feed(data):
@@ -151,8 +156,7 @@ class RankIO:
                 pass
 
     def close(self) -> None:
-        for key in list(self.selector.get_map().values()):
-            self.selector.unregister(key.fileobj)
-            if key.data is not None:
-                os.close(key.fd)
+        """Close every rank's read ends (whether at their end or not) and the selector."""
         self.selector.close()
+        while self.read_ends:
+            os.close(self.read_ends.pop())

@@ -236,7 +236,7 @@ class Attempt(_Stopping):
                 if pidfd is not None:  # fires once; the group closes it
                     self.io.selector.unregister(pidfd)
                 self._on_exits(self.group.exits(pidfd))
-            elif key.fd in self.io.selector.get_map():  # not closed by an exit handled just before
+            elif key.fd in self.io.selector.get_map():  # not ended by an exit handled just before
                 r, name = key.data
                 self.io.read(r, name, force_show=force_show and name == "err")
 

@@ -7,6 +7,7 @@ import inspect
 import os
 import pickle
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import enot_nb
 from enot_nb import _channel, _objgraph, _pickling, _state
 from enot_nb._options import LaunchOptions
 from enot_nb._output import StreamSink
+from enot_nb._ranks import STREAMS, RankIO, make_ranks
 from enot_nb._sync import _plan
 from enot_nb.errors import LaunchConfigError, WorkerFailedError, WorkerFailure
 
@@ -217,3 +219,55 @@ def test_numpy_and_torch_memory_stays_shared_through_a_round_trip():
     alone = pickle.loads(data, buffers=buffers)
     assert alone.tolist() == [1, 1]  # its array did not travel: the tensor comes by value
 
+
+
+def _line_events(functions, interrupt_at: int | None) -> tuple[int, object]:
+    """A tracer that raises KeyboardInterrupt (as a stop press does) before the
+    ``interrupt_at``-th line it sees in ``functions``; it counts those lines."""
+    codes = {f.__code__ for f in functions}
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == interrupt_at:
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code in codes else None
+
+    return seen, tracer
+
+
+def test_a_stop_press_anywhere_in_reading_a_pipe_end_leaves_it_readable_again():
+    """CI saw a KeyboardInterrupt land between the unregistering of a pipe at its end and the
+    bookkeeping: the interrupt's own drain then failed with "13 is not registered". A press before
+    any line of the reading must leave a state that the next drain and close() finish."""
+    def run(interrupt_at: int | None) -> int:
+        ranks = make_ranks(1, 0, "none")
+        r = ranks[0]
+        for name in STREAMS:
+            os.write(r.pipes[name][1], b"" if name == "msg" else b"x\n")
+            os.close(r.pipes[name][1])
+        io = RankIO(ranks, None, lambda rank, info: None)
+        seen, tracer = _line_events([RankIO.read, RankIO._show, RankIO.drain], interrupt_at)
+        sys.settrace(tracer)
+        try:
+            io.drain(r)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        io.drain(r)  # what the interrupt's handling does next
+        assert not r.open_reads and not io.selector.get_map()
+        io.close()
+        for name in STREAMS:
+            with pytest.raises(OSError):
+                os.fstat(r.pipes[name][0])
+        return seen[0]
+
+    lines = run(None)
+    assert lines > 10
+    for k in range(1, lines + 1):
+        run(k)
