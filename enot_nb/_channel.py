@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import socket
 import struct
 from collections import deque
 from typing import Any, NamedTuple
+
+from enot_nb._interrupts import interrupts_deferred
 
 _HEADER = struct.Struct("<Q")
 class Kind:
@@ -180,12 +183,27 @@ class MessageReader:
 
 
 def _read_some(sock: socket.socket, reader: MessageReader) -> None:
-    # Always ready for descriptors: bytes read without them would close the ones they carry.
-    chunk, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAXFDS_PER_SEND + 3)
-    reader.fds += fds
+    """Wait for data (a stop press may end the wait), then read it and record what it carries
+    with presses held: a press between receiving descriptors and recording them would leak
+    them, and one inside feed() would lose messages and put the protocol out of step."""
+    _wait_readable(sock)
+    with interrupts_deferred():
+        # Always ready for descriptors: bytes read without them would close the ones they carry.
+        chunk, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAXFDS_PER_SEND + 3)
+        reader.fds += fds
+        if chunk:
+            reader.pending.extend(reader.feed(chunk))
     if not chunk:
         raise EOFError("the peer closed the connection")
-    reader.pending.extend(reader.feed(chunk))
+
+
+def _wait_readable(sock: socket.socket) -> None:
+    """Block until ``sock`` is readable, or raise TimeoutError after its timeout."""
+    timeout = sock.gettimeout()
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(None if timeout is None else timeout * 1000):
+        raise TimeoutError("timed out")
 
 
 def recv_message(sock: socket.socket, reader: MessageReader) -> Any:

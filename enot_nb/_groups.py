@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from enot_nb import _spawn
 from enot_nb._channel import Exit, LaunchFds
+from enot_nb._interrupts import interrupts_deferred
 from enot_nb.errors import LaunchError
 
 
@@ -85,7 +86,8 @@ class ForkedGroup:
         self._exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
-        self._future = _spawn.fork_all(self._children, self._started)
+        with interrupts_deferred():  # the forks are known (settle) once they are asked for
+            self._future = _spawn.fork_all(self._children, self._started)
         try:
             self._future.result()
         except OSError as err:
@@ -105,14 +107,14 @@ class ForkedGroup:
 
     def _reap(self, entry: tuple[int, int, int]) -> tuple[int, int]:
         rank, pid, pidfd = entry
-        _kill_group(pid)  # its descendants: the leader is not reaped yet, so the group is ours
-        try:
+        # Called once it exited (or was SIGKILLed): nothing here waits long, so a stop press is
+        # held, and the reaping, the record and the pidfd's close are one step.
+        with interrupts_deferred():
+            _kill_group(pid)  # its descendants: the leader is not reaped yet, so the group is ours
             code = _exit_code(os.waitid(os.P_PIDFD, pidfd, os.WEXITED))
-        except ChildProcessError:  # reaped here just before a stop press cut this short
-            code = -signal.SIGKILL
-        self._exited[rank] = code
-        _spawn.watchdog().tell(f"forget {pid}")
-        os.close(pidfd)
+            self._exited[rank] = code
+            _spawn.watchdog().tell(f"forget {pid}")
+            os.close(pidfd)
         return rank, code
 
     def signal(self, rank: int, signum: int) -> None:
@@ -149,18 +151,20 @@ class ServerGroup:
         self.server.send_launch(self.launch_id, *self._request)
         _spawn.hook("launch_sent")
         try:
-            started = self.server.wait_started(self.launch_id)
+            pids = self.server.wait_started(self.launch_id)  # a press after this: server broken
         except _spawn.StartRefused:
             self.pids = {}  # the server left nothing running, and is in step
             raise
-        self._started(*started)
+        self._started(pids)
         _spawn.hook("started")
-        assert self.pids is not None
-        return self.pids
+        return pids
 
-    def _started(self, pids: dict[int, int], pidfds: dict[int, int]) -> None:
-        self.pids, self.pidfds = pids, pidfds
-        _spawn.watchdog().tell(*(f"watch {pid}" for pid in pids.values()))
+    def _started(self, pids: dict[int, int]) -> None:
+        assert self.server is not None
+        with interrupts_deferred():  # the workers' pidfds are received and recorded as one step
+            self.pidfds = self.server.take_pidfds(pids)
+            self.pids = pids
+            _spawn.watchdog().tell(*(f"watch {pid}" for pid in pids.values()))
 
     def sources(self) -> list[socket.socket]:
         return [self.server.sock] if self.server is not None else []
@@ -173,18 +177,19 @@ class ServerGroup:
         """The buffered messages, or else the server's next one (blocking)."""
         assert self.server is not None
         reader = self.server.reader
-        messages = [] if reader.pending else [self.server.next_message(deadline)]
-        while reader.pending:
-            messages.append(reader.pending.popleft())
+        if not reader.pending:
+            reader.pending.appendleft(self.server.next_message(deadline))  # before any read with it
         ended = []
-        for message in messages:
-            if isinstance(message, Exit) and message.launch_id == self.launch_id:
-                rank, code = message.rank, message.exitcode
-                self._exited[rank] = code
-                os.close(self.pidfds.pop(rank))
-                if self.pids is not None:
-                    _spawn.watchdog().tell(f"forget {self.pids[rank]}")
-                ended.append((rank, code))
+        with interrupts_deferred():  # each exit taken off the queue is recorded
+            while reader.pending:
+                message = reader.pending.popleft()
+                if isinstance(message, Exit) and message.launch_id == self.launch_id:
+                    rank, code = message.rank, message.exitcode
+                    self._exited[rank] = code
+                    os.close(self.pidfds.pop(rank))
+                    if self.pids is not None:
+                        _spawn.watchdog().tell(f"forget {self.pids[rank]}")
+                    ended.append((rank, code))
         return ended
 
     def settle(self) -> None:
@@ -204,7 +209,7 @@ class ServerGroup:
             if self.server.broken:
                 raise LaunchError("the request to the fork server was cut short")
             if self.pids is None:  # interrupted between the request and the answer
-                self._started(*self.server.wait_started(self.launch_id, _spawn.SERVER_RECOVERY_TIMEOUT))
+                self._started(self.server.wait_started(self.launch_id, _spawn.SERVER_RECOVERY_TIMEOUT))
             for pidfd in self.pidfds.values():
                 _pidfd_signal(pidfd, signal.SIGKILL)
             while self.pids is not None and len(self._exited) < len(self.pids):

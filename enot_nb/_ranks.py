@@ -59,24 +59,28 @@ class Rank:
 def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:
     """A Rank, with its pipes, per local rank; on failure (EMFILE) every pipe made is closed."""
     ranks: list[Rank] = []
-    made: list[int] = []
     try:
         for local_rank in range(nprocs):
             rank = node_rank * nprocs + local_rank
             show = output == "all" or (output == "master" and rank == 0)
             prefix = f"[rank {rank}] " if output == "all" else ""
-            pipes = {}
-            for name in STREAMS:
-                pipes[name] = os.pipe()
-                made += pipes[name]
-            ranks.append(Rank(rank=rank, local_rank=local_rank, pipes=pipes,
+            ranks.append(Rank(rank=rank, local_rank=local_rank, pipes={},
                               sinks={"out": StreamSink("stdout", show, prefix),
                                      "err": StreamSink("stderr", show, prefix)}))
+            for name in STREAMS:
+                ranks[-1].pipes[name] = os.pipe()
     except OSError as err:
-        for fd in made:
-            os.close(fd)
+        close_pipes(ranks)
         raise _spawn.start_error(err, f"the pipes of {nprocs} workers could not be made") from err
     return ranks
+
+
+def close_pipes(ranks: list[Rank]) -> None:
+    """Both ends of every pipe made (before a RankIO owns them)."""
+    for r in ranks:
+        for pair in r.pipes.values():
+            for fd in pair:
+                os.close(fd)
 
 
 class RankIO:
@@ -87,7 +91,10 @@ class RankIO:
         self.ranks, self.on_message, self.on_error = ranks, on_message, on_error
         self.selector = selectors.DefaultSelector()
         self.capturing_stacks = False
-        self.read_ends = [r.pipes[name][0] for r in ranks for name in STREAMS]  # close() closes them
+        # Every pipe end is ours until closed: the write ends once the workers hold them, the
+        # read ends (and what is left) in close().
+        self.read_ends = [r.pipes[name][0] for r in ranks for name in STREAMS]
+        self.write_ends = [r.pipes[name][1] for r in ranks for name in STREAMS]
         for r in ranks:
             for name in STREAMS:
                 os.set_blocking(r.pipes[name][0], False)
@@ -155,8 +162,14 @@ class RankIO:
             while name in r.open_reads and self.read(r, name):
                 pass
 
+    def close_write_ends(self) -> None:
+        while self.write_ends:
+            os.close(self.write_ends.pop())
+
     def close(self) -> None:
-        """Close every rank's read ends (whether at their end or not) and the selector."""
+        """Close every pipe end still open (read ends, whether at their end or not) and the
+        selector."""
         self.selector.close()
+        self.close_write_ends()
         while self.read_ends:
             os.close(self.read_ends.pop())

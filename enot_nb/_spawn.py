@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from enot_nb import _channel
 from enot_nb._channel import Launch, LaunchFds, Started, StartFailed
+from enot_nb._interrupts import interrupts_deferred
 from enot_nb.errors import LaunchError
 
 T = TypeVar("T")
@@ -87,7 +88,7 @@ _clean_thread_lock = threading.Lock()
 
 def _submit(fn: Callable[[], T]) -> concurrent.futures.Future:
     global _clean_thread
-    with _clean_thread_lock:
+    with interrupts_deferred(), _clean_thread_lock:
         if _clean_thread is None:
             _clean_thread = _CleanThread()
     return _clean_thread.submit(fn)
@@ -186,10 +187,12 @@ class ForkServer:
         self._launch_id = 0
         self.broken = False
         """The protocol lost step (a send or receive cut short): replace the server."""
+        self.process: subprocess.Popen | None = None
         try:
-            self.process = on_clean_thread(start)
+            with interrupts_deferred():  # a server started is known before a press lands
+                self.process = on_clean_thread(start)
         except BaseException:
-            ours.close()
+            self.close()
             raise
         finally:
             theirs.close()
@@ -209,7 +212,7 @@ class ForkServer:
         self.sock.settimeout(None)
 
     def alive(self) -> bool:
-        return not self.broken and self.process.poll() is None
+        return not self.broken and self.process is not None and self.process.poll() is None
 
     def next_launch_id(self) -> int:
         self._launch_id += 1
@@ -222,20 +225,25 @@ class ForkServer:
         _channel.send_message(self.sock, Launch(launch_id, specs, job_bytes, layout), fds)
         self.broken = False
 
-    def wait_started(self, launch_id: int, timeout: float | None = None) -> tuple[dict[int, int], dict[int, int]]:
-        """Each rank's pid and pidfd once the server forked them; LaunchError if it could not."""
+    def wait_started(self, launch_id: int, timeout: float | None = None) -> dict[int, int]:
+        """Each rank's pid once the server forked them; LaunchError if it could not. The server
+        is out of step (``broken``) until take_pidfds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             message = self.next_message(deadline)
             if isinstance(message, Started) and message.launch_id == launch_id:
-                pids = message.pids
-                self.broken = True  # until the pidfds are in
-                pidfds = _channel.recv_fds(self.sock, self.reader, len(pids))
-                self.broken = False
-                return pids, dict(zip(sorted(pids), pidfds))
+                self.broken = True
+                return message.pids
             if isinstance(message, StartFailed) and message.launch_id == launch_id:
                 raise StartRefused(str(start_error(OSError(message.errno, message.reason),
                                                    "the fork server could not start the workers")))
+
+    def take_pidfds(self, pids: dict[int, int]) -> dict[int, int]:
+        """Each rank's pidfd, sent right after "started"; call with stop presses held, so
+        that they are received and recorded as one step."""
+        pidfds = _channel.recv_fds(self.sock, self.reader, len(pids))
+        self.broken = False
+        return dict(zip(sorted(pids), pidfds))
 
     def next_message(self, deadline: float | None = None) -> tuple:
         """Block for the next message from the server (until ``deadline``, a monotonic time)."""
@@ -258,9 +266,10 @@ class ForkServer:
         for fd in self.reader.fds:
             os.close(fd)
         self.reader.fds = []
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait()
 
 
 _server: ForkServer | None = None
@@ -317,5 +326,6 @@ def watchdog() -> Watchdog:
     """This process's watchdog, started on first use (again if it died)."""
     global _watchdog
     if _watchdog is None or not _watchdog.alive():
-        _watchdog = Watchdog()
+        with interrupts_deferred():  # started and known, or not started
+            _watchdog = Watchdog()
     return _watchdog

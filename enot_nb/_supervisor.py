@@ -12,7 +12,6 @@ goes to the running workers, which then get ``STOP_GRACE`` seconds before the ne
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import selectors
@@ -20,7 +19,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,11 +26,12 @@ from typing import TYPE_CHECKING, Any
 from enot_nb import _pickling, _relay, _rendezvous, _spawn, _streams, _worker
 from enot_nb._channel import Kind, LaunchFds
 from enot_nb._groups import ForkedGroup, ServerGroup, WorkerGroup
-from enot_nb._ranks import Rank, RankIO, make_ranks
+from enot_nb._interrupts import finish, interrupts_deferred
+from enot_nb._ranks import Rank, RankIO, close_pipes, make_ranks
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
     from enot_nb._plan import LaunchPlan
 
@@ -178,7 +177,10 @@ class Attempt(_Stopping):
             self._interrupt()
             raise LaunchInterrupted(self._partial()) from None
         finally:
-            self._close()
+            try:
+                finish(self._close)
+            finally:
+                finish(self._close)  # a no-op, unless a press landed on the line above
 
     # ------------------------------------------------------------------------- start
 
@@ -189,21 +191,30 @@ class Attempt(_Stopping):
             raise _spawn.start_error(err, "the launch could not start") from err
 
     def _start_now(self) -> None:
-        self.ranks = make_ranks(self.plan.nprocs, self.plan.node_rank, self.plan.output)
-        self.io = RankIO(self.ranks, self.on_message, self._record_error)
+        # A stop press may land between any two lines: each resource is made and recorded here
+        # (for _close) with presses held, so none is made and then lost.
+        with interrupts_deferred():
+            ranks = make_ranks(self.plan.nprocs, self.plan.node_rank, self.plan.output)
+            try:
+                self.io = RankIO(ranks, self.on_message, self._record_error)  # owns the pipes
+            except OSError:  # EMFILE for the selector itself
+                close_pipes(ranks)
+                raise
+            self.ranks = ranks
         try:
             if self.plan.node_rank == 0:  # global rank 0 runs here
-                self.result_fd = _pickling.result_fd()
-            self.group, self.rendezvous_dir = make_group(self.plan, self.job, self.shipped,
-                                                         self.ranks, self.attempt, self.result_fd)
+                with interrupts_deferred():
+                    self.result_fd = _pickling.result_fd()
+            with interrupts_deferred():
+                self.rendezvous_dir = rendezvous_folder(self.plan)
+            self.group = make_group(self.plan, self.job, self.shipped, self.ranks, self.attempt,
+                                    self.result_fd, self.rendezvous_dir)
             for rank, pid in self.group.start().items():
                 self._rank(rank).pid = pid
         finally:
             if self.group is not None:
                 self.group.settle()  # no fork in flight may inherit a descriptor closed here
-            for r in self.ranks:  # our copies of the workers' ends: EOF comes when they exit
-                for _, write_end in r.pipes.values():
-                    os.close(write_end)
+            self.io.close_write_ends()  # our copies: EOF comes when the workers exit
         for source in self.group.sources():
             self.io.selector.register(source, selectors.EVENT_READ, None)
 
@@ -285,36 +296,38 @@ class Attempt(_Stopping):
             return None
 
     def _close(self) -> None:
-        with _interrupts_deferred():  # a second stop press must not leave half a cleanup
-            self._close_now()
-
-    def _close_now(self) -> None:
+        """Everything the attempt holds, released; each step once, however often it runs."""
         if self.group is not None:
             self.group.close()  # every worker killed (with its group) and reaped
+            self.group = None
         if self.io is not None:
             self.io.close()
-        else:
-            for r in self.ranks:
-                for pair in r.pipes.values():
-                    for fd in pair:
-                        os.close(fd)
+            self.io = None
         if self.result_fd is not None:
             os.close(self.result_fd)  # a result already loaded keeps its pages mapped
+            self.result_fd = None
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             _spawn.watchdog().tell(f"unfolder {self.rendezvous_dir}")
+            self.rendezvous_dir = None
+
+
+def rendezvous_folder(plan: LaunchPlan) -> str | None:
+    """The folder (mode 0700) one node's ranks meet through, or None if they meet over TCP."""
+    if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
+        folder = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")
+        _spawn.watchdog().tell(f"folder {folder}")
+        return folder
+    return None
 
 
 def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
-               ranks: list[Rank], attempt: int, result_fd: int | None) -> tuple[WorkerGroup, str | None]:
-    """Describe each rank (environment, descriptors, rendezvous) and make its group; also the
-    rendezvous folder, if the ranks meet through one."""
+               ranks: list[Rank], attempt: int, result_fd: int | None,
+               folder: str | None) -> WorkerGroup:
+    """Describe each rank (environment, descriptors, rendezvous) and make its group."""
     init_kwargs = dict(plan.init_kwargs)
     address = plan.master_addr if plan.nnodes > 1 else _rendezvous.loopback_for(plan.master_addr)
-    folder = None
-    if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
-        folder = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")  # mode 0700
-        _spawn.watchdog().tell(f"folder {folder}")
+    if folder is not None:
         init_kwargs["init_method"] = f"file://{folder}/store"
         port = _rendezvous.free_port(address)  # for code that reads MASTER_PORT
     else:
@@ -332,12 +345,12 @@ def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[in
         front_end=front_end, kernel_parent=parent,
         output_setup=output_setup) for r in ranks]
     if fork:
-        return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs]), folder
+        return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs])
     job_bytes, shared = shipped or (b"", [])
     result = [result_fd] if result_fd is not None else []
     layout = LaunchFds(ranks=len(specs), results=len(result), shared=len(shared))
     fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")] + result + shared
-    return ServerGroup(specs, fds, job_bytes, layout), folder
+    return ServerGroup(specs, fds, job_bytes, layout)
 
 
 def _not_for(r: Rank, ranks: list[Rank]) -> list[int]:
@@ -358,22 +371,6 @@ def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
         raise LaunchError(f"rank 0's result could not be loaded in this process "
                           f"({type(err).__name__}: {err}); return plain data, tensors or "
                           "state dicts") from err
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT while the block runs; a press meanwhile raises KeyboardInterrupt after it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread gets KeyboardInterrupt
-        return
-    pressed: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
 
 
 def stack_report(rank: int, text: str) -> str:

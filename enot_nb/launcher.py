@@ -32,6 +32,7 @@ from typing import Any
 
 from enot_nb import _pickling, _relay, _rendezvous, _worker
 from enot_nb._devices import default_backend
+from enot_nb._interrupts import finish
 from enot_nb._options import ConflictingFlagsError, LaunchOptions
 from enot_nb._plan import LaunchPlan
 from enot_nb._supervisor import Attempt
@@ -127,11 +128,18 @@ def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None
     called with the other messages ("display", ...) of the ranks whose output is shown."""
     with _single_launch():
         shipped = _pickle_job(job, namespace) if plan.start_method == "spawn" else None
+        shared = list(shipped[1]) if shipped is not None else []
+
+        def release() -> None:  # once, however often it runs
+            _pickling.release_later([shared.pop() for _ in range(len(shared))])
+
         try:
             return run_plan(plan, job, shipped, on_message)
         finally:
-            if shipped is not None:
-                _pickling.release_later(shipped[1])
+            try:
+                finish(release)
+            finally:
+                finish(release)  # a no-op, unless a press landed on the line above
 
 
 # Times a launch is started again when its ranks fail to connect before any user code ran.
@@ -310,15 +318,22 @@ def _pickle_job(job: _worker.Job, namespace: dict | None = None) -> tuple[bytes,
         raise LaunchConfigError(f"the job cannot be pickled: {err}") from err
 
 
-_launch_lock = threading.Lock()
+_running: dict[str, int] = {}  # "launch" -> the ident of the thread whose launch runs
 
 
 @contextmanager
 def _single_launch() -> Iterator[None]:
-    if not _launch_lock.acquire(blocking=False):
+    """One launch at a time per process. Not a lock: a stop press between taking a lock and the
+    ``try`` that releases it would keep it forever. A thread's launches never overlap, so an
+    entry of this thread, or of a thread that is gone, is stale and taken over."""
+    me = threading.get_ident()
+    owner = _running.setdefault("launch", me)  # atomic: one thread's setdefault wins
+    if owner != me and any(t.ident == owner for t in threading.enumerate()):
         raise LaunchError("another enot_nb launch is running in this process (from another "
                           "thread); wait for it to finish, launches do not run concurrently")
+    _running["launch"] = me
     try:
         yield
     finally:
-        _launch_lock.release()
+        if _running.get("launch") == me:
+            del _running["launch"]

@@ -6,6 +6,7 @@ Usage: python -m tests.helpers.hygiene SCENARIO START_METHOD [ARG]
 from __future__ import annotations
 
 import errno
+import faulthandler
 import json
 import os
 import signal
@@ -149,6 +150,80 @@ def interrupt_sweep(method: str, tries: str) -> None:
     say("ready")
     sys.stdin.readline()  # the last SIGINT is sent before this: the next launch is not its target
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+
+
+def _press_before_line(k: int, where: list[str]):
+    """A tracer for the main thread that raises KeyboardInterrupt, as a stop press does, before
+    the k-th line of enot_nb it runs; never where presses are held (interrupts_deferred), since a
+    real press is not delivered there."""
+    package = os.path.dirname(enot_nb.__file__)
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == k and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                where.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename.startswith(package) else None
+
+    return seen, tracer
+
+
+def rendezvous_folders() -> set[str]:
+    import glob
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "enot_nb-rendezvous-*")))
+
+
+def own_fds() -> int:
+    """Open descriptors, less the fork server's socket (a press may replace the server)."""
+    return open_fds() - (_spawn._server is not None)
+
+
+def press_before_every_line(method: str, stride: str) -> None:
+    """Launch once per k in 1, 1 + stride, ... with a press before the k-th line enot_nb runs
+    in this thread; after each, nothing may be left: no process, descriptor or folder, and the
+    launch ended by the press or finished, never with another error."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)  # warm
+    lines, tracer = _press_before_line(0, [])
+    sys.settrace(tracer)
+    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
+    sys.settrace(None)
+    say("lines", lines[0])
+    fds, folders = own_fds(), rendezvous_folders()
+    pressed = 0
+    for k in range(1, lines[0] + 1, int(stride)):
+        where: list[str] = []
+        _, tracer = _press_before_line(k, where)
+        outcome = "finished"
+        faulthandler.dump_traceback_later(30, exit=True)  # a hang fails in seconds, with stacks
+        sys.settrace(tracer)
+        try:
+            enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+            pressed += 1
+        except BaseException as err:  # noqa: BLE001 - reported
+            outcome = f"{type(err).__name__}: {err}"
+        finally:
+            sys.settrace(None)
+            faulthandler.cancel_dump_traceback_later()
+        left = leftovers()
+        new_folders = sorted(rendezvous_folders() - folders)
+        if outcome not in ("finished", "interrupted") or left or new_folders or own_fds() != fds:
+            say("bad", json.dumps({"line": k, "where": where, "outcome": outcome, "left": left,
+                                   "folders": new_folders, "fds": [fds, own_fds()]}))
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            fds, folders = own_fds(), rendezvous_folders()
+    say("pressed", pressed)
     say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
 
 
