@@ -213,11 +213,16 @@ def recv_message(sock: socket.socket, reader: MessageReader) -> Any:
         EOFError: the peer closed the socket.
     """
     while True:
-        while not reader.pending:
-            _read_some(sock, reader)
+        fill(sock, reader)
         message = reader.pending.popleft()
         if not _is_batch(message):
             return message
+
+
+def fill(sock: socket.socket, reader: MessageReader) -> None:
+    """Block until a message waits in ``reader.pending``, for the caller to take."""
+    while not reader.pending:
+        _read_some(sock, reader)
 
 
 def _is_batch(message: Any) -> bool:

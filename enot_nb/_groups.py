@@ -33,6 +33,10 @@ from enot_nb.errors import LaunchError
 class WorkerGroup(Protocol):
     """What the supervisor needs from a group of workers."""
 
+    exited: dict[int, int]
+    """rank -> exit code of every worker reaped so far (also those whose report from exits()
+    a stop press cut off)."""
+
     def start(self) -> dict[int, int]:
         """Start every worker; each rank's pid. Raises LaunchError (nothing left running)."""
 
@@ -83,7 +87,7 @@ class ForkedGroup:
         self._children = children
         self._started: list[tuple[int, int, int]] = []  # (rank, pid, pidfd), filled as forked
         self._future: concurrent.futures.Future | None = None
-        self._exited: dict[int, int] = {}
+        self.exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
         with interrupts_deferred():  # the forks are known (settle) once they are asked for
@@ -97,7 +101,7 @@ class ForkedGroup:
         return {rank: pid for rank, pid, _ in self._started}
 
     def sources(self) -> list[int]:
-        return [pidfd for rank, _, pidfd in self._started if rank not in self._exited]
+        return [pidfd for rank, _, pidfd in self._started if rank not in self.exited]
 
     def pending(self) -> bool:
         return False
@@ -111,15 +115,18 @@ class ForkedGroup:
         # held, and the reaping, the record and the pidfd's close are one step.
         with interrupts_deferred():
             _kill_group(pid)  # its descendants: the leader is not reaped yet, so the group is ours
-            code = _exit_code(os.waitid(os.P_PIDFD, pidfd, os.WEXITED))
-            self._exited[rank] = code
+            try:
+                code = _exit_code(os.waitid(os.P_PIDFD, pidfd, os.WEXITED))
+            except ChildProcessError:  # reaped by the system: the cell set SIGCHLD to SIG_IGN
+                code = -signal.SIGKILL
+            self.exited[rank] = code
             _spawn.watchdog().tell(f"forget {pid}")
             os.close(pidfd)
         return rank, code
 
     def signal(self, rank: int, signum: int) -> None:
         for r, pid, pidfd in self._started:
-            if r == rank and r not in self._exited and not _kill_group(pid, signum):
+            if r == rank and r not in self.exited and not _kill_group(pid, signum):
                 _pidfd_signal(pidfd, signum)
 
     def settle(self) -> None:
@@ -128,7 +135,7 @@ class ForkedGroup:
     def close(self) -> None:
         self.settle()  # forks still in flight: know them all first
         for entry in self._started:
-            if entry[0] not in self._exited:
+            if entry[0] not in self.exited:
                 _pidfd_signal(entry[2], signal.SIGKILL)
                 self._reap(entry)
 
@@ -142,7 +149,7 @@ class ServerGroup:
         self.launch_id: int | None = None
         self.pids: dict[int, int] | None = None
         self.pidfds: dict[int, int] = {}
-        self._exited: dict[int, int] = {}
+        self.exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
         self.server = _spawn.fork_server()
@@ -178,14 +185,14 @@ class ServerGroup:
         assert self.server is not None
         reader = self.server.reader
         if not reader.pending:
-            reader.pending.appendleft(self.server.next_message(deadline))  # before any read with it
+            self.server.fill(deadline)
         ended = []
         with interrupts_deferred():  # each exit taken off the queue is recorded
             while reader.pending:
                 message = reader.pending.popleft()
                 if isinstance(message, Exit) and message.launch_id == self.launch_id:
                     rank, code = message.rank, message.exitcode
-                    self._exited[rank] = code
+                    self.exited[rank] = code
                     os.close(self.pidfds.pop(rank))
                     if self.pids is not None:
                         _spawn.watchdog().tell(f"forget {self.pids[rank]}")
@@ -212,7 +219,7 @@ class ServerGroup:
                 self._started(self.server.wait_started(self.launch_id, _spawn.SERVER_RECOVERY_TIMEOUT))
             for pidfd in self.pidfds.values():
                 _pidfd_signal(pidfd, signal.SIGKILL)
-            while self.pids is not None and len(self._exited) < len(self.pids):
+            while self.pids is not None and len(self.exited) < len(self.pids):
                 self.exits(None, deadline)  # keep the protocol in step for the next launch
         except (LaunchError, OSError):
             _spawn.shutdown_server()  # its workers die with it (parent-death signal)
@@ -222,4 +229,4 @@ class ServerGroup:
             self.pidfds = {}
             if self.pids:  # those whose exit was not seen (exits forgot the others)
                 _spawn.watchdog().tell(*(f"forget {pid}" for rank, pid in self.pids.items()
-                                         if rank not in self._exited))
+                                         if rank not in self.exited))

@@ -16,17 +16,19 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
     """Hold SIGINT while the block runs; a press meanwhile goes to the previous handler after
     it (KeyboardInterrupt, for Python's default)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread can set handlers, and only it gets KeyboardInterrupt
+    if (threading.current_thread() is not threading.main_thread()  # only it sets handlers
+            or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN)):  # set from C, or ignored
+        yield
         return
-    pressed: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    pressed: list[Any] = []  # the frame each press interrupted
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(frame))
     try:
         yield
     finally:
@@ -34,7 +36,7 @@ def interrupts_deferred() -> Iterator[None]:
     if not pressed:
         return
     if callable(previous):
-        previous(signal.SIGINT, None)
+        previous(signal.SIGINT, pressed[0])
     elif previous == signal.SIG_DFL:
         signal.raise_signal(signal.SIGINT)
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import cloudpickle
 
+from enot_nb._interrupts import interrupts_deferred
+
 SHM_MIN_BYTES = int(float(os.environ.get("ENOT_NB_SHM_MIN_MB", "1")) * 2**20)
 
 SHARED_FD: list[int] = []
@@ -59,9 +61,11 @@ def map_private(fd: int, length: int, offset: int = 0) -> Any:
 class _SharedFile:
     """The one memfd of a launch's shipped tensors, filled as the pickler meets them."""
 
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("enot_nb-tensor", os.MFD_CLOEXEC)
+    def __init__(self, owned: list[int]) -> None:
         self.size = 0
+        with interrupts_deferred():  # made and recorded for its owner as one step
+            self.fd = os.memfd_create("enot_nb-tensor", os.MFD_CLOEXEC)
+            owned.append(self.fd)
 
     def add(self, data: Any) -> int:
         """Copy ``data`` in at the next page boundary; returns its offset."""
@@ -278,6 +282,7 @@ class TensorPickler(cloudpickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self.mode = mode
         self.shared: _SharedFile | None = None
+        self.owned_fds: list[int] = []  # where the shared file's descriptor is recorded
         self.off_cpu = 0
         self.namespace = namespace
         """Functions whose globals are this dict are the notebook's: rebuilt on its globals."""
@@ -356,7 +361,7 @@ class TensorPickler(cloudpickle.Pickler):
         data = storage_array(storage)
         if self.mode == "ship" and data.nbytes >= SHM_MIN_BYTES and hasattr(os, "memfd_create"):
             if self.shared is None:
-                self.shared = _SharedFile()
+                self.shared = _SharedFile(self.owned_fds)
             return _storage_from_shared, (self.shared.add(data), data.nbytes, device)
         raw = data if data.nbytes else b""
         return _rebuild_storage, (pickle.PickleBuffer(raw), device)
@@ -461,22 +466,18 @@ def loads_shipped(data: bytes) -> Any:
         return _ShippedUnpickler(io.BytesIO(data)).load()
 
 
-def dumps(obj: Any, namespace: dict | None = None) -> tuple[bytes, list[int]]:
-    """Pickle ``obj`` for spawned workers; returns the bytes and the shared-memory descriptors
-    they refer to. ``namespace``: the notebook's globals, which the workers' copies of its
-    functions share (the worker's namespace dict stands in for it).
-
-    The caller owns the descriptors and closes them once the workers have started.
+def dumps(obj: Any, owned: list[int], namespace: dict | None = None) -> bytes:
+    """Pickle ``obj`` for spawned workers; returns the bytes. The shared-memory descriptor they
+    refer to (if any) is appended to ``owned`` the moment it exists: the caller owns it, even if
+    the pickling fails or is interrupted, and closes it once the workers have started.
+    ``namespace``: the notebook's globals, which the workers' copies of its functions share
+    (the worker's namespace dict stands in for it).
     """
     buffer = io.BytesIO()
     pickler = ShipPickler(buffer, namespace=namespace)
-    try:
-        pickler.dump(obj)
-    except BaseException:
-        if pickler.shared is not None:
-            os.close(pickler.shared.fd)
-        raise
-    return buffer.getvalue(), [pickler.shared.fd] if pickler.shared is not None else []
+    pickler.owned_fds = owned
+    pickler.dump(obj)
+    return buffer.getvalue()
 
 
 def close_all(fds: list[int]) -> None:

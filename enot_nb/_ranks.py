@@ -95,10 +95,14 @@ class RankIO:
         # read ends (and what is left) in close().
         self.read_ends = [r.pipes[name][0] for r in ranks for name in STREAMS]
         self.write_ends = [r.pipes[name][1] for r in ranks for name in STREAMS]
-        for r in ranks:
-            for name in STREAMS:
-                os.set_blocking(r.pipes[name][0], False)
-                self.selector.register(r.pipes[name][0], selectors.EVENT_READ, (r, name))
+        try:
+            for r in ranks:
+                for name in STREAMS:
+                    os.set_blocking(r.pipes[name][0], False)
+                    self.selector.register(r.pipes[name][0], selectors.EVENT_READ, (r, name))
+        except OSError:  # ENOMEM, ENOSPC (epoll's watch limit): the caller closes the pipes
+            self.selector.close()
+            raise
 
     def read(self, r: Rank, name: str, force_show: bool = False) -> bool:
         """Read what is available from one pipe; False once it is at its end or empty.

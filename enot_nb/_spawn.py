@@ -191,17 +191,14 @@ class ForkServer:
         try:
             with interrupts_deferred():  # a server started is known before a press lands
                 self.process = on_clean_thread(start)
-        except BaseException:
-            self.close()
-            raise
-        finally:
             theirs.close()
-        try:
             hook("server_starting")
             self.sock.settimeout(SERVER_START_TIMEOUT)
             _channel.recv_message(self.sock, self.reader)
         except (OSError, EOFError) as err:
             self.close()
+            if self.process is None:
+                raise  # it could not be started (EAGAIN, ...): start_error says why
             raise LaunchError(
                 f"the enot_nb fork server did not start ({err}); check that `{sys.executable} -c "
                 "'import torch, enot_nb'` works"
@@ -209,6 +206,8 @@ class ForkServer:
         except BaseException:  # an interrupt while the server imports torch: leave nothing
             self.close()
             raise
+        finally:
+            theirs.close()
         self.sock.settimeout(None)
 
     def alive(self) -> bool:
@@ -230,27 +229,37 @@ class ForkServer:
         is out of step (``broken``) until take_pidfds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            message = self.next_message(deadline)
-            if isinstance(message, Started) and message.launch_id == launch_id:
-                self.broken = True
-                return message.pids
+            self.fill(deadline)
+            with interrupts_deferred():  # taken off the queue and marked as one step
+                message = self.reader.pending.popleft()
+                if isinstance(message, Started) and message.launch_id == launch_id:
+                    self.broken = True
+                    return message.pids
             if isinstance(message, StartFailed) and message.launch_id == launch_id:
                 raise StartRefused(str(start_error(OSError(message.errno, message.reason),
                                                    "the fork server could not start the workers")))
 
     def take_pidfds(self, pids: dict[int, int]) -> dict[int, int]:
         """Each rank's pidfd, sent right after "started"; call with stop presses held, so
-        that they are received and recorded as one step."""
-        pidfds = _channel.recv_fds(self.sock, self.reader, len(pids))
+        that they are received and recorded as one step (so the wait has a deadline)."""
+        try:
+            self.sock.settimeout(SERVER_RECOVERY_TIMEOUT)
+            pidfds = _channel.recv_fds(self.sock, self.reader, len(pids))
+        except (EOFError, TimeoutError) as err:  # still broken: the server is replaced
+            raise LaunchError(f"the enot_nb fork server did not send the workers' pidfds ({err})"
+                              ) from err
+        finally:
+            self.sock.settimeout(None)
         self.broken = False
         return dict(zip(sorted(pids), pidfds))
 
-    def next_message(self, deadline: float | None = None) -> tuple:
-        """Block for the next message from the server (until ``deadline``, a monotonic time)."""
+    def fill(self, deadline: float | None = None) -> None:
+        """Block until a message from the server waits in ``reader.pending`` (until
+        ``deadline``, a monotonic time); the caller takes it off with presses held."""
         try:
             if deadline is not None:
                 self.sock.settimeout(max(0.0, deadline - time.monotonic()))
-            return _channel.recv_message(self.sock, self.reader)
+            _channel.fill(self.sock, self.reader)
         except EOFError as err:
             self.broken = True
             raise LaunchError("the enot_nb fork server died; the next launch starts a new one") from err

@@ -214,7 +214,7 @@ class Attempt(_Stopping):
         finally:
             if self.group is not None:
                 self.group.settle()  # no fork in flight may inherit a descriptor closed here
-            self.io.close_write_ends()  # our copies: EOF comes when the workers exit
+            finish(self.io.close_write_ends)  # our copies: EOF comes when the workers exit
         for source in self.group.sources():
             self.io.selector.register(source, selectors.EVENT_READ, None)
 
@@ -237,6 +237,9 @@ class Attempt(_Stopping):
         if self.group.pending():
             self._on_exits(self.group.exits(None))
             timeout = 0
+        # Exits the group recorded whose report a stop press cut off on the way here.
+        self._on_exits([(r.rank, self.group.exited[r.rank]) for r in self.ranks
+                        if r.exitcode is None and r.rank in self.group.exited])
         return self.io.selector.select(timeout)
 
     def _handle(self, events: list, force_show: bool = False) -> None:
@@ -281,35 +284,25 @@ class Attempt(_Stopping):
         return Outcome(ok=True, result=load_payload(self.result_fd, master.payload))
 
     def _partial(self) -> Any:
-        """Rank 0's state at an interrupt or failure, loaded; None if it sent none."""
-        master = next((r for r in self.ranks if r.rank == 0), None)
-        if master is None:
-            return None
-        # A master that finished (it caught the interrupt, or was done first) sent all it had.
-        payload = master.payload if master.outcome == Kind.RESULT else master.partial
-        if payload is None:
-            return None
-        try:
-            return load_payload(self.result_fd, payload)
-        except LaunchError as err:
-            print(f"enot_nb: {err}", file=sys.stderr)
-            return None
+        return partial_state(self.ranks, self.result_fd)
 
     def _close(self) -> None:
-        """Everything the attempt holds, released; each step once, however often it runs."""
-        if self.group is not None:
-            self.group.close()  # every worker killed (with its group) and reaped
-            self.group = None
-        if self.io is not None:
-            self.io.close()
-            self.io = None
-        if self.result_fd is not None:
-            os.close(self.result_fd)  # a result already loaded keeps its pages mapped
-            self.result_fd = None
-        if self.rendezvous_dir is not None:
-            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
-            _spawn.watchdog().tell(f"unfolder {self.rendezvous_dir}")
-            self.rendezvous_dir = None
+        """Everything the attempt holds, released: each once, however often this runs (see
+        run), and all of them even if one fails (the first error is raised after)."""
+        errors = []
+        for name, release in (("group", lambda group: group.close()),  # killed and reaped
+                              ("io", lambda io: io.close()),
+                              ("result_fd", os.close),  # a loaded result keeps its pages mapped
+                              ("rendezvous_dir", remove_rendezvous_folder)):
+            held = getattr(self, name)
+            if held is not None:
+                setattr(self, name, None)
+                try:
+                    release(held)
+                except Exception as err:  # noqa: BLE001 - raised below, after the others
+                    errors.append(err)
+        if errors:
+            raise errors[0]
 
 
 def rendezvous_folder(plan: LaunchPlan) -> str | None:
@@ -319,6 +312,27 @@ def rendezvous_folder(plan: LaunchPlan) -> str | None:
         _spawn.watchdog().tell(f"folder {folder}")
         return folder
     return None
+
+
+def partial_state(ranks: list[Rank], result_fd: int | None) -> Any:
+    """Rank 0's state at an interrupt or failure, loaded; None if it sent none."""
+    master = next((r for r in ranks if r.rank == 0), None)
+    if master is None:
+        return None
+    # A master that finished (it caught the interrupt, or was done first) sent all it had.
+    payload = master.payload if master.outcome == Kind.RESULT else master.partial
+    if payload is None:
+        return None
+    try:
+        return load_payload(result_fd, payload)
+    except LaunchError as err:
+        print(f"enot_nb: {err}", file=sys.stderr)
+        return None
+
+
+def remove_rendezvous_folder(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    _spawn.watchdog().tell(f"unfolder {folder}")
 
 
 def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,

@@ -32,7 +32,7 @@ from typing import Any
 
 from enot_nb import _pickling, _relay, _rendezvous, _worker
 from enot_nb._devices import default_backend
-from enot_nb._interrupts import finish
+from enot_nb._interrupts import finish, interrupts_deferred
 from enot_nb._options import ConflictingFlagsError, LaunchOptions
 from enot_nb._plan import LaunchPlan
 from enot_nb._supervisor import Attempt
@@ -127,13 +127,15 @@ def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None
     notebook's globals, which spawned copies of its functions keep sharing. ``on_message``:
     called with the other messages ("display", ...) of the ranks whose output is shown."""
     with _single_launch():
-        shipped = _pickle_job(job, namespace) if plan.start_method == "spawn" else None
-        shared = list(shipped[1]) if shipped is not None else []
+        shared: list[int] = []  # the shipped tensors' memfd, recorded the moment it is made
 
         def release() -> None:  # once, however often it runs
             _pickling.release_later([shared.pop() for _ in range(len(shared))])
 
         try:
+            shipped = None
+            if plan.start_method == "spawn":
+                shipped = (_pickle_job(job, shared, namespace), shared)
             return run_plan(plan, job, shipped, on_message)
         finally:
             try:
@@ -304,7 +306,7 @@ def _threads_per_worker(nprocs: int) -> int:
     return max(1, cores // nprocs)
 
 
-def _pickle_job(job: _worker.Job, namespace: dict | None = None) -> tuple[bytes, list[int]]:
+def _pickle_job(job: _worker.Job, owned: list[int], namespace: dict | None = None) -> bytes:
     """Pickle the job for spawned workers, naming the first piece that cannot be pickled."""
     pieces = {"fn": job.fn} | {f"args[{i}]": a for i, a in enumerate(job.args)}
     pieces |= {f"kwargs[{k!r}]": v for k, v in job.kwargs.items()}
@@ -313,27 +315,35 @@ def _pickle_job(job: _worker.Job, namespace: dict | None = None) -> tuple[bytes,
         raise LaunchConfigError(f"{name}: {reason}, but spawned workers need it pickled. Create it "
                                 "inside fn instead, or use start_method='fork'")
     try:
-        return _pickling.dumps(job, namespace)
+        return _pickling.dumps(job, owned, namespace)
     except Exception as err:  # noqa: BLE001 - e.g. a tensor that failed to copy
         raise LaunchConfigError(f"the job cannot be pickled: {err}") from err
 
 
-_running: dict[str, int] = {}  # "launch" -> the ident of the thread whose launch runs
+_launch_lock = threading.Lock()
 
 
 @contextmanager
 def _single_launch() -> Iterator[None]:
-    """One launch at a time per process. Not a lock: a stop press between taking a lock and the
-    ``try`` that releases it would keep it forever. A thread's launches never overlap, so an
-    entry of this thread, or of a thread that is gone, is stale and taken over."""
-    me = threading.get_ident()
-    owner = _running.setdefault("launch", me)  # atomic: one thread's setdefault wins
-    if owner != me and any(t.ident == owner for t in threading.enumerate()):
-        raise LaunchError("another enot_nb launch is running in this process (from another "
-                          "thread); wait for it to finish, launches do not run concurrently")
-    _running["launch"] = me
+    """One launch at a time per process. A stop press must not keep the lock: it is taken and
+    recorded as one step, and released by a cleanup that a press cannot skip."""
+    held: list[bool] = []
+
+    def release() -> None:  # once, however often it runs
+        if held:
+            held.pop()
+            _launch_lock.release()
+
     try:
+        with interrupts_deferred():
+            if _launch_lock.acquire(blocking=False):
+                held.append(True)
+        if not held:
+            raise LaunchError("another enot_nb launch is running in this process (from another "
+                              "thread); wait for it to finish, launches do not run concurrently")
         yield
     finally:
-        if _running.get("launch") == me:
-            del _running["launch"]
+        try:
+            finish(release)
+        finally:
+            finish(release)  # a no-op, unless a press landed on the line above

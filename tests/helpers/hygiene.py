@@ -155,13 +155,17 @@ def interrupt_sweep(method: str, tries: str) -> None:
 
 def _press_before_line(k: int, where: list[str]):
     """A tracer for the main thread that raises KeyboardInterrupt, as a stop press does, before
-    the k-th line of enot_nb it runs; never where presses are held (interrupts_deferred), since a
-    real press is not delivered there."""
+    the k-th line of enot_nb it runs. Not where a real press is never delivered: where presses
+    are held (interrupts_deferred), and on a bare ``try:`` (a no-op instruction: the interpreter
+    looks for presses at calls and loops)."""
+    import linecache
+
     package = os.path.dirname(enot_nb.__file__)
     seen = [0]
 
     def local(frame, event, arg):
-        if event == "line":
+        if event == "line" and linecache.getline(frame.f_code.co_filename,
+                                                 frame.f_lineno).strip() != "try:":
             seen[0] += 1
             if seen[0] == k and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 where.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
@@ -182,19 +186,37 @@ def rendezvous_folders() -> set[str]:
 
 
 def own_fds() -> int:
-    """Open descriptors, less the fork server's socket (a press may replace the server)."""
+    """Open descriptors once the shipped memfds are closed (a thread closes them after the
+    launch), less the fork server's socket (a press may replace the server)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "enot_nb-release":
+            thread.join()
     return open_fds() - (_spawn._server is not None)
 
 
 def press_before_every_line(method: str, stride: str) -> None:
     """Launch once per k in 1, 1 + stride, ... with a press before the k-th line enot_nb runs
     in this thread; after each, nothing may be left: no process, descriptor or folder, and the
-    launch ended by the press or finished, never with another error."""
+    launch ended by the press or finished, never with another error. The job takes a 2 MiB
+    tensor, which spawned workers get through shared memory (a memfd that must not leak)."""
+    import tempfile
+
+    import torch
+
+    tempfile.tempdir = tempfile.mkdtemp(prefix="enot_nb-press-")  # only our folders are counted
+    tensors = [torch.ones(2**19)]
+
+    def launch() -> float:
+        return enot_nb.notebook_launcher(ranks_total, args=(tensors,), nprocs=2, backend="gloo",
+                                         start_method=method)
+
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)  # warm
+    launch()  # warm
     lines, tracer = _press_before_line(0, [])
     sys.settrace(tracer)
-    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
+    launch()
     sys.settrace(None)
     say("lines", lines[0])
     fds, folders = own_fds(), rendezvous_folders()
@@ -206,7 +228,7 @@ def press_before_every_line(method: str, stride: str) -> None:
         faulthandler.dump_traceback_later(30, exit=True)  # a hang fails in seconds, with stacks
         sys.settrace(tracer)
         try:
-            enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
+            launch()
         except KeyboardInterrupt:
             outcome = "interrupted"
             pressed += 1
@@ -224,7 +246,8 @@ def press_before_every_line(method: str, stride: str) -> None:
                 os.kill(pid, signal.SIGKILL)
             fds, folders = own_fds(), rendezvous_folders()
     say("pressed", pressed)
-    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+    say("next", launch())
+    os.rmdir(tempfile.tempdir)
 
 
 def descendants_then_block(method: str) -> None:
