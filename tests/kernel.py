@@ -65,7 +65,9 @@ class Kernel:
             try:
                 msg = self.client.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}") from None
+                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}\n"
+                                   f"stdout so far: {run.stdout[-2000:]!r}\n"
+                                   f"stderr so far: {run.stderr[-2000:]!r}") from None
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]

@@ -195,6 +195,7 @@ def test_interrupt_button_stops_a_long_cell(method):
 
         run = k.run(LONG_CELL.replace("--output all", f"--output all --start-method {method}"),
                     on_output=interrupt_when_started)
+        assert "t" in seen, f"the two workers never printed their pids: {run.stdout!r}"
         record_figure("interrupt_to_error_kernel_s", time.monotonic() - seen["t"])
         assert time.monotonic() - seen["t"] < 5
         assert run.error["ename"] == "KeyboardInterrupt"
