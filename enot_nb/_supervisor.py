@@ -202,10 +202,9 @@ class Attempt(_Stopping):
                 raise
             self.ranks = ranks
         try:
-            if self.plan.node_rank == 0:  # global rank 0 runs here
-                with interrupts_deferred():
-                    self.result_fd = _pickling.result_fd()
             with interrupts_deferred():
+                if self.plan.node_rank == 0:  # global rank 0 runs here
+                    self.result_fd = _pickling.result_fd()
                 self.rendezvous_dir = rendezvous_folder(self.plan)
             self.group = make_group(self.plan, self.job, self.shipped, self.ranks, self.attempt,
                                     self.result_fd, self.rendezvous_dir)

@@ -13,6 +13,33 @@ HELPERS = Path(__file__).parent / "helpers"
 METHODS = ["fork", "spawn"]  # the start methods every behaviour must hold under
 
 
+def press_before_line(k: int | None, in_scope, where: list[str] | None = None):
+    """A tracer for this thread that raises KeyboardInterrupt, as a stop press does, before the
+    k-th line it sees in code objects ``in_scope(code)`` accepts; returns (lines seen, tracer).
+    Not where a real press is never delivered: where presses are held (interrupts_deferred), and
+    on a bare ``try:`` (a no-op instruction: the interpreter looks for presses at calls and
+    loops). ``where`` gets "file:line" of the press."""
+    import linecache
+    import signal
+
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line" and linecache.getline(frame.f_code.co_filename,
+                                                 frame.f_lineno).strip() != "try:":
+            seen[0] += 1
+            if seen[0] == k and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                if where is not None:
+                    where.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if in_scope(frame.f_code) else None
+
+    return seen, tracer
+
+
 def _stat(pid: int) -> list[str] | None:
     """The fields of /proc/PID/stat after the command name; None if the process is gone."""
     try:

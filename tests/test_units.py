@@ -20,6 +20,7 @@ from enot_nb._output import StreamSink
 from enot_nb._ranks import STREAMS, RankIO, make_ranks
 from enot_nb._sync import _plan
 from enot_nb.errors import LaunchConfigError, WorkerFailedError, WorkerFailure
+from tests._util import press_before_line
 
 
 def test_framing_reassembles_messages_split_anywhere():
@@ -221,25 +222,6 @@ def test_numpy_and_torch_memory_stays_shared_through_a_round_trip():
 
 
 
-def _line_events(functions, interrupt_at: int | None) -> tuple[int, object]:
-    """A tracer that raises KeyboardInterrupt (as a stop press does) before the
-    ``interrupt_at``-th line it sees in ``functions``; it counts those lines."""
-    codes = {f.__code__ for f in functions}
-    seen = [0]
-
-    def local(frame, event, arg):
-        if event == "line":
-            seen[0] += 1
-            if seen[0] == interrupt_at:
-                raise KeyboardInterrupt
-        return local
-
-    def tracer(frame, event, arg):
-        return local if frame.f_code in codes else None
-
-    return seen, tracer
-
-
 def test_a_stop_press_anywhere_in_reading_a_pipe_end_leaves_it_readable_again():
     """CI saw a KeyboardInterrupt land between the unregistering of a pipe at its end and the
     bookkeeping: the interrupt's own drain then failed with "13 is not registered". A press before
@@ -251,7 +233,9 @@ def test_a_stop_press_anywhere_in_reading_a_pipe_end_leaves_it_readable_again():
             os.write(r.pipes[name][1], b"" if name == "msg" else b"x\n")
         io = RankIO(ranks, None, lambda rank, info: None)
         io.close_write_ends()  # as the launcher does once the workers hold them
-        seen, tracer = _line_events([RankIO.read, RankIO._show, RankIO.drain], interrupt_at)
+        codes = {RankIO.read.__code__, RankIO._show.__code__, RankIO.drain.__code__}
+        where: list[str] = []
+        seen, tracer = press_before_line(interrupt_at, codes.__contains__, where)
         sys.settrace(tracer)
         try:
             io.drain(r)
@@ -259,6 +243,7 @@ def test_a_stop_press_anywhere_in_reading_a_pipe_end_leaves_it_readable_again():
             pass
         finally:
             sys.settrace(None)
+        assert interrupt_at is None or where, "the press was not made"
         io.drain(r)  # what the interrupt's handling does next
         assert not r.open_reads and not io.selector.get_map()
         io.close()

@@ -17,7 +17,7 @@ import time
 import enot_nb
 from enot_nb import _spawn
 from enot_nb import distributed as ed
-from tests._util import descendants, is_fork_server_of
+from tests._util import descendants, is_fork_server_of, press_before_line
 
 
 def say(*words: object) -> None:
@@ -153,31 +153,6 @@ def interrupt_sweep(method: str, tries: str) -> None:
     say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
 
 
-def _press_before_line(k: int, where: list[str]):
-    """A tracer for the main thread that raises KeyboardInterrupt, as a stop press does, before
-    the k-th line of enot_nb it runs. Not where a real press is never delivered: where presses
-    are held (interrupts_deferred), and on a bare ``try:`` (a no-op instruction: the interpreter
-    looks for presses at calls and loops)."""
-    import linecache
-
-    package = os.path.dirname(enot_nb.__file__)
-    seen = [0]
-
-    def local(frame, event, arg):
-        if event == "line" and linecache.getline(frame.f_code.co_filename,
-                                                 frame.f_lineno).strip() != "try:":
-            seen[0] += 1
-            if seen[0] == k and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                where.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
-                raise KeyboardInterrupt
-        return local
-
-    def tracer(frame, event, arg):
-        return local if frame.f_code.co_filename.startswith(package) else None
-
-    return seen, tracer
-
-
 def rendezvous_folders() -> set[str]:
     import glob
     import tempfile
@@ -214,7 +189,12 @@ def press_before_every_line(method: str, stride: str) -> None:
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     launch()  # warm
-    lines, tracer = _press_before_line(0, [])
+    package = os.path.dirname(enot_nb.__file__)
+
+    def in_scope(code) -> bool:
+        return code.co_filename.startswith(package)
+
+    lines, tracer = press_before_line(None, in_scope)
     sys.settrace(tracer)
     launch()
     sys.settrace(None)
@@ -223,7 +203,7 @@ def press_before_every_line(method: str, stride: str) -> None:
     pressed = 0
     for k in range(1, lines[0] + 1, int(stride)):
         where: list[str] = []
-        _, tracer = _press_before_line(k, where)
+        _, tracer = press_before_line(k, in_scope, where)
         outcome = "finished"
         faulthandler.dump_traceback_later(30, exit=True)  # a hang fails in seconds, with stacks
         sys.settrace(tracer)
