@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from enot_nb._devices import device_for
-from enot_nb._env import read_layout
-from enot_nb._sync import collective_device, sync_model
+from enot_nb._runtime.devices import device_for
+from enot_nb._runtime.env import read_layout
+from enot_nb._runtime.sync import collective_device, sync_model
 from enot_nb.errors import DistributedRuntimeException, LaunchConfigError
 
 __all__ = [

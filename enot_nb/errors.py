@@ -24,7 +24,7 @@ class LaunchError(EnotNbError, RuntimeError):
 
 
 class IncompatibleFrameworkError(EnotNbError, RuntimeError):
-    """A framework in a worker has changed where enot_nb adapts it (see enot_nb._frameworks)."""
+    """A framework in a worker has changed where enot_nb adapts it (see enot_nb._worker.frameworks)."""
 
 
 class LaunchConfigError(EnotNbError, ValueError):

@@ -122,8 +122,9 @@ def export_cell(
         exported = enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)
         print(exported.command)
     """
-    from enot_nb import _cell, _objgraph
-    from enot_nb._options import LaunchOptions
+    from enot_nb._launch.options import LaunchOptions
+    from enot_nb._state import objgraph
+    from enot_nb._worker import cell as _cell
 
     # Checked as a launch checks them; the GPUs and backends of the cluster are not known here.
     LaunchOptions(nprocs=nprocs, nnodes=nnodes, backend=backend, seed=seed,
@@ -136,7 +137,7 @@ def export_cell(
     for target in (script, namespace_file, _beside(script, "results.pkl")):
         refuse_links(target)
     script.parent.mkdir(parents=True, exist_ok=True)
-    values, left_out, _ = _objgraph.shippable_namespace(namespace or {}, code)
+    values, left_out, _ = objgraph.shippable_namespace(namespace or {}, code)
     write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out},
                                                        protocol=5))
     import torch
@@ -201,7 +202,8 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
 
 def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
     """Run an exported cell as this torchrun process, then leave as enot_nb's workers do."""
-    from enot_nb import _cell, _worker
+    from enot_nb._worker import bootstrap
+    from enot_nb._worker import cell as _cell
     from enot_nb.distributed import get_rank, init_torch
 
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -233,15 +235,15 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
             _save_results(path, outcome, namespace)
         exitcode = 0
     except BaseException as exc:  # noqa: BLE001 - reported, then the process leaves
-        traceback.print_exception(type(exc), exc, _worker._user_frames(exc.__traceback__))
+        traceback.print_exception(type(exc), exc, bootstrap._user_frames(exc.__traceback__))
         exitcode = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
-    _worker._leave(exitcode)
+    bootstrap._leave(exitcode)
 
 
 def _default_backend() -> str:
     import torch
 
-    from enot_nb._devices import default_backend
+    from enot_nb._runtime.devices import default_backend
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return default_backend(local, torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -255,12 +257,12 @@ def _silence_stdout() -> None:
 
 
 def _save_results(script: Path, outcome: Any, namespace: dict[str, Any]) -> None:
-    from enot_nb import _pickling
+    from enot_nb._serialize import pickling
 
     values = {n: namespace[n] for n in outcome.changed_names
               if n in namespace and n not in outcome.not_returned}
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not saved: {reason}", file=sys.stderr)
     target = _beside(script, "results.pkl")
-    write_atomically(target, _pickling.dump_inline(values))
+    write_atomically(target, pickling.dump_inline(values))
     print(f"enot_nb: saved {', '.join(sorted(values)) or 'nothing'} to {target}", file=sys.stderr)

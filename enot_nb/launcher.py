@@ -30,12 +30,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from enot_nb import _pickling, _relay, _rendezvous, _worker
-from enot_nb._devices import default_backend
-from enot_nb._interrupts import finish, interrupts_deferred
-from enot_nb._options import ConflictingFlagsError, LaunchOptions
-from enot_nb._plan import LaunchPlan
-from enot_nb._supervisor import Attempt
+from enot_nb._launch import relay
+from enot_nb._launch.attempt import Attempt
+from enot_nb._launch.options import ConflictingFlagsError, LaunchOptions
+from enot_nb._launch.plan import LaunchPlan
+from enot_nb._processes import rendezvous as _rendezvous
+from enot_nb._processes.interrupts import finish, interrupts_deferred
+from enot_nb._runtime.devices import default_backend
+from enot_nb._serialize import pickling
+from enot_nb._worker import bootstrap
 from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError, WorkerFailure
 
 __all__ = ["ConflictingFlagsError", "LaunchConfigError", "LaunchOptions", "launch_job",
@@ -117,11 +120,11 @@ def notebook_launcher(
         cuda_reproducible=cuda_reproducible, start_method=start_method, output=output,
         master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=node_rank,
         max_restarts=max_restarts, timeout=timeout)
-    return launch_job(plan_launch(options), _worker.Job(fn, tuple(args), dict(kwargs or {})),
-                      on_message=_relay.show if _relay.in_ipython() else None)
+    return launch_job(plan_launch(options), bootstrap.Job(fn, tuple(args), dict(kwargs or {})),
+                      on_message=relay.show if relay.in_ipython() else None)
 
 
-def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None,
+def launch_job(plan: LaunchPlan, job: bootstrap.Job, namespace: dict | None = None,
                on_message: Callable[[str, Any], None] | None = None) -> Any:
     """Run a job under a validated plan, one launch at a time per process. ``namespace``: the
     notebook's globals, which spawned copies of its functions keep sharing. ``on_message``:
@@ -130,7 +133,7 @@ def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None
         shared: list[int] = []  # the shipped tensors' memfd, recorded the moment it is made
 
         def release() -> None:  # once, however often it runs
-            _pickling.release_later([shared.pop() for _ in range(len(shared))])
+            pickling.release_later([shared.pop() for _ in range(len(shared))])
 
         try:
             shipped = None
@@ -148,7 +151,7 @@ def launch_job(plan: LaunchPlan, job: _worker.Job, namespace: dict | None = None
 RECONNECTS = 2
 
 
-def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
+def run_plan(plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[int]] | None,
              on_message: Callable[[str, Any], None] | None = None) -> Any:
     """Run every attempt of a validated plan; return rank 0's result or raise the last failure."""
     root_causes: list[WorkerFailure] = []
@@ -179,7 +182,7 @@ def run_plan(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]
 def plan_launch(options: LaunchOptions) -> LaunchPlan:
     """Decide what depends on this machine (GPUs, backends, addresses, the start method) for
     options already checked; starts nothing."""
-    if os.environ.get(_worker.WORKER_MARKER):
+    if os.environ.get(bootstrap.WORKER_MARKER):
         raise LaunchError("notebook_launcher was called inside a worker process; launches do not "
                           "nest: call the function directly in the worker")
     gpus = visible_gpu_count()
@@ -205,7 +208,7 @@ def plan_launch(options: LaunchOptions) -> LaunchPlan:
         threads=_threads_per_worker(nprocs), max_restarts=options.max_restarts,
         run_id=(f"enot_nb-{master_addr}-{options.master_port}" if options.nnodes > 1
                 else f"enot_nb-{uuid.uuid4().hex[:12]}"),
-        init_kwargs=_worker.init_kwargs(options.seed, options.cuda_optimize_for_speed,
+        init_kwargs=bootstrap.init_kwargs(options.seed, options.cuda_optimize_for_speed,
                                         options.cuda_reproducible, backend, options.timeout),
     )
 
@@ -306,16 +309,16 @@ def _threads_per_worker(nprocs: int) -> int:
     return max(1, cores // nprocs)
 
 
-def _pickle_job(job: _worker.Job, owned: list[int], namespace: dict | None = None) -> bytes:
+def _pickle_job(job: bootstrap.Job, owned: list[int], namespace: dict | None = None) -> bytes:
     """Pickle the job for spawned workers, naming the first piece that cannot be pickled."""
     pieces = {"fn": job.fn} | {f"args[{i}]": a for i, a in enumerate(job.args)}
     pieces |= {f"kwargs[{k!r}]": v for k, v in job.kwargs.items()}
-    ship = {"namespace": namespace, "pickler_class": _pickling.ShipPickler}
-    for name, reason in _pickling.unpicklable(pieces, **ship).items():
+    ship = {"namespace": namespace, "pickler_class": pickling.ShipPickler}
+    for name, reason in pickling.unpicklable(pieces, **ship).items():
         raise LaunchConfigError(f"{name}: {reason}, but spawned workers need it pickled. Create it "
                                 "inside fn instead, or use start_method='fork'")
     try:
-        return _pickling.dumps(job, owned, namespace)
+        return pickling.dumps(job, owned, namespace)
     except Exception as err:  # noqa: BLE001 - e.g. a tensor that failed to copy
         raise LaunchConfigError(f"the job cannot be pickled: {err}") from err
 

@@ -1,7 +1,7 @@
 """``%%enot_distributed``: run a notebook cell on every process and keep the notebook's state.
 
 The magic only parses its options; :func:`run_distributed_cell` does the work, and the worker
-side lives in :mod:`enot_nb._cell`.
+side lives in :mod:`enot_nb._worker.cell`.
 
 Example::
 
@@ -21,9 +21,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from enot_nb import _apply, _cell, _objgraph, _relay, _worker
-from enot_nb._objgraph import Registry
-from enot_nb._options import LaunchOptions
+from enot_nb._launch import relay
+from enot_nb._launch.options import LaunchOptions
+from enot_nb._state import apply, objgraph
+from enot_nb._state.objgraph import Registry
+from enot_nb._worker import bootstrap
+from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchInterrupted, WorkerFailedError
 from enot_nb.launcher import LaunchConfigError, LaunchPlan, launch_job, plan_launch
 
@@ -142,15 +145,15 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         # The workers inherit these objects at the same addresses: index i names one object on
         # both sides, so only what changed needs to come back.
         registry = Registry.of_user_variables(namespace, shell.user_ns_hidden)
-        job = _worker.Job(_cell.run_cell, (code, namespace, options, registry))
+        job = bootstrap.Job(_cell.run_cell, (code, namespace, options, registry))
     else:
-        values, left_out, registry = _objgraph.shippable_namespace(namespace, code)
-        objects = _objgraph.shippable_objects(registry, namespace)
-        job = _worker.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
+        values, left_out, registry = objgraph.shippable_namespace(namespace, code)
+        objects = objgraph.shippable_objects(registry, namespace)
+        job = bootstrap.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
     failure: BaseException | None = None
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace,
-                                                       on_message=_relay.show)
+                                                       on_message=relay.show)
     except LaunchInterrupted as err:
         _after_interrupt(shell, registry, options, err.partial_result)
         failure = CellInterrupted()
@@ -217,7 +220,7 @@ def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions,
     if options.keep_on_error:
         print("enot_nb: --on-error keep: rank 0 sent no state (it did not fail in Python); the "
               "notebook is unchanged", file=sys.stderr)
-    shared = _apply.shared_memory_tensors(registry)
+    shared = apply.shared_memory_tensors(registry)
     if shared:
         print(f"enot_nb: the cell failed, so the notebook is unchanged, except {shared} tensor(s) "
               "in shared memory (share_memory_()), which may hold partial writes", file=sys.stderr)
@@ -248,10 +251,10 @@ def _export(shell: Any, code: str, args: Any) -> None:
 def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
                 options: _cell.CellOptions, show_value: bool = True) -> Any:
     """Apply the master's changes to the notebook, in place; say what could not come back."""
-    changes = _apply.load(outcome.state, registry) if outcome.state is not None else None
+    changes = apply.load(outcome.state, registry) if outcome.state is not None else None
     problems = []
     if changes is not None:
-        problems = _apply.apply_changes(shell.user_ns, registry, changes, options.returns)
+        problems = apply.apply_changes(shell.user_ns, registry, changes, options.returns)
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)
     for line in problems:

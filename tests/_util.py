@@ -89,7 +89,7 @@ def is_fork_server_of(pid: int, owners: set[int]) -> bool:
     """The fork server and the watchdog are by-design helpers that live as long as their owner
     (tested apart)."""
     args = " ".join(cmdline(pid))
-    helper = "enot_nb._forkserver" in args or "enot_nb/_watchdog.py" in args
+    helper = "enot_nb._worker.forkserver" in args or "enot_nb/_processes/watchdog.py" in args
     return helper and parent_of(pid) in owners
 
 

@@ -332,7 +332,7 @@ ADAPTED = """
 import sys
 sys.ps1 = ">>> "  # what a kernel has: Lightning would compute _IS_INTERACTIVE = True
 import torch, lightning_fabric.connector  # imported before the worker starts (as under fork)
-from enot_nb import _frameworks
+from enot_nb._worker import frameworks as _frameworks
 _frameworks.adapt()
 import pytorch_lightning, pytorch_lightning.callbacks.progress.rich_progress  # imported after (as in a cell)
 print(sorted(name for name in _frameworks.LIGHTNING_FLAG_SOURCES + _frameworks.LIGHTNING_FLAG_HOLDERS
@@ -347,7 +347,7 @@ def test_the_lightning_flag_is_cleared_in_every_module_that_holds_it():
     import pytorch_lightning.callbacks.progress.rich_progress  # noqa: F401 - the holders exist
     import pytorch_lightning.trainer.connectors.accelerator_connector  # noqa: F401
 
-    from enot_nb import _frameworks
+    from enot_nb._worker import frameworks as _frameworks
 
     out = subprocess.run([sys.executable, "-c", ADAPTED], capture_output=True, text=True, timeout=120,
                          cwd=str(ROOT))
@@ -361,7 +361,7 @@ def test_the_lightning_flag_is_cleared_in_every_module_that_holds_it():
 def test_a_lightning_without_the_flag_is_a_clear_error():
     import types
 
-    from enot_nb import _frameworks
+    from enot_nb._worker import frameworks as _frameworks
     from enot_nb.errors import IncompatibleFrameworkError
 
     with pytest.raises(IncompatibleFrameworkError, match=r"lightning_fabric.connector has no "

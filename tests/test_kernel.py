@@ -100,7 +100,7 @@ def test_exception_on_one_rank_shows_cell_lines(kernel, method):
     assert "rank 1 raised ValueError: bad rank" in text
     assert 'File "<enot_distributed cell>", line 4, in <module>' in text  # the notebook's line
     assert "raise ValueError('bad rank')" in text
-    assert "_cell.py" not in text and "launcher.py" not in text
+    assert "enot_nb/_worker/" not in text and "launcher.py" not in text
     assert kernel.ok("print(keep)").stdout == "before\n"  # kernel alive, nothing applied
 
 

@@ -14,18 +14,20 @@ import pytest
 import torch
 
 import enot_nb
-from enot_nb import _channel, _objgraph, _pickling, _state
-from enot_nb._options import LaunchOptions
-from enot_nb._output import StreamSink
-from enot_nb._ranks import STREAMS, RankIO, make_ranks
-from enot_nb._sync import _plan
+from enot_nb._launch.options import LaunchOptions
+from enot_nb._launch.output import StreamSink
+from enot_nb._launch.ranks import STREAMS, RankIO, make_ranks
+from enot_nb._processes import protocol
+from enot_nb._runtime.sync import _plan
+from enot_nb._serialize import pickling
+from enot_nb._state import collect, objgraph
 from enot_nb.errors import LaunchConfigError, WorkerFailedError, WorkerFailure
 from tests._util import press_before_line
 
 
 def test_framing_reassembles_messages_split_anywhere():
-    data = _channel.encode(("a", 1)) + _channel.encode({"b": [2, 3]})
-    reader = _channel.MessageReader()
+    data = protocol.encode(("a", 1)) + protocol.encode({"b": [2, 3]})
+    reader = protocol.MessageReader()
     messages = []
     for i in range(len(data)):
         messages += reader.feed(data[i : i + 1])
@@ -36,10 +38,10 @@ def test_more_than_253_descriptors_travel_in_batches():
     ours, theirs = socket.socketpair()
     pipes = [os.pipe() for _ in range(300)]
     try:
-        _channel.send_message(ours, ("launch", 1), [w for _, w in pipes])
-        reader = _channel.MessageReader()
-        assert _channel.recv_message(theirs, reader) == ("launch", 1)
-        received = _channel.recv_fds(theirs, reader, 300)
+        protocol.send_message(ours, ("launch", 1), [w for _, w in pipes])
+        reader = protocol.MessageReader()
+        assert protocol.recv_message(theirs, reader) == ("launch", 1)
+        received = protocol.recv_fds(theirs, reader, 300)
         assert len(received) == 300 and not reader.pending
         os.write(received[299], b"x")
         assert os.read(pipes[299][0], 1) == b"x"  # the order is kept
@@ -58,9 +60,9 @@ def test_result_layout_round_trip_keeps_aliasing_and_holds_no_descriptor():
     value = {"base": base, "view": base[2:5], "param": torch.nn.Parameter(torch.ones(3))}
     fd = os.memfd_create("test")
     try:
-        size = _pickling.write_result(fd, *_pickling.dump_result(value))
+        size = pickling.write_result(fd, *pickling.dump_result(value))
         before = len(os.listdir("/proc/self/fd"))
-        loaded = _pickling.read_result(fd, size)
+        loaded = pickling.read_result(fd, size)
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         os.close(fd)
@@ -79,15 +81,15 @@ def test_prefixing_keeps_carriage_returns(capsys):
 
 def _changes(namespace: dict, cell: str) -> tuple[list[str], list[str], int]:
     """What a forked worker would report for ``cell`` (pages are told apart after a fork)."""
-    registry = _objgraph.Registry.of_namespace(namespace, list(namespace))
+    registry = objgraph.Registry.of_namespace(namespace, list(namespace))
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the worker's side
         try:
-            snapshot = _objgraph.Snapshot.take(registry)
+            snapshot = objgraph.Snapshot.take(registry)
             before = dict(namespace)
             exec(cell, namespace)
-            changes, changed = _state.collect(registry, snapshot, before, namespace)
+            changes, changed = collect.collect(registry, snapshot, before, namespace)
             found = (sorted(changes.bound), sorted(registry.path(i) for i in changed),
                      len(changes.storages))
             os.write(write, pickle.dumps(found))
@@ -156,13 +158,13 @@ def test_errors_survive_a_pickle_round_trip():
 @pytest.mark.parametrize("nprocs, gpus, backend", [(2, 0, "gloo"), (2, 1, "gloo"), (2, 2, "nccl"),
                                                    (1, 8, "nccl"), (8, 8, "nccl"), (9, 8, "gloo")])
 def test_default_backend(nprocs, gpus, backend):
-    from enot_nb._devices import default_backend
+    from enot_nb._runtime.devices import default_backend
 
     assert default_backend(nprocs, gpus) == backend
 
 
 def test_device_for_a_local_rank():
-    from enot_nb._devices import device_for
+    from enot_nb._runtime.devices import device_for
 
     assert [device_for(rank, 4) for rank in range(4)] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="only 2 GPU"):
@@ -172,8 +174,8 @@ def test_device_for_a_local_rank():
 
 
 def test_fenced_stream_releases_each_piece_after_its_message():
-    from enot_nb._channel import OUTPUT_FENCE
-    from enot_nb._output import Fenced
+    from enot_nb._launch.output import Fenced
+    from enot_nb._processes.protocol import OUTPUT_FENCE
 
     stream = Fenced()
     data = b"a" + OUTPUT_FENCE + b"b" + OUTPUT_FENCE + b"c"
@@ -192,7 +194,7 @@ def test_fenced_stream_releases_each_piece_after_its_message():
 def test_a_stopped_rank_that_exited_with_a_code_may_be_the_root_cause():
     import signal
 
-    from enot_nb._ranks import Rank
+    from enot_nb._launch.ranks import Rank
 
     r = Rank(rank=1, local_rank=1, pipes={}, sinks={})
     assert not r.stopped_by_us(-signal.SIGTERM)  # never signalled: any death is its own
@@ -210,13 +212,13 @@ def test_numpy_and_torch_memory_stays_shared_through_a_round_trip():
     x = np.arange(6.0)
     u = torch.arange(6.0)
     sent = (x, torch.from_numpy(x), torch.from_numpy(x[2:]), u, u.numpy(), u.view(2, 3).T.numpy())
-    data, buffers = _pickling.dump_result(sent)
+    data, buffers = pickling.dump_result(sent)
     x2, t2, tail2, u2, a2, c2 = pickle.loads(data, buffers=buffers)
     t2.add_(1)
     assert x2.tolist() == [1, 2, 3, 4, 5, 6] and tail2.tolist() == [3, 4, 5, 6]
     u2.mul_(10)
     assert a2.tolist() == [0, 10, 20, 30, 40, 50] and c2.tolist() == [[0, 30], [10, 40], [20, 50]]
-    data, buffers = _pickling.dump_result(torch.from_numpy(np.ones(2)))
+    data, buffers = pickling.dump_result(torch.from_numpy(np.ones(2)))
     alone = pickle.loads(data, buffers=buffers)
     assert alone.tolist() == [1, 1]  # its array did not travel: the tensor comes by value
 

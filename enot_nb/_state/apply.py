@@ -1,6 +1,6 @@
 """The notebook's side of a cell's changes: resolved against its own objects, applied in place.
 
-The master sends Changes pickled against the registry (see _state); here every index becomes
+The master sends Changes pickled against the registry (see collect); here every index becomes
 the notebook's own object, then each change is made to that object, in place, so that every
 other reference to it sees the change.
 """
@@ -14,9 +14,10 @@ import sys
 import warnings
 from typing import Any
 
-from enot_nb import _objgraph, _pickling
-from enot_nb._objgraph import Registry
-from enot_nb._state import _MISSING, KEEP, Changes, PickledState
+from enot_nb._serialize import pickling
+from enot_nb._state import objgraph
+from enot_nb._state.collect import _MISSING, KEEP, Changes, PickledState
+from enot_nb._state.objgraph import Registry
 
 
 class StateUnpickler(pickle.Unpickler):
@@ -72,7 +73,7 @@ def apply_changes(namespace: dict[str, Any], registry: Registry, changes: Change
 def _copy_into_storage(storage: Any, data: Any) -> None:
     import torch
 
-    source = torch.empty(0, dtype=torch.uint8).set_(_pickling._rebuild_storage(data))
+    source = torch.empty(0, dtype=torch.uint8).set_(pickling._rebuild_storage(data))
     if storage.nbytes() != source.numel():
         storage.resize_(source.numel())
     target = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -83,10 +84,10 @@ def _apply_tensor(tensor: Any, state: tuple, problems: list[str], path: str) -> 
     import torch
 
     _, storage, offset, size, stride, dtype, device, requires_grad, _, attributes = state
-    current = _objgraph.tensor_meta(tensor)
+    current = objgraph.tensor_meta(tensor)
     if storage is not None and not (storage is current[1] and (offset, size, stride, dtype)
                                     == tuple(current[2:6])):
-        rebuilt = _pickling._rebuild_tensor(storage, offset, size, stride, dtype, False, False)
+        rebuilt = pickling._rebuild_tensor(storage, offset, size, stride, dtype, False, False)
         if device.type != "cpu" and tensor.device.type != "cpu":
             rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
         with torch.no_grad():
@@ -96,7 +97,7 @@ def _apply_tensor(tensor: Any, state: tuple, problems: list[str], path: str) -> 
             tensor.requires_grad_(requires_grad)
         else:
             problems.append(f"{path}: requires_grad could not change on a non-leaf tensor")
-    if not _objgraph._same_dict(attributes, getattr(tensor, "__dict__", None) or {}):
+    if not objgraph._same_dict(attributes, getattr(tensor, "__dict__", None) or {}):
         tensor.__dict__.clear()
         tensor.__dict__.update(attributes)
 
@@ -116,7 +117,7 @@ def _merge(old: dict, new: dict) -> dict:
 
 def _apply_attributes(obj: Any, attributes: tuple[dict | None, dict]) -> None:
     new_dict, slots = attributes
-    current = _objgraph._object_dict(obj)
+    current = objgraph._object_dict(obj)
     if current is not None and new_dict is not None:
         merged = _merge(current, new_dict)
         current.clear()
@@ -204,7 +205,7 @@ def _apply_function(obj: Any, state: tuple) -> None:
 
 
 def _apply_class(cls: type, attributes: dict) -> None:
-    current = _objgraph.class_attributes(cls)
+    current = objgraph.class_attributes(cls)
     for name in current:
         if name not in attributes:
             delattr(cls, name)
@@ -220,7 +221,7 @@ def _apply_cell(cell: Any, state: tuple) -> None:
         del cell.cell_contents
 
 
-_APPLY = {"rng": _objgraph.set_rng_state, "dict": _apply_dict, "list": _apply_list,
+_APPLY = {"rng": objgraph.set_rng_state, "dict": _apply_dict, "list": _apply_list,
           "deque": _apply_deque, "set": _apply_set,
           "object": _apply_object, "partial": _apply_object, "ndarray": _apply_ndarray,
           "bytearray": _apply_bytearray, "array": _apply_array,

@@ -183,7 +183,7 @@ def _communication_device(device: torch.device) -> torch.device:
 
 
 def _sync_group(tensors: list[torch.Tensor], mode: str) -> None:
-    """One collective per item of _plan, IN_FLIGHT at once: packing (or dividing, unpacking)
+    """One collective per item of plan, IN_FLIGHT at once: packing (or dividing, unpacking)
     overlaps with the communication of the others; one reused buffer per bucket in flight."""
     device = _communication_device(tensors[0].device)
 

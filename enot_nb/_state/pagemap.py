@@ -6,7 +6,7 @@ the write gives the writer a private copy, which pagemap reports as "exclusively
 an unwritten page is a file page (bit 61), a written one an anonymous copy. So a page was
 written by this process iff it is present, anonymous and exclusive. Pages that already are
 before the cell (a small tensor shares its first and last page with malloc's bookkeeping) are
-compared by a digest of their bytes instead (see _objgraph.Snapshot).
+compared by a digest of their bytes instead (see objgraph.Snapshot).
 Reading the flags of 2 GiB takes 4 MB of /proc reads, instead of hashing 2 GiB twice.
 """
 

@@ -9,7 +9,7 @@ Two traps make forking a Jupyter kernel hang or fail, and each has its own way o
   every fork happens on one long-lived "clean" thread (long-lived, because Linux's parent-death
   signal fires when the *thread* that forked exits).
 * CUDA: a forked child cannot use CUDA once the caller initialized it. Then workers are forked
-  by the fork server (see _forkserver), a fresh interpreter that never touches CUDA.
+  by the fork server (see forkserver), a fresh interpreter that never touches CUDA.
 
 A start is a transaction: every process is recorded (pid and pidfd) the moment it exists, so
 whatever interrupts the start (the stop button, a failed fork) the caller can stop and reap
@@ -32,9 +32,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from enot_nb import _channel
-from enot_nb._channel import Launch, LaunchFds, Started, StartFailed
-from enot_nb._interrupts import interrupts_deferred
+from enot_nb._processes import protocol as _protocol
+from enot_nb._processes.interrupts import interrupts_deferred
+from enot_nb._processes.protocol import Launch, LaunchFds, Started, StartFailed
 from enot_nb.errors import LaunchError
 
 T = TypeVar("T")
@@ -168,7 +168,7 @@ class StartRefused(LaunchError):
 
 
 class ForkServer:
-    """The launching process's end of one fork server (see _forkserver)."""
+    """The launching process's end of one fork server (see forkserver)."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
@@ -178,12 +178,12 @@ class ForkServer:
 
         def start() -> subprocess.Popen:
             return subprocess.Popen(
-                [sys.executable, "-m", "enot_nb._forkserver", str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-m", "enot_nb._worker.forkserver", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             )
 
         self.sock = ours
-        self.reader = _channel.MessageReader()
+        self.reader = _protocol.MessageReader()
         self._launch_id = 0
         self.broken = False
         """The protocol lost step (a send or receive cut short): replace the server."""
@@ -194,7 +194,7 @@ class ForkServer:
             theirs.close()
             hook("server_starting")
             self.sock.settimeout(SERVER_START_TIMEOUT)
-            _channel.recv_message(self.sock, self.reader)
+            _protocol.recv_message(self.sock, self.reader)
         except (OSError, EOFError) as err:
             self.close()
             if self.process is None:
@@ -221,7 +221,7 @@ class ForkServer:
                     layout: LaunchFds) -> None:
         """Ask for one worker per spec (see wait_started)."""
         self.broken = True  # until the whole request is out
-        _channel.send_message(self.sock, Launch(launch_id, specs, job_bytes, layout), fds)
+        _protocol.send_message(self.sock, Launch(launch_id, specs, job_bytes, layout), fds)
         self.broken = False
 
     def wait_started(self, launch_id: int, timeout: float | None = None) -> dict[int, int]:
@@ -244,7 +244,7 @@ class ForkServer:
         that they are received and recorded as one step (so the wait has a deadline)."""
         try:
             self.sock.settimeout(SERVER_RECOVERY_TIMEOUT)
-            pidfds = _channel.recv_fds(self.sock, self.reader, len(pids))
+            pidfds = _protocol.recv_fds(self.sock, self.reader, len(pids))
         except (EOFError, TimeoutError) as err:  # still broken: the server is replaced
             raise LaunchError(f"the enot_nb fork server did not send the workers' pidfds ({err})"
                               ) from err
@@ -259,7 +259,7 @@ class ForkServer:
         try:
             if deadline is not None:
                 self.sock.settimeout(max(0.0, deadline - time.monotonic()))
-            _channel.fill(self.sock, self.reader)
+            _protocol.fill(self.sock, self.reader)
         except EOFError as err:
             self.broken = True
             raise LaunchError("the enot_nb fork server died; the next launch starts a new one") from err
@@ -304,10 +304,10 @@ def shutdown_server() -> None:
 
 
 class Watchdog:
-    """The launching process's end of its watchdog (see _watchdog), started on first use."""
+    """The launching process's end of its watchdog (see watchdog), started on first use."""
 
     def __init__(self) -> None:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog.py")
 
         def start() -> subprocess.Popen:
             return subprocess.Popen(

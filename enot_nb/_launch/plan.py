@@ -1,4 +1,4 @@
-"""The validated plan of a launch (built by enot_nb.launcher.plan_launch, run by _supervisor)."""
+"""The validated plan of a launch (built by enot_nb.launcher.plan_launch, run by attempt)."""
 
 from __future__ import annotations
 

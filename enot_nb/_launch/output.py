@@ -6,7 +6,7 @@ import codecs
 import sys
 from collections import deque
 
-from enot_nb._channel import OUTPUT_FENCE
+from enot_nb._processes.protocol import OUTPUT_FENCE
 
 TAIL_CHARS = 8192  # kept per stream for failure reports
 
@@ -58,7 +58,7 @@ class StreamSink:
 
 class Fenced:
     """One worker stream cut at the fences the worker writes before each message it sends (see
-    _channel.OUTPUT_FENCE): a piece after the k-th fence is released once the k-th message has
+    protocol.OUTPUT_FENCE): a piece after the k-th fence is released once the k-th message has
     been handled, so output and messages reach the notebook in the order the worker made them."""
 
     def __init__(self) -> None:

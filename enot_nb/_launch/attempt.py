@@ -1,7 +1,7 @@
 """Supervising one attempt of a launch: start -> supervise -> collect -> close.
 
 The launcher (enot_nb.launcher) validates and plans; this module runs the plan once. Workers
-are watched through their pipes (output, messages; see _ranks) and their exits (see _groups);
+are watched through their pipes (output, messages; see ranks) and their exits (see groups);
 the first failure stops every other worker; an interrupt first asks each rank for its stack,
 then lets the master alone save its state. Whatever happens, ``close`` kills and reaps every
 worker before the attempt returns or raises: the start is a transaction.
@@ -23,17 +23,21 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from enot_nb import _pickling, _relay, _rendezvous, _spawn, _streams, _worker
-from enot_nb._channel import Kind, LaunchFds
-from enot_nb._groups import ForkedGroup, ServerGroup, WorkerGroup
-from enot_nb._interrupts import finish, interrupts_deferred
-from enot_nb._ranks import Rank, RankIO, close_pipes, make_ranks
+from enot_nb._launch import relay
+from enot_nb._launch.ranks import Rank, RankIO, close_pipes, make_ranks
+from enot_nb._processes import rendezvous as _rendezvous
+from enot_nb._processes import spawn
+from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
+from enot_nb._processes.interrupts import finish, interrupts_deferred
+from enot_nb._processes.protocol import Kind, LaunchFds
+from enot_nb._serialize import pickling
+from enot_nb._worker import bootstrap, streams
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from enot_nb._plan import LaunchPlan
+    from enot_nb._launch.plan import LaunchPlan
 
 # Seconds a signal gets to stop the workers before the next, harsher one (SIGINT, SIGTERM, SIGKILL).
 STOP_GRACE = float(os.environ.get("ENOT_NB_STOP_GRACE", "1.0"))
@@ -43,7 +47,7 @@ STACK_DUMP_WAIT = float(os.environ.get("ENOT_NB_STACK_DUMP_WAIT", "1.0"))
 # it, as a local cell would); with the stack dump and the stop of the others, within 5 s.
 INTERRUPT_SAVE_WAIT = float(os.environ.get("ENOT_NB_INTERRUPT_SAVE_WAIT", "2.0"))
 # Rendezvous of a one-node launch: "file" (a FileStore in a private temporary folder) or "tcp"
-# (a TCP store on loopback). See _rendezvous.
+# (a TCP store on loopback). See rendezvous.
 RENDEZVOUS = os.environ.get("ENOT_NB_RENDEZVOUS", "file")
 _ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 
@@ -156,7 +160,7 @@ class _Stopping:
 class Attempt(_Stopping):
     """One start of the whole group: start -> supervise -> collect -> close."""
 
-    def __init__(self, plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
+    def __init__(self, plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[int]] | None,
                  attempt: int, on_message: Callable[[str, Any], None] | None = None):
         self.plan, self.job, self.shipped, self.attempt = plan, job, shipped, attempt
         self.on_message = on_message
@@ -188,7 +192,7 @@ class Attempt(_Stopping):
         try:
             self._start_now()
         except OSError as err:  # EMFILE, EAGAIN, ENOMEM: one clear error (close cleans up)
-            raise _spawn.start_error(err, "the launch could not start") from err
+            raise spawn.start_error(err, "the launch could not start") from err
 
     def _start_now(self) -> None:
         # A stop press may land between any two lines: each resource is made and recorded here
@@ -204,7 +208,7 @@ class Attempt(_Stopping):
         try:
             with interrupts_deferred():
                 if self.plan.node_rank == 0:  # global rank 0 runs here
-                    self.result_fd = _pickling.result_fd()
+                    self.result_fd = pickling.result_fd()
                 self.rendezvous_dir = rendezvous_folder(self.plan)
             self.group = make_group(self.plan, self.job, self.shipped, self.ranks, self.attempt,
                                     self.result_fd, self.rendezvous_dir)
@@ -308,7 +312,7 @@ def rendezvous_folder(plan: LaunchPlan) -> str | None:
     """The folder (mode 0700) one node's ranks meet through, or None if they meet over TCP."""
     if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
         folder = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")
-        _spawn.watchdog().tell(f"folder {folder}")
+        spawn.watchdog().tell(f"folder {folder}")
         return folder
     return None
 
@@ -331,10 +335,10 @@ def partial_state(ranks: list[Rank], result_fd: int | None) -> Any:
 
 def remove_rendezvous_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
-    _spawn.watchdog().tell(f"unfolder {folder}")
+    spawn.watchdog().tell(f"unfolder {folder}")
 
 
-def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[int]] | None,
+def make_group(plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[int]] | None,
                ranks: list[Rank], attempt: int, result_fd: int | None,
                folder: str | None) -> WorkerGroup:
     """Describe each rank (environment, descriptors, rendezvous) and make its group."""
@@ -347,9 +351,9 @@ def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[in
         port = plan.master_port or _rendezvous.free_port(address)
         init_kwargs["init_method"] = _rendezvous.url(address, port)
     fork = plan.start_method == "fork"
-    front_end, parent = _relay.in_ipython(), _relay.kernel_parent()
-    output_setup = None if fork else _streams.capture()  # one pickle for every rank
-    specs = [_worker.WorkerSpec(
+    front_end, parent = relay.in_ipython(), relay.kernel_parent()
+    output_setup = None if fork else streams.capture()  # one pickle for every rank
+    specs = [bootstrap.WorkerSpec(
         rank=r.rank, env=rank_environment(plan, r.local_rank, address, port, attempt),
         cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
         threads=plan.threads, init_kwargs=init_kwargs, parent_pid=os.getpid(),
@@ -358,7 +362,7 @@ def make_group(plan: LaunchPlan, job: _worker.Job, shipped: tuple[bytes, list[in
         front_end=front_end, kernel_parent=parent,
         output_setup=output_setup) for r in ranks]
     if fork:
-        return ForkedGroup([(s.rank, lambda s=s: _worker.run(s, lambda: job)) for s in specs])
+        return ForkedGroup([(s.rank, lambda s=s: bootstrap.run(s, lambda: job)) for s in specs])
     job_bytes, shared = shipped or (b"", [])
     result = [result_fd] if result_fd is not None else []
     layout = LaunchFds(ranks=len(specs), results=len(result), shared=len(shared))
@@ -370,7 +374,7 @@ def _not_for(r: Rank, ranks: list[Rank]) -> list[int]:
     """What a forked worker inherits but must close: every read end, the other ranks' write
     ends (or EOF would never come), the watchdog's pipe."""
     fds = [fd for o in ranks for pair in o.pipes.values() for fd in (pair[:1] if o is r else pair)]
-    return fds + [_spawn.watchdog().fd]
+    return fds + [spawn.watchdog().fd]
 
 
 def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
@@ -378,7 +382,7 @@ def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
     kind, data = payload
     try:
         if kind == Kind.MEMFD:
-            return _pickling.read_result(result_fd, data)
+            return pickling.read_result(result_fd, data)
         return pickle.loads(data)
     except Exception as err:
         raise LaunchError(f"rank 0's result could not be loaded in this process "
@@ -398,7 +402,7 @@ def stack_report(rank: int, text: str) -> str:
             path = line.split('"')[1]
             if not threads:
                 threads.append([])
-            if not path.startswith(_worker.PACKAGE_DIR) and not path.endswith(
+            if not path.startswith(bootstrap.PACKAGE_DIR) and not path.endswith(
                     ("/threading.py", "/selectors.py")):
                 threads[-1].append(line)
         elif line.strip():

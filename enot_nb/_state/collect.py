@@ -7,7 +7,7 @@ Master (worker side)::
     -> pickled by StatePickler: a registered object travels as ("o", index), a registered
     storage as ("s", index); everything new travels by value (tensor bytes out of band)
 
-Notebook (see _apply)::
+Notebook (see apply)::
 
     StateUnpickler resolves the indices to the notebook's own objects -> apply_changes:
     storage bytes copied in place, tensor metadata (.data, requires_grad, .grad), containers,
@@ -24,8 +24,9 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _objgraph, _pickling
-from enot_nb._objgraph import Registry
+from enot_nb._serialize import pickling
+from enot_nb._state import objgraph
+from enot_nb._state.objgraph import Registry
 
 
 class _Keep:
@@ -54,7 +55,7 @@ class Changes:
 
 @dataclass
 class PickledState:
-    """Changes pickled against a registry; the buffers travel out of band (see _pickling)."""
+    """Changes pickled against a registry; the buffers travel out of band (see pickling)."""
 
     main: bytes
     buffers: list[Any]
@@ -63,18 +64,18 @@ class PickledState:
 # ----------------------------------------------------------------------------- master side
 
 
-def collect(registry: Registry, snapshot: _objgraph.Snapshot, names_before: dict[str, Any],
+def collect(registry: Registry, snapshot: objgraph.Snapshot, names_before: dict[str, Any],
             namespace: dict[str, Any], hidden: Any = ()) -> tuple[Changes, list[int]]:
     """The changes the cell made; also the indices of the changed objects (for their names)."""
     changes = Changes()
-    now = _objgraph.user_variables(namespace, hidden)
+    now = objgraph.user_variables(namespace, hidden)
     changes.bound = {n: v for n, v in now.items() if names_before.get(n, _MISSING) is not v}
     changes.deleted = [n for n in names_before if n not in now]
     changed = snapshot.changed_objects(registry)
     for i in changed:
         changes.objects.append((i, _new_state(registry.objects[i], registry.kinds[i])))
     # By value, as a buffer: the storage itself would travel as a reference to the notebook's.
-    changes.storages = [(j, pickle.PickleBuffer(_pickling.storage_array(registry.storages[j])))
+    changes.storages = [(j, pickle.PickleBuffer(pickling.storage_array(registry.storages[j])))
                         for j in snapshot.changed_storages(registry)]
     return changes, changed
 
@@ -90,11 +91,11 @@ def _new_state(obj: Any, kind: str) -> Any:
     if kind == "array":  # array.array
         return obj.tobytes()
     if kind == "rng":
-        return _objgraph.rng_state(obj)
-    return _objgraph.shallow_state(obj, kind)
+        return objgraph.rng_state(obj)
+    return objgraph.shallow_state(obj, kind)
 
 
-class StatePickler(_pickling.TensorPickler):
+class StatePickler(pickling.TensorPickler):
     """Pickles Changes: registered objects and storages by reference (their index)."""
 
     def __init__(self, file: Any, mode: str, buffer_callback: Any = None, *, registry: Registry) -> None:
@@ -110,7 +111,7 @@ class StatePickler(_pickling.TensorPickler):
             self._arrays = {}
             for obj in self.known_arrays():
                 if obj.flags.c_contiguous:
-                    self._arrays.setdefault(id(_pickling.array_owner(obj)), []).append(obj)
+                    self._arrays.setdefault(id(pickling.array_owner(obj)), []).append(obj)
         start, end = _extent(array)
         for known in self._arrays.get(id(root), ()):
             known_start, known_end = _extent(known)
@@ -119,7 +120,7 @@ class StatePickler(_pickling.TensorPickler):
         return None
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) in _objgraph._ATOMS:  # never registered: skip the lookups
+        if type(obj) in objgraph._ATOMS:  # never registered: skip the lookups
             return None
         i = self.registry.find(obj)
         if i is not None:
@@ -155,7 +156,7 @@ def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> 
 
 
 def _dry(obj: Any, registry: Registry) -> int:
-    return _pickling.dry_run(obj, pickler_class=StatePickler, registry=registry)
+    return pickling.dry_run(obj, pickler_class=StatePickler, registry=registry)
 
 
 def _reason(value: Any, registry: Registry) -> str | None:

@@ -14,7 +14,7 @@ import struct
 from collections import deque
 from typing import Any, NamedTuple
 
-from enot_nb._interrupts import interrupts_deferred
+from enot_nb._processes.interrupts import interrupts_deferred
 
 _HEADER = struct.Struct("<Q")
 class Kind:
@@ -41,8 +41,8 @@ class Kind:
 
 
 # Written by a worker into its stdout and stderr pipes just before each message that is not an
-# outcome (see _worker.send): the launcher shows the output before it, then the message, then
-# what follows (_output.Fenced), so prints, display data and widgets keep the worker's order.
+# outcome (see bootstrap.send): the launcher shows the output before it, then the message, then
+# what follows (output.Fenced), so prints, display data and widgets keep the worker's order.
 # An APC escape sequence: a terminal that ever received it would show nothing.
 OUTPUT_FENCE = b"\x1b_enot_nb\x1b\\"
 
@@ -247,7 +247,7 @@ def recv_fds(sock: socket.socket, reader: MessageReader, count: int) -> list[int
 class LaunchFds(NamedTuple):
     """How the descriptors of a spawned launch are laid out: 3 per rank (stdout, stderr,
     messages), then ``results`` (0 or 1) result memfd, then ``shared`` (0 or 1) memfd of the
-    shipped tensors. Defined once, for both ends (_supervisor and _forkserver)."""
+    shipped tensors. Defined once, for both ends (attempt and forkserver)."""
 
     ranks: int
     results: int

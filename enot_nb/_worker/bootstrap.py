@@ -24,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from enot_nb import _channel, _pickling, _streams
-from enot_nb._channel import ErrorReport, Kind, WorkerMessage
+from enot_nb._processes import protocol
+from enot_nb._processes.protocol import ErrorReport, Kind, WorkerMessage
+from enot_nb._serialize import pickling
+from enot_nb._worker import streams
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
 _PR_SET_PDEATHSIG = 1
@@ -58,15 +60,15 @@ class WorkerSpec:
     close_fds: list[int] = field(default_factory=list)
     """Launcher descriptors of other ranks, closed in this worker."""
     result_fd: int | None = None
-    """A memfd for rank 0's result (see _pickling.write_result); None: through the pipe."""
+    """A memfd for rank 0's result (see pickling.write_result); None: through the pipe."""
     shared_memory_fd: int | None = None
-    """The memfd of a spawned job's tensors (see _pickling), mapped when the job is unpickled."""
+    """The memfd of a spawned job's tensors (see pickling), mapped when the job is unpickled."""
     front_end: bool = False
-    """Launched from IPython: display data and widgets go to the launcher (see _frontend)."""
+    """Launched from IPython: display data and widgets go to the launcher (see frontend)."""
     kernel_parent: dict | None = None
     """The message the launching Jupyter kernel answers; None outside a kernel."""
     output_setup: bytes | None = None
-    """The launcher's logging and warning set-up (_streams.capture), for a worker that does not
+    """The launcher's logging and warning set-up (streams.capture), for a worker that does not
     inherit it (spawn)."""
 
 
@@ -96,7 +98,7 @@ def become_worker(spec: WorkerSpec) -> None:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True)
     sys.stdin = open(os.devnull)  # lives as long as the process
-    _streams.redirect_inherited(*inherited)
+    streams.redirect_inherited(*inherited)
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -134,8 +136,8 @@ def send(message: Any) -> None:
         stream.flush()
     assert _message_fd is not None and _fence_fds is not None, "send() is for worker processes"
     for fd in _fence_fds:
-        os.write(fd, _channel.OUTPUT_FENCE)  # atomic: far below PIPE_BUF
-    _channel.write_message(_message_fd, message)
+        os.write(fd, protocol.OUTPUT_FENCE)  # atomic: far below PIPE_BUF
+    protocol.write_message(_message_fd, message)
 
 
 def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
@@ -145,21 +147,21 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
     exitcode, connecting = 1, False
     try:
         become_worker(spec)
-        from enot_nb import _frameworks
+        from enot_nb._worker import frameworks
 
-        _frameworks.adapt()
+        frameworks.adapt()
         if spec.front_end:
-            from enot_nb import _frontend
+            from enot_nb._worker import frontend
 
-            _frontend.install(spec.kernel_parent, send)
-        _pickling.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
+            frontend.install(spec.kernel_parent, send)
+        pickling.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
         job = load_job()
-        if spec.output_setup is not None:  # after the job's imports, as in the kernel (see _streams)
-            _streams.recreate(spec.output_setup)
-        from enot_nb import _rendezvous
+        if spec.output_setup is not None:  # after the job's imports, as in the kernel (see streams)
+            streams.recreate(spec.output_setup)
+        from enot_nb._processes import rendezvous
         from enot_nb.distributed import init_torch
 
-        _rendezvous.register()
+        rendezvous.register()
         connecting = True
         init_torch(**spec.init_kwargs)
         _injected_connect_fault()
@@ -177,7 +179,7 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
 
 def _send_result(spec: WorkerSpec, result: Any) -> None:
     if spec.rank != 0:
-        _channel.write_message(spec.message_fd, WorkerMessage(Kind.DONE, None))
+        protocol.write_message(spec.message_fd, WorkerMessage(Kind.DONE, None))
         return
     try:
         payload = _result_payload(spec.result_fd, result)
@@ -186,14 +188,14 @@ def _send_result(spec: WorkerSpec, result: Any) -> None:
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
-    _channel.write_message(spec.message_fd, WorkerMessage(Kind.RESULT, payload))
+    protocol.write_message(spec.message_fd, WorkerMessage(Kind.RESULT, payload))
 
 
 def _result_payload(result_fd: int | None, result: Any) -> tuple[str, Any]:
     """Pickled once: in band where no memfd exists, else with tensor data out of band."""
     if result_fd is None:
-        return (Kind.INLINE, _pickling.dump_inline(result))
-    return (Kind.MEMFD, _pickling.write_result(result_fd, *_pickling.dump_result(result)))
+        return (Kind.INLINE, pickling.dump_inline(result))
+    return (Kind.MEMFD, pickling.write_result(result_fd, *pickling.dump_result(result)))
 
 
 def send_partial(result: Any) -> None:
@@ -255,7 +257,7 @@ def _report_failure(spec: WorkerSpec, exc: BaseException, connecting: bool = Fal
         code, message, error_type = 1, str(exc), type(exc).__name__
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))) if error_type else None
     try:
-        _channel.write_message(
+        protocol.write_message(
             spec.message_fd,
             WorkerMessage(Kind.ERROR, ErrorReport(error_type, message, text, code, connecting)),
         )
@@ -264,7 +266,7 @@ def _report_failure(spec: WorkerSpec, exc: BaseException, connecting: bool = Fal
     return code
 
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # enot_nb/
 
 
 def _user_frames(tb: Any) -> Any:

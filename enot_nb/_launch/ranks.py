@@ -4,7 +4,7 @@ Each rank has three pipes (stdout, stderr, messages). ``RankIO`` reads whichever
 forwards output to the sinks (shown or not by the output mode), and keeps the rank's outcome
 ("result", "done" or "error"), its partial state ("partial") and any other message, which goes
 to ``on_message`` (display data, ...) exactly between the output written before and after it
-(the worker fences its streams, see _output.Fenced).
+(the worker fences its streams, see output.Fenced).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _channel, _spawn
-from enot_nb._channel import Kind
-from enot_nb._output import Fenced, StreamSink
+from enot_nb._launch.output import Fenced, StreamSink
+from enot_nb._processes import protocol, spawn
+from enot_nb._processes.protocol import Kind
 
 STREAMS = ("out", "err", "msg")
 
@@ -31,7 +31,7 @@ class Rank:
     local_rank: int
     pipes: dict[str, tuple[int, int]]  # "out"/"err"/"msg" -> (read end, write end)
     sinks: dict[str, StreamSink]
-    messages: _channel.MessageReader = field(default_factory=_channel.MessageReader)
+    messages: protocol.MessageReader = field(default_factory=protocol.MessageReader)
     pid: int | None = None
     exitcode: int | None = None
     outcome: str | None = None  # "result", "done" or "error"
@@ -71,7 +71,7 @@ def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:
                 ranks[-1].pipes[name] = os.pipe()
     except OSError as err:
         close_pipes(ranks)
-        raise _spawn.start_error(err, f"the pipes of {nprocs} workers could not be made") from err
+        raise spawn.start_error(err, f"the pipes of {nprocs} workers could not be made") from err
     return ranks
 
 

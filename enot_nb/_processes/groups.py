@@ -8,7 +8,7 @@ server. Both keep the same rules, which is what makes stopping them safe:
 * A worker's process group (the worker leads it; its DataLoader workers and subprocesses are in
   it) is signalled only while the worker is not reaped yet: a zombie leader keeps the group id.
   Before a worker is reaped, its group is SIGKILLed, so no descendant outlives it.
-* The watchdog (see _watchdog) knows every group while it runs: if this process dies, however
+* The watchdog (see watchdog) knows every group while it runs: if this process dies, however
   it dies, the groups die too.
 * ``close`` works in any state of ``start`` (interrupted before, between or after the forks,
   while the fork server starts or answers): it stops and reaps exactly what was started.
@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from enot_nb import _spawn
-from enot_nb._channel import Exit, LaunchFds
-from enot_nb._interrupts import interrupts_deferred
+from enot_nb._processes import spawn
+from enot_nb._processes.interrupts import interrupts_deferred
+from enot_nb._processes.protocol import Exit, LaunchFds
 from enot_nb.errors import LaunchError
 
 
@@ -91,13 +91,13 @@ class ForkedGroup:
 
     def start(self) -> dict[int, int]:
         with interrupts_deferred():  # the forks are known (settle) once they are asked for
-            self._future = _spawn.fork_all(self._children, self._started)
+            self._future = spawn.fork_all(self._children, self._started)
         try:
             self._future.result()
         except OSError as err:
-            raise _spawn.start_error(err, f"rank {len(self._started)} could not be started") from err
+            raise spawn.start_error(err, f"rank {len(self._started)} could not be started") from err
         finally:
-            _spawn.watchdog().tell(*(f"watch {pid}" for _, pid, _ in self._started))
+            spawn.watchdog().tell(*(f"watch {pid}" for _, pid, _ in self._started))
         return {rank: pid for rank, pid, _ in self._started}
 
     def sources(self) -> list[int]:
@@ -120,7 +120,7 @@ class ForkedGroup:
             except ChildProcessError:  # reaped by the system: the cell set SIGCHLD to SIG_IGN
                 code = -signal.SIGKILL
             self.exited[rank] = code
-            _spawn.watchdog().tell(f"forget {pid}")
+            spawn.watchdog().tell(f"forget {pid}")
             os.close(pidfd)
         return rank, code
 
@@ -130,7 +130,7 @@ class ForkedGroup:
                 _pidfd_signal(pidfd, signum)
 
     def settle(self) -> None:
-        _spawn.settle(self._future)
+        spawn.settle(self._future)
 
     def close(self) -> None:
         self.settle()  # forks still in flight: know them all first
@@ -145,25 +145,25 @@ class ServerGroup:
 
     def __init__(self, specs: list[Any], fds: list[int], job_bytes: bytes, layout: LaunchFds) -> None:
         self._request = (specs, fds, job_bytes, layout)
-        self.server: _spawn.ForkServer | None = None
+        self.server: spawn.ForkServer | None = None
         self.launch_id: int | None = None
         self.pids: dict[int, int] | None = None
         self.pidfds: dict[int, int] = {}
         self.exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
-        self.server = _spawn.fork_server()
-        _spawn.hook("before_launch")
+        self.server = spawn.fork_server()
+        spawn.hook("before_launch")
         self.launch_id = self.server.next_launch_id()  # known before a byte is sent
         self.server.send_launch(self.launch_id, *self._request)
-        _spawn.hook("launch_sent")
+        spawn.hook("launch_sent")
         try:
             pids = self.server.wait_started(self.launch_id)  # a press after this: server broken
-        except _spawn.StartRefused:
+        except spawn.StartRefused:
             self.pids = {}  # the server left nothing running, and is in step
             raise
         self._started(pids)
-        _spawn.hook("started")
+        spawn.hook("started")
         return pids
 
     def _started(self, pids: dict[int, int]) -> None:
@@ -171,7 +171,7 @@ class ServerGroup:
         with interrupts_deferred():  # the workers' pidfds are received and recorded as one step
             self.pidfds = self.server.take_pidfds(pids)
             self.pids = pids
-            _spawn.watchdog().tell(*(f"watch {pid}" for pid in pids.values()))
+            spawn.watchdog().tell(*(f"watch {pid}" for pid in pids.values()))
 
     def sources(self) -> list[socket.socket]:
         return [self.server.sock] if self.server is not None else []
@@ -195,7 +195,7 @@ class ServerGroup:
                     self.exited[rank] = code
                     os.close(self.pidfds.pop(rank))
                     if self.pids is not None:
-                        _spawn.watchdog().tell(f"forget {self.pids[rank]}")
+                        spawn.watchdog().tell(f"forget {self.pids[rank]}")
                     ended.append((rank, code))
         return ended
 
@@ -211,22 +211,22 @@ class ServerGroup:
     def close(self) -> None:
         if self.server is None or self.launch_id is None:
             return
-        deadline = time.monotonic() + _spawn.SERVER_RECOVERY_TIMEOUT
+        deadline = time.monotonic() + spawn.SERVER_RECOVERY_TIMEOUT
         try:
             if self.server.broken:
                 raise LaunchError("the request to the fork server was cut short")
             if self.pids is None:  # interrupted between the request and the answer
-                self._started(self.server.wait_started(self.launch_id, _spawn.SERVER_RECOVERY_TIMEOUT))
+                self._started(self.server.wait_started(self.launch_id, spawn.SERVER_RECOVERY_TIMEOUT))
             for pidfd in self.pidfds.values():
                 _pidfd_signal(pidfd, signal.SIGKILL)
             while self.pids is not None and len(self.exited) < len(self.pids):
                 self.exits(None, deadline)  # keep the protocol in step for the next launch
         except (LaunchError, OSError):
-            _spawn.shutdown_server()  # its workers die with it (parent-death signal)
+            spawn.shutdown_server()  # its workers die with it (parent-death signal)
         finally:
             for pidfd in self.pidfds.values():
                 os.close(pidfd)
             self.pidfds = {}
             if self.pids:  # those whose exit was not seen (exits forgot the others)
-                _spawn.watchdog().tell(*(f"forget {pid}" for rank, pid in self.pids.items()
+                spawn.watchdog().tell(*(f"forget {pid}" for rank, pid in self.pids.items()
                                          if rank not in self.exited))

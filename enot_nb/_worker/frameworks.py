@@ -1,6 +1,6 @@
 """What makes a worker a torchrun worker to the frameworks users bring (worker side only).
 
-torchrun's environment variables are set by the launcher (see ``_supervisor.rank_environment``);
+torchrun's environment variables are set by the launcher (see ``attempt.rank_environment``);
 two things the environment cannot say are done here, in every worker, at its start:
 
 - **Lightning** refuses ``strategy="ddp"`` (and picks ``ddp_fork`` for ``"auto"``) whenever its

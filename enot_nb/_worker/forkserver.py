@@ -8,7 +8,7 @@ clean and quickly. The job arrives pickled (cloudpickle), the workers' pipes arr
 descriptors over a Unix socket that only the launching process holds.
 
 Protocol on the socket (framed pickles, descriptors in batches after their message; see
-_channel)::
+protocol)::
 
     server -> caller  Ready(pid)
     caller -> server  Launch(id, [WorkerSpec], job_bytes, LaunchFds)   + the descriptors
@@ -28,11 +28,13 @@ import signal
 import socket
 import sys
 
-from enot_nb import _channel, _pickling, _worker
-from enot_nb._channel import Exit, Launch, LaunchFds, Ready, Started, StartFailed
+from enot_nb._processes import protocol
+from enot_nb._processes.protocol import Exit, Launch, LaunchFds, Ready, Started, StartFailed
+from enot_nb._serialize import pickling
+from enot_nb._worker import bootstrap
 
 
-def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: list[int],
+def _fork_workers(sock: socket.socket, specs: list[bootstrap.WorkerSpec], fds: list[int],
                   job_bytes: bytes, layout: LaunchFds) -> dict[int, tuple[int, int]]:
     """Fork one worker per spec; {pid: (rank, pidfd)}. On failure nothing is left running."""
     pipes, result_fd, shared_fd = layout.split(fds)
@@ -50,7 +52,7 @@ def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: lis
             pid = os.fork()
             if pid == 0:
                 sock.close()
-                _worker.run(spec, lambda: _load_job(job_bytes))
+                bootstrap.run(spec, lambda: _load_job(job_bytes))
             _set_group(pid)
             started[pid] = (spec.rank, -1)
             started[pid] = (spec.rank, os.pidfd_open(pid))
@@ -63,8 +65,8 @@ def _fork_workers(sock: socket.socket, specs: list[_worker.WorkerSpec], fds: lis
     return started
 
 
-def _load_job(job_bytes: bytes) -> _worker.Job:
-    return _pickling.loads_shipped(job_bytes)
+def _load_job(job_bytes: bytes) -> bootstrap.Job:
+    return pickling.loads_shipped(job_bytes)
 
 
 def _set_group(pid: int) -> None:
@@ -92,20 +94,20 @@ def _kill_group(pid: int) -> None:
 
 def serve(sock: socket.socket) -> None:
     """Answer launch requests until the caller closes the socket."""
-    reader = _channel.MessageReader()
+    reader = protocol.MessageReader()
     while True:
         try:
-            launch: Launch = _channel.recv_message(sock, reader)
-            fds = _channel.recv_fds(sock, reader, launch.layout.count)
+            launch: Launch = protocol.recv_message(sock, reader)
+            fds = protocol.recv_fds(sock, reader, launch.layout.count)
         except EOFError:
             return
         try:
             started = _fork_workers(sock, launch.specs, fds, launch.job_bytes, launch.layout)
         except OSError as err:
-            _channel.send_message(sock, StartFailed(launch.launch_id, err.errno, str(err)))
+            protocol.send_message(sock, StartFailed(launch.launch_id, err.errno, str(err)))
             continue
         by_rank = sorted(started.items(), key=lambda item: item[1][0])
-        _channel.send_message(sock, Started(launch.launch_id, {rank: pid for pid, (rank, _) in by_rank}),
+        protocol.send_message(sock, Started(launch.launch_id, {rank: pid for pid, (rank, _) in by_rank}),
                               [pidfd for _, (_, pidfd) in by_rank])
         for _, pidfd in started.values():
             os.close(pidfd)  # the caller has its own copies
@@ -119,7 +121,7 @@ def serve(sock: socket.socket) -> None:
             rank = started.pop(info.si_pid, (None,))[0]
             if rank is not None:
                 code = os.waitstatus_to_exitcode(status)
-                _channel.send_message(sock, Exit(launch.launch_id, rank, code))
+                protocol.send_message(sock, Exit(launch.launch_id, rank, code))
 
 
 def main() -> None:
@@ -127,7 +129,7 @@ def main() -> None:
     # it has nothing to interrupt (its workers reset SIGINT and live in groups of their own).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
-    _worker._die_with_parent(int(sys.argv[2]))
+    bootstrap._die_with_parent(int(sys.argv[2]))
     import cloudpickle  # noqa: F401 - preloaded for the workers
 
     # What a distributed cell's worker needs (its display publisher lives on an IPython shell):
@@ -140,10 +142,10 @@ def main() -> None:
     except ImportError:
         pass
 
-    import enot_nb._cell  # noqa: F401 - preloaded for the workers
+    import enot_nb._worker.cell  # noqa: F401 - preloaded for the workers
     import enot_nb.distributed  # noqa: F401 - preloaded for the workers
 
-    _channel.send_message(sock, Ready(os.getpid()))
+    protocol.send_message(sock, Ready(os.getpid()))
     serve(sock)
 
 

@@ -1,6 +1,6 @@
 """A matplotlib backend for workers: ``plt.show()`` sends each figure to the notebook as PNG.
 
-Selected in every worker of a distributed cell (``MPLBACKEND=module://enot_nb._mpl_backend``),
+Selected in every worker of a distributed cell (``MPLBACKEND=module://enot_nb._worker.mpl_backend``),
 so plots work the same whether the worker was forked from the kernel or spawned.
 """
 
@@ -12,7 +12,7 @@ from matplotlib._pylab_helpers import Gcf
 from matplotlib.backend_bases import FigureManagerBase
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from enot_nb._figures import publish_figure
+from enot_nb._worker.figures import publish_figure
 
 FigureCanvas = FigureCanvasAgg
 FigureManager = FigureManagerBase

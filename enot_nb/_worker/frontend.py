@@ -10,7 +10,7 @@ fall back to a text bar. :func:`install` gives a worker the same front end under
   display publisher sends DISPLAY messages;
 - comms (``comm.create_comm``'s, and under fork the kernel's own, e.g. a widget displayed before
   the cell) whose messages (comm_open/msg/close) travel as COMM messages; the kernel publishes
-  them on iopub under the cell (see :mod:`enot_nb._relay`);
+  them on iopub under the cell (see :mod:`enot_nb._launch.relay`);
 - ``shell.kernel`` replaced by a stand-in that knows only the message the kernel is answering
   (ipywidgets' Output widget reads it to capture output);
 - ``input()`` and ``getpass()`` refused with a clear error (ipykernel's would ask the front end
@@ -31,12 +31,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from enot_nb import _figures
-from enot_nb._channel import CommMessage, Display, Kind, WorkerMessage
+from enot_nb._processes.protocol import CommMessage, Display, Kind, WorkerMessage
+from enot_nb._worker import figures
 
 Send = Callable[[WorkerMessage], None]
 
-MPL_BACKEND = "module://enot_nb._mpl_backend"
+MPL_BACKEND = "module://enot_nb._worker.mpl_backend"
 
 
 class PipePublisher:
@@ -111,10 +111,10 @@ def _install_comms(send: Send) -> Any:
 
 def _adopted_in_kernel(self: Any) -> tuple:
     """A comm (a widget's) that comes back with the cell's state becomes the kernel's comm of the
-    same id: later cells update the same front-end model (see _relay.adopt_comm)."""
-    from enot_nb import _relay
+    same id: later cells update the same front-end model (see relay.adopt_comm)."""
+    from enot_nb._launch import relay
 
-    return (_relay.adopt_comm, (self.comm_id, self.target_name))
+    return (relay.adopt_comm, (self.comm_id, self.target_name))
 
 
 class KernelStandIn:
@@ -141,7 +141,7 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
     shell = _shell(kernel_parent is not None)
     shell.display_pub = PipePublisher(send)
     png = shell.display_formatter.formatters["image/png"]
-    png.for_type_by_name("matplotlib.figure", "Figure", _figures.figure_png)
+    png.for_type_by_name("matplotlib.figure", "Figure", figures.figure_png)
     builtins.input = getpass.getpass = _no_input  # ipykernel's ask the front end over its sockets
     hook = _pipe_displayhook(shell)
     # The trap swaps sys.displayhook for the shell's during run_cell and restores "old_hook".

@@ -29,7 +29,7 @@ from typing import Any
 
 import cloudpickle
 
-from enot_nb._interrupts import interrupts_deferred
+from enot_nb._processes.interrupts import interrupts_deferred
 
 SHM_MIN_BYTES = int(float(os.environ.get("ENOT_NB_SHM_MIN_MB", "1")) * 2**20)
 

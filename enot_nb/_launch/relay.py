@@ -1,4 +1,4 @@
-"""The kernel's side of the workers' front end (see :mod:`enot_nb._frontend`): what the shown
+"""The kernel's side of the workers' front end (see :mod:`enot_nb._worker.frontend`): what the shown
 ranks display, clear and open as widgets is published by this kernel, under the cell it runs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from enot_nb._channel import Kind
+from enot_nb._processes.protocol import Kind
 
 
 def _shell() -> Any:

@@ -12,8 +12,8 @@ place or by rebinding) is changed the same way in the notebook, in place. So, be
             digest of every storage and array) -> the cell runs -> diff against the snapshot
 
 The diff is a list of (index, new shallow state) plus the storages whose bytes changed; the
-notebook applies it to its own objects (see _apply). Pickled references to registered objects
-travel as their index (see _state), so unchanged objects never travel and keep their identity.
+notebook applies it to its own objects (see apply). Pickled references to registered objects
+travel as their index (see collect), so unchanged objects never travel and keep their identity.
 
 The boundary (README, "What comes back"): user objects are the namespace's values and
 everything reachable from them, except Python modules, functions and classes defined outside
@@ -34,8 +34,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _pagemap, _pickling
-from enot_nb._pickling import storage_array
+from enot_nb._serialize import pickling
+from enot_nb._serialize.pickling import storage_array
+from enot_nb._state import pagemap as _pagemap
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
 _IPYTHON_NAME = re.compile(r"^(_|__|___|_i|_ii|_iii|_i\d+|_\d+|_dh|_oh|_ih|In|Out|exit|quit|"
@@ -660,7 +661,7 @@ def shippable_namespace(namespace: dict[str, Any], code: str
         names = sorted(n for n in todo if n in namespace and is_user_name(n, hidden)
                        and n not in values and n not in left_out)
         todo = set()
-        problems = _pickling.unpicklable({n: namespace[n] for n in names})
+        problems = pickling.unpicklable({n: namespace[n] for n in names})
         left_out.update(problems)
         fresh = [n for n in names if n not in problems]
         values.update({n: namespace[n] for n in fresh})
@@ -674,12 +675,12 @@ def shippable_namespace(namespace: dict[str, Any], code: str
 def shippable_objects(registry: Registry, namespace: dict[str, Any]) -> list[Any]:
     """The registry's objects as they travel with the shipped variables: index for index, None
     where one cannot be pickled on its own."""
-    ship = {"namespace": namespace, "pickler_class": _pickling.ShipPickler}
+    ship = {"namespace": namespace, "pickler_class": pickling.ShipPickler}
     objects = list(registry.objects)
     try:
-        _pickling.dry_run(objects, **ship)
+        pickling.dry_run(objects, **ship)
     except Exception:  # noqa: BLE001 - e.g. a lock that its owner's __getstate__ leaves out
         for i in range(1, len(objects)):
-            if _pickling.unpicklable({"": objects[i]}, **ship):
+            if pickling.unpicklable({"": objects[i]}, **ship):
                 objects[i] = None
     return objects

@@ -2,14 +2,14 @@
 
 In the worker (every rank)::
 
-    rich output and widgets -> the launcher (the front end _frontend installed at the start)
+    rich output and widgets -> the launcher (the front end frontend installed at the start)
     sync_model(broadcast) on the modules the cell uses -> exec(cell) -> last expression's value
     figures left open -> PNG display data (master only)
-    master: what the cell changed (see _objgraph, _state), pickled once against the registry
+    master: what the cell changed (see objgraph, collect), pickled once against the registry
             of the notebook's objects -> returned as the launch's result; on an interrupt (or a
             failure with --on-error keep) the same, sent before the exception is reported
 
-In the notebook, _state.apply_changes makes the notebook's objects hold what the master's hold,
+In the notebook, collect.apply_changes makes the notebook's objects hold what the master's hold,
 in place, so that other references to them stay valid.
 """
 
@@ -21,8 +21,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb import _figures, _frontend, _objgraph, _state, _worker
-from enot_nb._objgraph import Registry
+from enot_nb._state import collect, objgraph
+from enot_nb._state.objgraph import Registry
+from enot_nb._worker import bootstrap, frontend
+from enot_nb._worker import figures as _figures
 
 CELL_FILENAME = "<enot_distributed cell>"
 
@@ -52,7 +54,7 @@ class CellOptions:
 class CellOutcome:
     """The master's result of a cell, pickled back to the notebook."""
 
-    state: _state.PickledState | None = None
+    state: collect.PickledState | None = None
     """The changes, pickled against the registry of the notebook's objects."""
     not_returned: dict[str, str] = field(default_factory=dict)
     """Names (or paths) that could not come back, with the reason."""
@@ -101,10 +103,10 @@ def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
     source = options.source_header + code
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     body, last, suppressed = split_cell(code, options.first_line)
-    hidden = _objgraph.hidden_names(namespace)
+    hidden = objgraph.hidden_names(namespace)
     namespace.setdefault("get_ipython", lambda: shell)
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
-    _sync_models(namespace, _objgraph.names_used(code), options)
+    _sync_models(namespace, objgraph.names_used(code), options)
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back
         if registry is None:
@@ -140,8 +142,8 @@ def _cell_shell(options: CellOptions) -> Any:
 
         if InteractiveShell.initialized():
             return InteractiveShell.instance()
-    shell = _frontend.install(None, None)
-    shell.display_pub = _frontend.PipePublisher(None, options.shown, options.figure_dir, options.figure_prefix)
+    shell = frontend.install(None, None)
+    shell.display_pub = frontend.PipePublisher(None, options.shown, options.figure_dir, options.figure_prefix)
     return shell
 
 
@@ -149,7 +151,7 @@ def run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], objects: 
                       code: str, options: CellOptions) -> Any:
     """Worker side under spawn: the shipped variables become the cell's namespace; ``objects``
     are the copies of the notebook's registered objects, index for index."""
-    namespace = objects[0]  # the worker's namespace dict (see _pickling.WORKER_NAMESPACE)
+    namespace = objects[0]  # the worker's namespace dict (see pickling.WORKER_NAMESPACE)
     namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
     namespace.update(values)
     try:
@@ -168,12 +170,12 @@ class _Tracker:
 
     def __init__(self, registry: Registry, namespace: dict[str, Any], hidden: Any) -> None:
         self.registry, self.namespace, self.hidden = registry, namespace, hidden
-        self.names_before = _objgraph.user_variables(namespace, hidden)
-        self.snapshot = _objgraph.Snapshot.take(registry)
+        self.names_before = objgraph.user_variables(namespace, hidden)
+        self.snapshot = objgraph.Snapshot.take(registry)
 
     def outcome(self, options: CellOptions, value: Any, has_value: bool,
                 last: ast.Expression | None, shell: Any, body: ast.Module | None = None) -> CellOutcome:
-        changes, changed = _state.collect(self.registry, self.snapshot, self.names_before,
+        changes, changed = collect.collect(self.registry, self.snapshot, self.names_before,
                                           self.namespace, self.hidden)
         outcome = CellOutcome(has_value=has_value)
         outcome.changed_names = sorted(set(changes.bound) | {
@@ -189,13 +191,13 @@ class _Tracker:
                                   if isinstance(v, tensor) and v.grad_fn is not None)
         name = last.body.id if has_value and last is not None and isinstance(last.body, ast.Name) else None
         if name is not None and self.namespace.get(name) is value and (
-                name in changes.bound or self.names_before.get(name, _state._MISSING) is value):
+                name in changes.bound or self.names_before.get(name, collect._MISSING) is value):
             outcome.value_name = name  # the notebook will hold it under that name: show that object
             outcome.value_bundle = _bundle(value, shell)  # in case it cannot come back
         elif has_value:
             changes.value, changes.has_value = value, True
             outcome.value_bundle = _bundle(value, shell)
-        outcome.state, outcome.moved_to_cpu = _state.dump(changes, self.registry,
+        outcome.state, outcome.moved_to_cpu = collect.dump(changes, self.registry,
                                                           outcome.not_returned)
         return outcome
 
@@ -221,7 +223,7 @@ def _send_partial(tracker: _Tracker, options: CellOptions) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second stop press must not cut this short
     try:
-        _worker.send_partial(tracker.outcome(options, None, False, None, None))
+        bootstrap.send_partial(tracker.outcome(options, None, False, None, None))
     except Exception as err:  # noqa: BLE001 - the original error matters more
         print(f"enot_nb: the master's state could not be saved ({err})", file=sys.stderr)
     finally:
