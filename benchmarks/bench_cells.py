@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks.harness import ROOT, Row, kernel_json, median, start_kernel
 
-SETUP = r'''
+SETUP = r"""
 import json, os, time, torch, cloudpickle
 %load_ext enot_nb
 NPROCS = torch.cuda.device_count() or 2
@@ -40,20 +40,39 @@ def cell(options, body):
     return lambda: get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS} {options}", body)
 MAKE = "from benchmarks.shapes import resnet50_like\ntorch.manual_seed(0)\nnet = resnet50_like()"
 local_net = resnet50_like()
-'''
+"""
 
 
 def state_return(kernel, repeats: int) -> list[Row]:
-    found = kernel_json(kernel, f"""
+    found = kernel_json(
+        kernel,
+        f"""
 cost = paired_cost(cell("--no-return", MAKE), cell("", MAKE), {repeats})
 local = times(lambda: cloudpickle.loads(cloudpickle.dumps(local_net)), {repeats})
-print("RESULT", json.dumps([cost, local]))""")
+print("RESULT", json.dumps([cost, local]))""",
+    )
     cost, local = (median(v) for v in found)
     return [
-        Row("state return (ResNet-50-sized model, 102 MB)", "local cloudpickle round trip (reference)",
-            local, "s", "local round trip", 1.0, "", repeats),
-        Row("state return (ResNet-50-sized model, 102 MB)", "bringing it back from the master",
-            cost, "s", "local round trip", cost / local, "<= 2x", repeats),
+        Row(
+            "state return (ResNet-50-sized model, 102 MB)",
+            "local cloudpickle round trip (reference)",
+            local,
+            "s",
+            "local round trip",
+            1.0,
+            "",
+            repeats,
+        ),
+        Row(
+            "state return (ResNet-50-sized model, 102 MB)",
+            "bringing it back from the master",
+            cost,
+            "s",
+            "local round trip",
+            cost / local,
+            "<= 2x",
+            repeats,
+        ),
     ]
 
 
@@ -106,7 +125,10 @@ PEAK = "peak host memory during the cell (PSS of kernel + workers, sampled every
 
 def state_parity(kernel, repeats: int) -> list[Row]:
     """What tracking the notebook's objects costs: nothing changed, and a model changed in place."""
-    found = kernel_json(kernel, MEMORY + f"""
+    found = kernel_json(
+        kernel,
+        MEMORY
+        + f"""
 for name in ("net", "local_net"):  # left by the state-return rows: this notebook holds only...
     globals().pop(name, None)
 TRIVIAL = "x = 1"
@@ -123,25 +145,49 @@ update_before, update_peak = peak_gib(UPDATE)
 local = times(lambda: cloudpickle.loads(cloudpickle.dumps(net)), {repeats})
 del net
 print("RESULT", json.dumps([empty, untracked, heavy, heavy_before, heavy_peak, update_cost,
-                            update_before, update_peak, local]))""")
-    (empty, untracked, heavy, heavy_before, heavy_peak, cost, update_before, update_peak,
-     local) = found
+                            update_before, update_peak, local]))""",
+    )
+    (empty, untracked, heavy, heavy_before, heavy_peak, cost, update_before, update_peak, local) = found
     empty, untracked, heavy, cost, local = map(median, (empty, untracked, heavy, cost, local))
     name = "state parity: a cell that changes nothing, 2 GiB of tensors in the notebook"
     update = "state parity: a ResNet-50-sized model (102 MB) updated in place in a cell"
     return [
-        Row(name, "the same cell with --no-return: nothing tracked (reference)", untracked, "s",
-            "untracked cell", 1.0, "", repeats),
-        Row(name, "the cell, every object tracked (pagemap)", heavy, "s", "untracked cell",
-            heavy / untracked, "<= 1.2x", repeats),
-        Row(name, "the cell in a notebook holding nothing", empty, "s", "untracked cell",
-            empty / untracked, "", repeats),
+        Row(
+            name,
+            "the same cell with --no-return: nothing tracked (reference)",
+            untracked,
+            "s",
+            "untracked cell",
+            1.0,
+            "",
+            repeats,
+        ),
+        Row(
+            name,
+            "the cell, every object tracked (pagemap)",
+            heavy,
+            "s",
+            "untracked cell",
+            heavy / untracked,
+            "<= 1.2x",
+            repeats,
+        ),
+        Row(
+            name, "the cell in a notebook holding nothing", empty, "s", "untracked cell", empty / untracked, "", repeats
+        ),
         Row(name, BEFORE, heavy_before, "GiB", "kernel before", 1.0, "", 1),
         Row(name, PEAK, heavy_peak, "GiB", "kernel before", heavy_peak / heavy_before, "", 1),
-        Row(update, "local cloudpickle round trip (reference)", local, "s", "local round trip", 1.0,
-            "", repeats),
-        Row(update, "bringing the changes back from the master", cost, "s", "local round trip",
-            cost / local, "<= 0.68x", repeats),
+        Row(update, "local cloudpickle round trip (reference)", local, "s", "local round trip", 1.0, "", repeats),
+        Row(
+            update,
+            "bringing the changes back from the master",
+            cost,
+            "s",
+            "local round trip",
+            cost / local,
+            "<= 0.68x",
+            repeats,
+        ),
         Row(update, BEFORE, update_before, "GiB", "kernel before", 1.0, "", 1),
         Row(update, PEAK, update_peak, "GiB", "kernel before", update_peak / update_before, "", 1),
     ]
@@ -149,19 +195,38 @@ print("RESULT", json.dumps([empty, untracked, heavy, heavy_before, heavy_peak, u
 
 def big_tensor(kernel, repeats: int) -> list[Row]:
     """A spawned cell (as when CUDA is initialized in the kernel) that reads a 2 GB tensor."""
-    found = kernel_json(kernel, f"""
+    found = kernel_json(
+        kernel,
+        f"""
 big = torch.zeros(2**29)  # 2 GiB of float32
 reads = times(cell("--start-method spawn --no-return", "first = big[0].item()"), {repeats})
 skips = times(cell("--start-method spawn --no-return", "first = 0.0"), {repeats})
 copy = times(lambda: big.clone(), {repeats})
 del big
-print("RESULT", json.dumps([reads, skips, copy]))""")
+print("RESULT", json.dumps([reads, skips, copy]))""",
+    )
     reads, skips, copy = (median(v) for v in found)
     return [
-        Row("a spawned cell reading a 2 GiB notebook tensor", "one local copy of it (reference)", copy,
-            "s", "one copy", 1.0, "", repeats),
-        Row("a spawned cell reading a 2 GiB notebook tensor", "extra time over a cell that does not",
-            reads - skips, "s", "one copy", (reads - skips) / copy, "<= 1 copy", repeats),
+        Row(
+            "a spawned cell reading a 2 GiB notebook tensor",
+            "one local copy of it (reference)",
+            copy,
+            "s",
+            "one copy",
+            1.0,
+            "",
+            repeats,
+        ),
+        Row(
+            "a spawned cell reading a 2 GiB notebook tensor",
+            "extra time over a cell that does not",
+            reads - skips,
+            "s",
+            "one copy",
+            (reads - skips) / copy,
+            "<= 1 copy",
+            repeats,
+        ),
     ]
 
 
@@ -176,23 +241,55 @@ def output(kernel, repeats: int) -> list[Row]:
 
     local = median([cell_seconds(body) for _ in range(repeats)])
     ours = median([cell_seconds(f"%%enot_distributed -n 2 --no-return\n{body}") for _ in range(repeats)])
-    rows = [Row("output: 100,000 lines from the master", "local cell (reference)", 100_000 / local,
-                "lines/s", "local cell", 1.0, "", repeats),
-            Row("output: 100,000 lines from the master", "%%enot_distributed", 100_000 / ours,
-                "lines/s", "local cell", local / ours, ">= 0.5x throughput", repeats)]
+    rows = [
+        Row(
+            "output: 100,000 lines from the master",
+            "local cell (reference)",
+            100_000 / local,
+            "lines/s",
+            "local cell",
+            1.0,
+            "",
+            repeats,
+        ),
+        Row(
+            "output: 100,000 lines from the master",
+            "%%enot_distributed",
+            100_000 / ours,
+            "lines/s",
+            "local cell",
+            local / ours,
+            ">= 0.5x throughput",
+            repeats,
+        ),
+    ]
     for label, prefix in (("local cell", ""), ("%%enot_distributed", "%%enot_distributed -n 2 --no-return\n")):
         delays: list[float] = []
 
         def on_output(run, delays=delays):
             now = time.time()
-            for line in run.stdout.splitlines()[len(delays):]:
+            for line in run.stdout.splitlines()[len(delays) :]:
                 if line.startswith("stamp "):
                     delays.append(now - float(line.split()[1]))
 
-        kernel.run(prefix + "import time\nfor _ in range(20):\n    print('stamp', time.time(), flush=True)\n"
-                   "    time.sleep(0.05)", timeout=120, on_output=on_output)
-        rows.append(Row("output: print-to-notebook delay", label, median(delays), "s",
-                        "", None, "<= 0.05 s" if prefix else "", len(delays)))
+        kernel.run(
+            prefix + "import time\nfor _ in range(20):\n    print('stamp', time.time(), flush=True)\n"
+            "    time.sleep(0.05)",
+            timeout=120,
+            on_output=on_output,
+        )
+        rows.append(
+            Row(
+                "output: print-to-notebook delay",
+                label,
+                median(delays),
+                "s",
+                "",
+                None,
+                "<= 0.05 s" if prefix else "",
+                len(delays),
+            )
+        )
     return rows
 
 
@@ -212,18 +309,22 @@ def _widget_stamps(kernel, code: str) -> list[tuple[float, float]]:
     """(sent, received) of each description update of the cell's IntProgress."""
     run = kernel.run(code, timeout=300)
     assert run.error is None, run.traceback
-    return [(float(m["content"]["data"]["state"]["description"].split()[1]), m["received"])
-            for m in run.comms
-            if m["msg_type"] == "comm_msg" and "description" in m["content"]["data"].get("state", {})]
+    return [
+        (float(m["content"]["data"]["state"]["description"].split()[1]), m["received"])
+        for m in run.comms
+        if m["msg_type"] == "comm_msg" and "description" in m["content"]["data"].get("state", {})
+    ]
 
 
 def widgets(kernel, repeats: int, updates: int = 1000) -> list[Row]:
     """A widget updated in a loop, in a local cell and from the master of a distributed one (fork
     and spawn): the pace of 1,000 updates as fast as they go, and the delay from an update to
     the client when they come 50 ms apart (a burst measures the client's queue, not the delay)."""
-    variants = [("local cell (reference)", ""),
-                ("%%enot_distributed, fork", "%%enot_distributed -n 2 --no-return --start-method fork\n"),
-                ("%%enot_distributed, spawn", "%%enot_distributed -n 2 --no-return --start-method spawn\n")]
+    variants = [
+        ("local cell (reference)", ""),
+        ("%%enot_distributed, fork", "%%enot_distributed -n 2 --no-return --start-method fork\n"),
+        ("%%enot_distributed, spawn", "%%enot_distributed -n 2 --no-return --start-method spawn\n"),
+    ]
     burst = WIDGET_UPDATES.replace("UPDATES", str(updates)).replace("PAUSE", "0")
     paced = WIDGET_UPDATES.replace("UPDATES", "20").replace("PAUSE", "0.05")
     rates: dict[str, float] = {}
@@ -237,12 +338,32 @@ def widgets(kernel, repeats: int, updates: int = 1000) -> list[Row]:
         rates[label] = median(per_run)
         delays[label] = [received - sent for sent, received in _widget_stamps(kernel, prefix + paced)]
     reference = variants[0][0]
-    rows = [Row(f"widgets: {updates} updates of an IntProgress, to the client", label, rates[label],
-                "updates/s", "local cell", rates[label] / rates[reference], ">= 0.5x" if prefix else "",
-                repeats) for label, prefix in variants]
-    rows += [Row("widgets: update-to-client delay", label, median(delays[label]), "s", "local cell",
-                 median(delays[label]) / median(delays[reference]), "<= 0.05 s" if prefix else "",
-                 len(delays[label])) for label, prefix in variants]
+    rows = [
+        Row(
+            f"widgets: {updates} updates of an IntProgress, to the client",
+            label,
+            rates[label],
+            "updates/s",
+            "local cell",
+            rates[label] / rates[reference],
+            ">= 0.5x" if prefix else "",
+            repeats,
+        )
+        for label, prefix in variants
+    ]
+    rows += [
+        Row(
+            "widgets: update-to-client delay",
+            label,
+            median(delays[label]),
+            "s",
+            "local cell",
+            median(delays[label]) / median(delays[reference]),
+            "<= 0.05 s" if prefix else "",
+            len(delays[label]),
+        )
+        for label, prefix in variants
+    ]
     return rows
 
 
@@ -250,22 +371,56 @@ def training(kernel, rounds: int = 3) -> list[Row]:
     """Alternate the two, ``rounds`` times each: the machine's noise hits both alike."""
     ours, theirs = [], []
     for _ in range(rounds):
-        ours.append(kernel_json(kernel, """
+        ours.append(
+            kernel_json(
+                kernel,
+                """
 from benchmarks import train_job
 get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS} --return rate",
                              "from benchmarks import train_job\\nrate = train_job.steps_per_second()")
-print("RESULT", json.dumps(rate))"""))
+print("RESULT", json.dumps(rate))""",
+            )
+        )
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rate.json"
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node=2", str(ROOT / "benchmarks" / "train_job.py"), str(out)],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    str(ROOT / "benchmarks" / "train_job.py"),
+                    str(out),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
             theirs.append(json.loads(out.read_text()))
-    return [Row("training: DDP steps/s after start-up", "torchrun script (reference)", median(theirs),
-                "steps/s", "torchrun", 1.0, "", rounds),
-            Row("training: DDP steps/s after start-up", "%%enot_distributed", median(ours), "steps/s",
-                "torchrun", median(ours) / median(theirs), ">= 0.97x", rounds)]
+    return [
+        Row(
+            "training: DDP steps/s after start-up",
+            "torchrun script (reference)",
+            median(theirs),
+            "steps/s",
+            "torchrun",
+            1.0,
+            "",
+            rounds,
+        ),
+        Row(
+            "training: DDP steps/s after start-up",
+            "%%enot_distributed",
+            median(ours),
+            "steps/s",
+            "torchrun",
+            median(ours) / median(theirs),
+            ">= 0.97x",
+            rounds,
+        ),
+    ]
 
 
 @contextmanager
@@ -281,10 +436,14 @@ def _kernel() -> Iterator[Any]:
 
 def run(repeats: int = 5) -> list[Row]:
     with _kernel() as kernel:
-        return (state_return(kernel, repeats) + state_parity(kernel, repeats)
-                + big_tensor(kernel, max(3, repeats // 2))
-                + output(kernel, max(3, repeats // 2)) + widgets(kernel, max(3, repeats // 2))
-                + training(kernel))
+        return (
+            state_return(kernel, repeats)
+            + state_parity(kernel, repeats)
+            + big_tensor(kernel, max(3, repeats // 2))
+            + output(kernel, max(3, repeats // 2))
+            + widgets(kernel, max(3, repeats // 2))
+            + training(kernel)
+        )
 
 
 def run_widgets(repeats: int = 5) -> list[Row]:

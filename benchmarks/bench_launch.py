@@ -89,11 +89,31 @@ def run(repeats: int = 7) -> list[Row]:
     finally:
         kernel.shutdown()
     floor = medians["os.fork floor (reference)"][0]
-    rows = [Row("launch (trivial job, 2 processes, in a kernel)", label, value, "s",
-                "os.fork floor", value / floor, target, n)
-            for label, (value, target, n) in medians.items()]
+    rows = [
+        Row(
+            "launch (trivial job, 2 processes, in a kernel)",
+            label,
+            value,
+            "s",
+            "os.fork floor",
+            value / floor,
+            target,
+            n,
+        )
+        for label, (value, target, n) in medians.items()
+    ]
     launcher = medians["enot_nb notebook_launcher, fork"][0]
     cell = medians["%%enot_distributed, trivial cell"][0]
-    rows.append(Row("cell overhead over the launcher", "%%enot_distributed - notebook_launcher",
-                    cell - launcher, "s", "notebook_launcher, fork", cell / launcher, "", 0))
+    rows.append(
+        Row(
+            "cell overhead over the launcher",
+            "%%enot_distributed - notebook_launcher",
+            cell - launcher,
+            "s",
+            "notebook_launcher, fork",
+            cell / launcher,
+            "",
+            0,
+        )
+    )
     return rows

@@ -17,9 +17,29 @@ def run(repeats: int = 5) -> list[Row]:
         for variant, seconds in variants.items():
             mode = "broadcast" if "broadcast" in variant and "Parallel" not in variant else "all_reduce"
             reference = variants[f"flat {mode} (reference)"]
-            rows.append(Row(f"sync_model: {model}, 2 processes", variant, seconds, "s",
-                            f"flat {mode}", seconds / reference, TARGETS.get(variant, ""), repeats))
+            rows.append(
+                Row(
+                    f"sync_model: {model}, 2 processes",
+                    variant,
+                    seconds,
+                    "s",
+                    f"flat {mode}",
+                    seconds / reference,
+                    TARGETS.get(variant, ""),
+                    repeats,
+                )
+            )
         per_tensor = variants["per-tensor all_reduce"] / variants["sync_model, reduce"]
-        rows.append(Row(f"sync_model: {model}, 2 processes", "speed-up over per-tensor all_reduce",
-                        per_tensor, "x", "", None, ">= 3x (ResNet-50)" if "ResNet" in model else "", repeats))
+        rows.append(
+            Row(
+                f"sync_model: {model}, 2 processes",
+                "speed-up over per-tensor all_reduce",
+                per_tensor,
+                "x",
+                "",
+                None,
+                ">= 3x (ResNet-50)" if "ResNet" in model else "",
+                repeats,
+            )
+        )
     return rows

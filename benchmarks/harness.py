@@ -71,7 +71,7 @@ def kernel_json(kernel: Kernel, code: str, timeout: float = 600) -> object:
     if run.error:
         raise RuntimeError("\n".join(run.error["traceback"]))
     line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def start_kernel() -> Kernel:

@@ -45,8 +45,9 @@ def chart(rows: list[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if r.ratio is not None and r.unit != "x" and "reference" not in r.variant
-             and r.ratio < 100]
+    shown = [
+        r for r in rows if r.ratio is not None and r.unit != "x" and "reference" not in r.variant and r.ratio < 100
+    ]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(shown) + 1))
     labels = [f"{r.benchmark.replace(', 2 processes', '').split(' (')[0]}: {r.variant}" for r in shown]
     others = ("Accelerate", "torch.multiprocessing", "torchrun", "per-tensor", "DistributedDataParallel")
@@ -56,8 +57,10 @@ def chart(rows: list[Row], path: Path) -> None:
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("ratio to the reference of the same run (log scale)\n"
-                  "lower is better, except output and training (higher is better)")
+    ax.set_xlabel(
+        "ratio to the reference of the same run (log scale)\n"
+        "lower is better, except output and training (higher is better)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -66,25 +69,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chart-only", action="store_true", help="redraw the chart from results.json")
-    parser.add_argument("--only", choices=["launch", "state", "widgets"],
-                        help="run one group and print it (no files)")
+    parser.add_argument("--only", choices=["launch", "state", "widgets"], help="run one group and print it (no files)")
     args = parser.parse_args()
     if args.chart_only:
         saved = json.loads((OUT / "results.json").read_text())["rows"]
         chart([Row(**row) for row in saved], OUT / "chart.png")
         return
     if args.only:
-        groups = {"launch": bench_launch.run, "state": bench_cells.run_state,
-                  "widgets": bench_cells.run_widgets}
+        groups = {"launch": bench_launch.run, "state": bench_cells.run_state, "widgets": bench_cells.run_widgets}
         print(table(groups[args.only](args.repeats)))
         return
     rows = bench_launch.run(args.repeats) + bench_sync.run(args.repeats) + bench_cells.run(args.repeats)
     OUT.mkdir(parents=True, exist_ok=True)
-    machine = {"python": platform.python_version(), "platform": platform.platform(),
-               "cpus": len(os.sched_getaffinity(0)), "torch": __import__("torch").__version__,
-               "gpus": __import__("torch").cuda.device_count()}
-    (OUT / "results.json").write_text(json.dumps({"machine": machine, "rows": [r.as_dict() for r in rows]},
-                                                 indent=1))
+    machine = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch": __import__("torch").__version__,
+        "gpus": __import__("torch").cuda.device_count(),
+    }
+    (OUT / "results.json").write_text(json.dumps({"machine": machine, "rows": [r.as_dict() for r in rows]}, indent=1))
     text = table(rows)
     (OUT / "table.md").write_text(text + "\n")
     chart(rows, OUT / "chart.png")

@@ -8,8 +8,9 @@ import torch
 class ShapeModel(torch.nn.Module):
     """Parameters (and BatchNorm-like buffers) with given shapes; forward is not needed."""
 
-    def __init__(self, params: list[tuple[str, tuple[int, ...]]],
-                 buffers: list[tuple[str, tuple[int, ...], torch.dtype]] = ()):
+    def __init__(
+        self, params: list[tuple[str, tuple[int, ...]]], buffers: list[tuple[str, tuple[int, ...], torch.dtype]] = ()
+    ):
         super().__init__()
         for name, shape in params:
             self.register_parameter(name, torch.nn.Parameter(torch.randn(shape) * 0.01))
@@ -25,9 +26,13 @@ def resnet50_like() -> ShapeModel:
     def conv_bn(name: str, cin: int, cout: int, k: int) -> None:
         params.append((f"{name}_conv", (cout, cin, k, k)))
         params.extend([(f"{name}_bn_w", (cout,)), (f"{name}_bn_b", (cout,))])
-        buffers.extend([(f"{name}_bn_mean", (cout,), torch.float32),
-                        (f"{name}_bn_var", (cout,), torch.float32),
-                        (f"{name}_bn_count", (), torch.int64)])
+        buffers.extend(
+            [
+                (f"{name}_bn_mean", (cout,), torch.float32),
+                (f"{name}_bn_var", (cout,), torch.float32),
+                (f"{name}_bn_count", (), torch.int64),
+            ]
+        )
 
     conv_bn("stem", 3, 64, 7)
     cin = 64
@@ -47,13 +52,25 @@ def resnet50_like() -> ShapeModel:
 def bert_base_like() -> ShapeModel:
     """199 parameter tensors, about 110M parameters."""
     h, ff = 768, 3072
-    params = [("word", (30522, h)), ("position", (512, h)), ("token_type", (2, h)),
-              ("emb_ln_w", (h,)), ("emb_ln_b", (h,))]
+    params = [
+        ("word", (30522, h)),
+        ("position", (512, h)),
+        ("token_type", (2, h)),
+        ("emb_ln_w", (h,)),
+        ("emb_ln_b", (h,)),
+    ]
     for i in range(12):
         for part in ("q", "k", "v", "o"):
             params += [(f"l{i}_{part}_w", (h, h)), (f"l{i}_{part}_b", (h,))]
-        params += [(f"l{i}_ln1_w", (h,)), (f"l{i}_ln1_b", (h,)), (f"l{i}_ff1_w", (ff, h)),
-                   (f"l{i}_ff1_b", (ff,)), (f"l{i}_ff2_w", (h, ff)), (f"l{i}_ff2_b", (h,)),
-                   (f"l{i}_ln2_w", (h,)), (f"l{i}_ln2_b", (h,))]
+        params += [
+            (f"l{i}_ln1_w", (h,)),
+            (f"l{i}_ln1_b", (h,)),
+            (f"l{i}_ff1_w", (ff, h)),
+            (f"l{i}_ff1_b", (ff,)),
+            (f"l{i}_ff2_w", (h, ff)),
+            (f"l{i}_ff2_b", (h,)),
+            (f"l{i}_ln2_w", (h,)),
+            (f"l{i}_ln2_b", (h,)),
+        ]
     params += [("pooler_w", (h, h)), ("pooler_b", (h,))]
     return ShapeModel(params)

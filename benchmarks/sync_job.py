@@ -47,10 +47,14 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
             "per-tensor all_reduce": _time(lambda model=model: _per_tensor(model, True), repeats),
             "flat broadcast (reference)": _time(lambda flat=flat: dist.broadcast(flat, src=0), repeats),
             "sync_model, broadcast": _time(
-                lambda model=model: ed.sync_model(model, reduce_parameters=False, reduce_buffers=False), repeats),
+                lambda model=model: ed.sync_model(model, reduce_parameters=False, reduce_buffers=False), repeats
+            ),
             "per-tensor broadcast": _time(lambda model=model: _per_tensor(model, False), repeats),
             "building DistributedDataParallel": _time(
                 lambda model=model: torch.nn.parallel.DistributedDataParallel(
-                    model, device_ids=[device.index] if device.type == "cuda" else None), repeats),
+                    model, device_ids=[device.index] if device.type == "cuda" else None
+                ),
+                repeats,
+            ),
         }
     return results

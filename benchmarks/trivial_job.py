@@ -13,8 +13,11 @@ import torch.distributed as dist
 
 def one_all_reduce() -> float:
     """What runs inside a group that is already initialized (enot_nb's launcher did it)."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     value = torch.ones(1, device=device)
     dist.all_reduce(value)
     return value.item()
@@ -33,8 +36,13 @@ def init_and_all_reduce(*_: object) -> float:
 
 def spawned(index: int, port: int, world_size: int) -> None:
     """Entry point for torch.multiprocessing's spawn (rank = index)."""
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(index), LOCAL_RANK=str(index),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        WORLD_SIZE=str(world_size),
+        RANK=str(index),
+        LOCAL_RANK=str(index),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     init_and_all_reduce()
 
 

@@ -135,14 +135,13 @@ def init_torch(
         DistributedRuntimeException: the process group could not be created.
     """
     if cuda_optimize_for_speed and cuda_reproducible:
-        raise RuntimeError(
-            "cuda_optimize_for_speed and cuda_reproducible are mutually exclusive; set at most one"
-        )
+        raise RuntimeError("cuda_optimize_for_speed and cuda_reproducible are mutually exclusive; set at most one")
     if seed is not None:
         # Checked before any generator is seeded: a bad seed leaves them all as they were.
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise LaunchConfigError(f"seed={seed!r} must be an int in [0, 2**32) (NumPy's range) or None",
-                                    parameter="seed")
+            raise LaunchConfigError(
+                f"seed={seed!r} must be an int in [0, 2**32) (NumPy's range) or None", parameter="seed"
+            )
         _seed_everything(seed)
     if cuda_optimize_for_speed:
         torch.backends.cudnn.benchmark = True

@@ -51,9 +51,18 @@ _SIGNAL_HINTS = {
 }
 
 
-_PEER_LOSS_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote process",
-                    "communicator was aborted", "Socket Timeout", "ECONNRESET", "Connection refused",
-                    "closed by peer", "unexpected EOF")
+_PEER_LOSS_WORDS = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Broken pipe",
+    "remote process",
+    "communicator was aborted",
+    "Socket Timeout",
+    "ECONNRESET",
+    "Connection refused",
+    "closed by peer",
+    "unexpected EOF",
+)
 
 
 @dataclass
@@ -78,9 +87,17 @@ class WorkerFailure:
     @classmethod
     def raised(cls, rank: int, report: Any, attempt: int, output_tail: str) -> WorkerFailure:
         """A worker reported an exception (its ErrorReport)."""
-        return cls(rank=rank, exitcode=report.exitcode, signal_name=None, error_type=report.type,
-                   message=report.message, traceback=report.traceback, attempt=attempt,
-                   output_tail=output_tail, connecting=report.connecting)
+        return cls(
+            rank=rank,
+            exitcode=report.exitcode,
+            signal_name=None,
+            error_type=report.type,
+            message=report.message,
+            traceback=report.traceback,
+            attempt=attempt,
+            output_tail=output_tail,
+            connecting=report.connecting,
+        )
 
     @classmethod
     def died(cls, rank: int, exitcode: int, attempt: int, output_tail: str) -> WorkerFailure:
@@ -98,8 +115,16 @@ class WorkerFailure:
             message = "exited with code 0 before its function returned (os._exit?)"
         else:
             message = f"exited with code {exitcode} without a Python traceback"
-        return cls(rank=rank, exitcode=exitcode, signal_name=signal_name, error_type=None,
-                   message=message, traceback=None, attempt=attempt, output_tail=output_tail)
+        return cls(
+            rank=rank,
+            exitcode=exitcode,
+            signal_name=signal_name,
+            error_type=None,
+            message=message,
+            traceback=None,
+            attempt=attempt,
+            output_tail=output_tail,
+        )
 
     def caused_by_a_lost_peer(self) -> bool:
         """An error a rank raises *because* a peer died: never the root cause when another
@@ -159,8 +184,9 @@ class WorkerFailedError(EnotNbError, RuntimeError):
             ``--on-error keep`` sends the state it reached), or None.
     """
 
-    def __init__(self, failures: list[WorkerFailure], attempts: list[WorkerFailure] | None = None,
-                 partial_result: object = None):
+    def __init__(
+        self, failures: list[WorkerFailure], attempts: list[WorkerFailure] | None = None, partial_result: object = None
+    ):
         self.partial_result = partial_result
         self.failures = failures
         self.attempts = attempts or [failures[0]]

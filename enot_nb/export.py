@@ -57,23 +57,30 @@ class ExportedCell:
     command: str
 
     def describe(self) -> str:
-        return (f"enot_nb: wrote {self.script} and {self.namespace.name} beside it (nothing ran).\n"
-                f"Run it with:\n    {self.command}\n"
-                f"then load what the master saved with enot_nb.load_results({str(self.script)!r})")
+        return (
+            f"enot_nb: wrote {self.script} and {self.namespace.name} beside it (nothing ran).\n"
+            f"Run it with:\n    {self.command}\n"
+            f"then load what the master saved with enot_nb.load_results({str(self.script)!r})"
+        )
 
 
 def _beside(path: Path, suffix: str) -> Path:
     return path.with_name(f"{path.stem}.{suffix}")
 
 
-def torchrun_command(script: Path, nprocs: int | None, nnodes: int, master_addr: str,
-                     master_port: int | None) -> str:
+def torchrun_command(script: Path, nprocs: int | None, nnodes: int, master_addr: str, master_port: int | None) -> str:
     """The torchrun command line that runs ``script`` (on every node when nnodes > 1)."""
     per_node = str(nprocs) if nprocs else "gpu"
     parts = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", per_node]
     if nnodes > 1:
-        parts += ["--node-rank", "<this node's rank>", "--master-addr", master_addr,
-                  "--master-port", str(master_port or 29500)]
+        parts += [
+            "--node-rank",
+            "<this node's rank>",
+            "--master-addr",
+            master_addr,
+            "--master-port",
+            str(master_port or 29500),
+        ]
     else:
         parts.append("--standalone")
     return " ".join(shlex.quote(p) if not p.startswith("<") else p for p in parts + [str(script)])
@@ -127,10 +134,18 @@ def export_cell(
     from enot_nb._worker import cell as _cell
 
     # Checked as a launch checks them; the GPUs and backends of the cluster are not known here.
-    LaunchOptions(nprocs=nprocs, nnodes=nnodes, backend=backend, seed=seed,
-                  cuda_optimize_for_speed=cuda_optimize_for_speed,
-                  cuda_reproducible=cuda_reproducible, output=output, timeout=timeout,
-                  master_addr=master_addr, master_port=master_port)
+    LaunchOptions(
+        nprocs=nprocs,
+        nnodes=nnodes,
+        backend=backend,
+        seed=seed,
+        cuda_optimize_for_speed=cuda_optimize_for_speed,
+        cuda_reproducible=cuda_reproducible,
+        output=output,
+        timeout=timeout,
+        master_addr=master_addr,
+        master_port=master_port,
+    )
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error is reported now, not on the cluster
     script = Path(os.path.abspath(path))  # not resolve(): a link must be refused, not followed
     namespace_file = _beside(script, "namespace.pkl")
@@ -138,24 +153,41 @@ def export_cell(
         refuse_links(target)
     script.parent.mkdir(parents=True, exist_ok=True)
     values, left_out, _ = objgraph.shippable_namespace(namespace or {}, code)
-    write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out},
-                                                       protocol=5))
+    write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out}, protocol=5))
     import torch
 
     from enot_nb import __version__
 
     command = torchrun_command(script, nprocs, nnodes, master_addr, master_port)
     options = {
-        "world_size": (nprocs or 0) * nnodes, "backend": backend, "seed": seed,
-        "speed": cuda_optimize_for_speed, "reproducible": cuda_reproducible, "timeout": timeout,
-        "output": output, "sync": sync, "no_sync": no_sync, "returns": returns,
-        "no_return": no_return, "command": command,
+        "world_size": (nprocs or 0) * nnodes,
+        "backend": backend,
+        "seed": seed,
+        "speed": cuda_optimize_for_speed,
+        "reproducible": cuda_reproducible,
+        "timeout": timeout,
+        "output": output,
+        "sync": sync,
+        "no_sync": no_sync,
+        "returns": returns,
+        "no_return": no_return,
+        "command": command,
     }
-    write_atomically(script, SCRIPT_TEMPLATE.format(
-        command=command, python=platform.python_version(), torch=torch.__version__,
-        enot_nb=__version__, namespace_name=namespace_file.name,
-        results_name=_beside(script, "results.pkl").name, script_name=script.name,
-        cell=code, options=options).encode(), mode=0o755)
+    write_atomically(
+        script,
+        SCRIPT_TEMPLATE.format(
+            command=command,
+            python=platform.python_version(),
+            torch=torch.__version__,
+            enot_nb=__version__,
+            namespace_name=namespace_file.name,
+            results_name=_beside(script, "results.pkl").name,
+            script_name=script.name,
+            cell=code,
+            options=options,
+        ).encode(),
+        mode=0o755,
+    )
     exported = ExportedCell(script, namespace_file, _beside(script, "results.pkl"), command)
     for name, reason in left_out.items():
         print(f"enot_nb: {name!r} was not exported: {reason}", file=sys.stderr)
@@ -165,8 +197,10 @@ def export_cell(
 def refuse_links(path: Path) -> None:
     """A planted symbolic link would make an export overwrite another file: refuse it."""
     if path.is_symlink():
-        raise ValueError(f"{path} is a symbolic link; enot_nb does not write through links (it "
-                         "would overwrite the file it points to). Remove it or export elsewhere")
+        raise ValueError(
+            f"{path} is a symbolic link; enot_nb does not write through links (it "
+            "would overwrite the file it points to). Remove it or export elsewhere"
+        )
 
 
 def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -191,8 +225,10 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     the CPU). ``path`` is the exported script's path, as given to export_cell or --export."""
     results = _beside(Path(path).resolve(), "results.pkl")
     if not results.exists():
-        raise FileNotFoundError(f"{results} does not exist: run the exported script with torchrun "
-                                "first (the master writes it when the cell succeeds)")
+        raise FileNotFoundError(
+            f"{results} does not exist: run the exported script with torchrun "
+            "first (the master writes it when the cell succeeds)"
+        )
     with open(results, "rb") as f:
         return pickle.load(f)
 
@@ -208,9 +244,12 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
 
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world_size == 1 and options["world_size"] > 1:
-        print(f"enot_nb: this cell was exported for {options['world_size']} processes, but runs as "
-              f"one plain process, where it would wait forever for the others. Run it with:\n"
-              f"    {options['command']}", file=sys.stderr)
+        print(
+            f"enot_nb: this cell was exported for {options['world_size']} processes, but runs as "
+            f"one plain process, where it would wait forever for the others. Run it with:\n"
+            f"    {options['command']}",
+            file=sys.stderr,
+        )
         sys.exit(2)
     exitcode = 1
     try:
@@ -218,17 +257,26 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
         with open(_beside(path, "namespace.pkl"), "rb") as f:
             shipped = pickle.load(f)
         backend = options["backend"] or _default_backend()
-        init_torch(seed=options["seed"], cuda_optimize_for_speed=options["speed"],
-                   cuda_reproducible=options["reproducible"], backend=backend,
-                   timeout=__import__("datetime").timedelta(seconds=options["timeout"]))
+        init_torch(
+            seed=options["seed"],
+            cuda_optimize_for_speed=options["speed"],
+            cuda_reproducible=options["reproducible"],
+            backend=backend,
+            timeout=__import__("datetime").timedelta(seconds=options["timeout"]),
+        )
         rank = get_rank()
         if options["output"] == "none" or (options["output"] == "master" and rank != 0):
             _silence_stdout()
         cell_options = _cell.CellOptions(
-            sync=options["sync"], no_sync=options["no_sync"], returns=options["returns"],
-            no_return=options["no_return"], shown=rank == 0 and options["output"] != "none",
-            source_header="%%enot_distributed\n", figure_dir=str(path.parent),
-            figure_prefix=path.stem)
+            sync=options["sync"],
+            no_sync=options["no_sync"],
+            returns=options["returns"],
+            no_return=options["no_return"],
+            shown=rank == 0 and options["output"] != "none",
+            source_header="%%enot_distributed\n",
+            figure_dir=str(path.parent),
+            figure_prefix=path.stem,
+        )
         namespace = {"__name__": "__main__", "__builtins__": __builtins__, **shipped["values"]}
         outcome = _cell.run_cell(code, namespace, cell_options)
         if outcome is not None:
@@ -259,8 +307,7 @@ def _silence_stdout() -> None:
 def _save_results(script: Path, outcome: Any, namespace: dict[str, Any]) -> None:
     from enot_nb._serialize import pickling
 
-    values = {n: namespace[n] for n in outcome.changed_names
-              if n in namespace and n not in outcome.not_returned}
+    values = {n: namespace[n] for n in outcome.changed_names if n in namespace and n not in outcome.not_returned}
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not saved: {reason}", file=sys.stderr)
     target = _beside(script, "results.pkl")

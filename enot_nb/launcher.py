@@ -41,11 +41,14 @@ from enot_nb._serialize import pickling
 from enot_nb._worker import bootstrap
 from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError, WorkerFailure
 
-__all__ = ["ConflictingFlagsError", "LaunchConfigError", "LaunchOptions", "launch_job",
-           "notebook_launcher", "plan_launch"]
-
-
-
+__all__ = [
+    "ConflictingFlagsError",
+    "LaunchConfigError",
+    "LaunchOptions",
+    "launch_job",
+    "notebook_launcher",
+    "plan_launch",
+]
 
 
 def notebook_launcher(
@@ -109,23 +112,44 @@ def notebook_launcher(
     if not callable(fn):
         raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
     if not isinstance(args, (tuple, list)):
-        hint = (f"; to start {args} processes pass nprocs={args}" if isinstance(args, int)
-                and not isinstance(args, bool) else "")
-        raise LaunchConfigError(f"args={args!r} must be a tuple of fn's arguments, e.g. "
-                                f"args=(0.1,){hint}", parameter="args")
+        hint = (
+            f"; to start {args} processes pass nprocs={args}"
+            if isinstance(args, int) and not isinstance(args, bool)
+            else ""
+        )
+        raise LaunchConfigError(
+            f"args={args!r} must be a tuple of fn's arguments, e.g. args=(0.1,){hint}", parameter="args"
+        )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise LaunchConfigError(f"kwargs={kwargs!r} must be a dict of fn's keyword arguments")
     options = LaunchOptions(
-        nprocs=nprocs, backend=backend, seed=seed, cuda_optimize_for_speed=cuda_optimize_for_speed,
-        cuda_reproducible=cuda_reproducible, start_method=start_method, output=output,
-        master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=node_rank,
-        max_restarts=max_restarts, timeout=timeout)
-    return launch_job(plan_launch(options), bootstrap.Job(fn, tuple(args), dict(kwargs or {})),
-                      on_message=relay.show if relay.in_ipython() else None)
+        nprocs=nprocs,
+        backend=backend,
+        seed=seed,
+        cuda_optimize_for_speed=cuda_optimize_for_speed,
+        cuda_reproducible=cuda_reproducible,
+        start_method=start_method,
+        output=output,
+        master_addr=master_addr,
+        master_port=master_port,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        max_restarts=max_restarts,
+        timeout=timeout,
+    )
+    return launch_job(
+        plan_launch(options),
+        bootstrap.Job(fn, tuple(args), dict(kwargs or {})),
+        on_message=relay.show if relay.in_ipython() else None,
+    )
 
 
-def launch_job(plan: LaunchPlan, job: bootstrap.Job, namespace: dict | None = None,
-               on_message: Callable[[str, Any], None] | None = None) -> Any:
+def launch_job(
+    plan: LaunchPlan,
+    job: bootstrap.Job,
+    namespace: dict | None = None,
+    on_message: Callable[[str, Any], None] | None = None,
+) -> Any:
     """Run a job under a validated plan, one launch at a time per process. ``namespace``: the
     notebook's globals, which spawned copies of its functions keep sharing. ``on_message``:
     called with the other messages ("display", ...) of the ranks whose output is shown."""
@@ -151,8 +175,12 @@ def launch_job(plan: LaunchPlan, job: bootstrap.Job, namespace: dict | None = No
 RECONNECTS = 2
 
 
-def run_plan(plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[int]] | None,
-             on_message: Callable[[str, Any], None] | None = None) -> Any:
+def run_plan(
+    plan: LaunchPlan,
+    job: bootstrap.Job,
+    shipped: tuple[bytes, list[int]] | None,
+    on_message: Callable[[str, Any], None] | None = None,
+) -> Any:
     """Run every attempt of a validated plan; return rank 0's result or raise the last failure."""
     root_causes: list[WorkerFailure] = []
     reconnects = 0
@@ -164,14 +192,20 @@ def run_plan(plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[in
         if outcome.reconnectable and reconnects < RECONNECTS:
             # Nothing of the user's ran: the same attempt starts again, not counted as a restart.
             reconnects += 1
-            print(f"enot_nb: the ranks could not connect ({outcome.failures[0].summary()}); "
-                  "starting them again", file=sys.stderr, flush=True)
+            print(
+                f"enot_nb: the ranks could not connect ({outcome.failures[0].summary()}); starting them again",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         root_causes.append(outcome.failures[0])
         if attempt == plan.max_restarts:
             break
-        print(f"enot_nb: {outcome.failures[0].summary()}; restarting "
-              f"({attempt + 1} of {plan.max_restarts})", file=sys.stderr, flush=True)
+        print(
+            f"enot_nb: {outcome.failures[0].summary()}; restarting ({attempt + 1} of {plan.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
         attempt += 1
     raise WorkerFailedError(outcome.failures, root_causes, partial_result=outcome.partial)
 
@@ -183,33 +217,47 @@ def plan_launch(options: LaunchOptions) -> LaunchPlan:
     """Decide what depends on this machine (GPUs, backends, addresses, the start method) for
     options already checked; starts nothing."""
     if os.environ.get(bootstrap.WORKER_MARKER):
-        raise LaunchError("notebook_launcher was called inside a worker process; launches do not "
-                          "nest: call the function directly in the worker")
+        raise LaunchError(
+            "notebook_launcher was called inside a worker process; launches do not "
+            "nest: call the function directly in the worker"
+        )
     gpus = visible_gpu_count()
     nprocs = options.nprocs
     if nprocs is None:
         if gpus == 0:
-            raise LaunchConfigError("no GPU is visible, so nprocs cannot default to one process per "
-                                    "GPU; pass nprocs=N (for example nprocs=2, backend='gloo')",
-                                    parameter="nprocs")
+            raise LaunchConfigError(
+                "no GPU is visible, so nprocs cannot default to one process per "
+                "GPU; pass nprocs=N (for example nprocs=2, backend='gloo')",
+                parameter="nprocs",
+            )
         nprocs = gpus
     backend = options.backend or default_backend(nprocs, gpus)
     if backend == "nccl" and nprocs > gpus:
-        raise LaunchConfigError(f"backend='nccl' needs one GPU per process, but nprocs={nprocs} and "
-                                f"{gpus} GPU(s) are visible; lower nprocs or use backend='gloo'",
-                                parameter="nprocs")
+        raise LaunchConfigError(
+            f"backend='nccl' needs one GPU per process, but nprocs={nprocs} and "
+            f"{gpus} GPU(s) are visible; lower nprocs or use backend='gloo'",
+            parameter="nprocs",
+        )
     _check_backend(backend)
     master_addr = _resolve(options.master_addr)
     _check_port_free(master_addr, options)
     return LaunchPlan(
-        nprocs=nprocs, nnodes=options.nnodes, node_rank=options.node_rank, backend=backend,
-        start_method=_choose_start_method(options.start_method), output=options.output,
-        master_addr=master_addr, master_port=options.master_port,
-        threads=_threads_per_worker(nprocs), max_restarts=options.max_restarts,
-        run_id=(f"enot_nb-{master_addr}-{options.master_port}" if options.nnodes > 1
-                else f"enot_nb-{uuid.uuid4().hex[:12]}"),
-        init_kwargs=bootstrap.init_kwargs(options.seed, options.cuda_optimize_for_speed,
-                                        options.cuda_reproducible, backend, options.timeout),
+        nprocs=nprocs,
+        nnodes=options.nnodes,
+        node_rank=options.node_rank,
+        backend=backend,
+        start_method=_choose_start_method(options.start_method),
+        output=options.output,
+        master_addr=master_addr,
+        master_port=options.master_port,
+        threads=_threads_per_worker(nprocs),
+        max_restarts=options.max_restarts,
+        run_id=(
+            f"enot_nb-{master_addr}-{options.master_port}" if options.nnodes > 1 else f"enot_nb-{uuid.uuid4().hex[:12]}"
+        ),
+        init_kwargs=bootstrap.init_kwargs(
+            options.seed, options.cuda_optimize_for_speed, options.cuda_reproducible, backend, options.timeout
+        ),
     )
 
 
@@ -218,29 +266,35 @@ def _check_backend(backend: Any) -> None:
     import torch.distributed as dist
 
     if not isinstance(backend, str) or not backend:
-        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'",
-                                parameter="backend")
+        raise LaunchConfigError(f"backend={backend!r} must be a name such as 'nccl' or 'gloo'", parameter="backend")
     try:
         available = dist.is_available() and dist.is_backend_available(backend)
     except Exception:  # noqa: BLE001 - an unknown name may raise instead of answering False
         available = False
     if not available:
-        known = [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if dist.is_available()
-                 and dist.is_backend_available(b)]
-        raise LaunchConfigError(f"backend={backend!r} is not available in this PyTorch build; "
-                                f"available here: {', '.join(known) or 'none'}", parameter="backend")
+        known = [
+            b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if dist.is_available() and dist.is_backend_available(b)
+        ]
+        raise LaunchConfigError(
+            f"backend={backend!r} is not available in this PyTorch build; available here: {', '.join(known) or 'none'}",
+            parameter="backend",
+        )
 
 
 def _resolve(master_addr: Any) -> str:
     """master_addr as an IP literal, resolved once, here, before anything starts."""
     if not isinstance(master_addr, str) or not master_addr:
-        raise LaunchConfigError(f"master_addr={master_addr!r} must be a host name or an IP address "
-                                "(node 0's, as every node reaches it)", parameter="master_addr")
+        raise LaunchConfigError(
+            f"master_addr={master_addr!r} must be a host name or an IP address (node 0's, as every node reaches it)",
+            parameter="master_addr",
+        )
     try:
         return _rendezvous.resolve(master_addr)
     except OSError as err:
-        raise LaunchConfigError(f"master_addr={master_addr!r} cannot be resolved ({err}); give "
-                                "node 0's IP address instead", parameter="master_addr") from err
+        raise LaunchConfigError(
+            f"master_addr={master_addr!r} cannot be resolved ({err}); give node 0's IP address instead",
+            parameter="master_addr",
+        ) from err
 
 
 def visible_gpu_count() -> int:
@@ -264,21 +318,28 @@ def _choose_start_method(requested: str | None) -> str:
     can_fork = hasattr(os, "fork") and sys.platform != "darwin"
     if requested == "fork":
         if not can_fork:
-            raise LaunchConfigError("start_method='fork' is not available on this platform; use "
-                                    "start_method='spawn' or None", parameter="start_method")
+            raise LaunchConfigError(
+                "start_method='fork' is not available on this platform; use start_method='spawn' or None",
+                parameter="start_method",
+            )
         if cuda_initialized():
             raise LaunchConfigError(
                 "start_method='fork' cannot be used: CUDA is already initialized in this process, "
                 "and a forked worker cannot use CUDA. Use start_method=None or 'spawn', or restart "
-                "the kernel and launch before any cell touches the GPU", parameter="start_method")
+                "the kernel and launch before any cell touches the GPU",
+                parameter="start_method",
+            )
         return "fork"
     if requested == "spawn" or not can_fork:
         return "spawn"
     if cuda_initialized():
         if not _said_why_not_fork:
-            print("enot_nb: CUDA is already initialized in this process, so workers start from a "
-                  "clean fork server instead of a fork of it (a forked child cannot use CUDA).",
-                  file=sys.stderr, flush=True)
+            print(
+                "enot_nb: CUDA is already initialized in this process, so workers start from a "
+                "clean fork server instead of a fork of it (a forked child cannot use CUDA).",
+                file=sys.stderr,
+                flush=True,
+            )
             _said_why_not_fork = True
         return "spawn"
     return "fork"
@@ -295,9 +356,12 @@ def _check_port_free(master_addr: str, options: LaunchOptions) -> None:
         if err.errno == errno.EADDRINUSE:
             raise LaunchConfigError(
                 f"master_port={options.master_port} on {address} is busy (another process listens "
-                "there); pass master_port=None to pick a free port", parameter="master_port") from err
-        raise LaunchConfigError(f"cannot listen on {address}:{options.master_port}: {err}",
-                                parameter="master_port") from err
+                "there); pass master_port=None to pick a free port",
+                parameter="master_port",
+            ) from err
+        raise LaunchConfigError(
+            f"cannot listen on {address}:{options.master_port}: {err}", parameter="master_port"
+        ) from err
 
 
 def _threads_per_worker(nprocs: int) -> int:
@@ -315,8 +379,10 @@ def _pickle_job(job: bootstrap.Job, owned: list[int], namespace: dict | None = N
     pieces |= {f"kwargs[{k!r}]": v for k, v in job.kwargs.items()}
     ship = {"namespace": namespace, "pickler_class": pickling.ShipPickler}
     for name, reason in pickling.unpicklable(pieces, **ship).items():
-        raise LaunchConfigError(f"{name}: {reason}, but spawned workers need it pickled. Create it "
-                                "inside fn instead, or use start_method='fork'")
+        raise LaunchConfigError(
+            f"{name}: {reason}, but spawned workers need it pickled. Create it "
+            "inside fn instead, or use start_method='fork'"
+        )
     try:
         return pickling.dumps(job, owned, namespace)
     except Exception as err:  # noqa: BLE001 - e.g. a tensor that failed to copy
@@ -342,8 +408,10 @@ def _single_launch() -> Iterator[None]:
             if _launch_lock.acquire(blocking=False):
                 held.append(True)
         if not held:
-            raise LaunchError("another enot_nb launch is running in this process (from another "
-                              "thread); wait for it to finish, launches do not run concurrently")
+            raise LaunchError(
+                "another enot_nb launch is running in this process (from another "
+                "thread); wait for it to finish, launches do not run concurrently"
+            )
         yield
     finally:
         try:

@@ -46,38 +46,61 @@ class EnotMagics(Magics):
     """The ``%%enot_distributed`` cell magic."""
 
     @magic_arguments()
-    @argument("-n", "--nprocs", type=int, default=None,
-              help="processes to start (default: one per visible GPU)")
+    @argument("-n", "--nprocs", type=int, default=None, help="processes to start (default: one per visible GPU)")
     @argument("--backend", default=None, help="nccl or gloo (default: nccl when each rank has a GPU)")
     @argument("--seed", type=int, default=None, help="seed random, NumPy and torch on every rank")
-    @argument("--speed", action="store_true", help="cuDNN benchmark and TF32 (init_torch's "
-              "cuda_optimize_for_speed)")
-    @argument("--reproducible", action="store_true", help="deterministic algorithms (init_torch's "
-              "cuda_reproducible)")
-    @argument("--start-method", choices=["fork", "spawn"], default=None,
-              help="fork the kernel, or start clean workers (default: fork unless CUDA is "
-              "initialized in the kernel)")
-    @argument("--output", choices=["master", "all", "none"], default="master",
-              help="whose output to show (default: master)")
-    @argument("--sync", default=None, metavar="NAME[,NAME]",
-              help="models to sync before the cell (default: every model the cell uses)")
+    @argument("--speed", action="store_true", help="cuDNN benchmark and TF32 (init_torch's cuda_optimize_for_speed)")
+    @argument("--reproducible", action="store_true", help="deterministic algorithms (init_torch's cuda_reproducible)")
+    @argument(
+        "--start-method",
+        choices=["fork", "spawn"],
+        default=None,
+        help="fork the kernel, or start clean workers (default: fork unless CUDA is initialized in the kernel)",
+    )
+    @argument(
+        "--output", choices=["master", "all", "none"], default="master", help="whose output to show (default: master)"
+    )
+    @argument(
+        "--sync",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="models to sync before the cell (default: every model the cell uses)",
+    )
     @argument("--no-sync", action="store_true", help="do not sync models before the cell")
-    @argument("--return", dest="returns", default=None, metavar="NAME[,NAME]",
-              help="bring back only these variables (default: all the cell bound or changed)")
+    @argument(
+        "--return",
+        dest="returns",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="bring back only these variables (default: all the cell bound or changed)",
+    )
     @argument("--no-return", action="store_true", help="bring nothing back")
-    @argument("--on-error", choices=["discard", "keep"], default="discard",
-              help="when a rank fails: leave the notebook as it was (discard, the default), or "
-              "keep the state the master reached (best effort)")
-    @argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
-              help="process group timeout for collectives (default: 1800)")
+    @argument(
+        "--on-error",
+        choices=["discard", "keep"],
+        default="discard",
+        help="when a rank fails: leave the notebook as it was (discard, the default), or "
+        "keep the state the master reached (best effort)",
+    )
+    @argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="process group timeout for collectives (default: 1800)",
+    )
     @argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
     @argument("--master-port", type=int, default=None, help="port on node 0 (default: a free one)")
     @argument("--nnodes", type=int, default=1, help="number of nodes running this cell")
     @argument("--node-rank", type=int, default=0, help="rank of this node")
     @argument("--max-restarts", type=int, default=0, help="restart a failed group this many times")
-    @argument("--export", default=None, metavar="PATH",
-              help="do not run: write a torchrun script for this cell at PATH, with the variables "
-              "it uses beside it (see enot_nb.load_results)")
+    @argument(
+        "--export",
+        default=None,
+        metavar="PATH",
+        help="do not run: write a torchrun script for this cell at PATH, with the variables "
+        "it uses beside it (see enot_nb.load_results)",
+    )
     @cell_magic
     def enot_distributed(self, line: str, cell: str) -> Any:
         """Run this cell on several processes; the master's results come back to the notebook."""
@@ -119,24 +142,27 @@ def parse_options(line: str) -> tuple[Any, LaunchPlan | None]:
 def launch_options(args: Any) -> LaunchOptions:
     """The magic's parsed flags as LaunchOptions (the field each flag sets: LaunchOptions.FLAGS)."""
     dests = {"cuda_optimize_for_speed": "speed", "cuda_reproducible": "reproducible"}
-    return LaunchOptions(**{name: getattr(args, dests.get(name, name))
-                            for name in LaunchOptions.names()})
+    return LaunchOptions(**{name: getattr(args, dests.get(name, name)) for name in LaunchOptions.names()})
 
 
-def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | None,
-                         line: str = "") -> Any:
+def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | None, line: str = "") -> Any:
     """Run ``cell`` as ``args``/``plan`` ask; make the notebook hold what the master holds."""
     if shell is None:
-        raise UsageError("%%enot_distributed runs inside IPython or Jupyter; elsewhere call "
-                         "enot_nb.notebook_launcher(fn, nprocs=N)")
+        raise UsageError(
+            "%%enot_distributed runs inside IPython or Jupyter; elsewhere call enot_nb.notebook_launcher(fn, nprocs=N)"
+        )
     code = shell.transform_cell(cell)
     if args.export:
         return _export(shell, code, args)
     assert plan is not None
     options = _cell.CellOptions(
-        sync=_names(args.sync), no_sync=args.no_sync, returns=_names(args.returns),
-        no_return=args.no_return, source_header=f"%%enot_distributed {line}\n",
-        shown=args.output != "none", keep_on_error=args.on_error == "keep",
+        sync=_names(args.sync),
+        no_sync=args.no_sync,
+        returns=_names(args.returns),
+        no_return=args.no_return,
+        source_header=f"%%enot_distributed {line}\n",
+        shown=args.output != "none",
+        keep_on_error=args.on_error == "keep",
     )
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
     _check_sync(shell.user_ns, options.sync)
@@ -152,8 +178,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
         job = bootstrap.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
     failure: BaseException | None = None
     try:
-        outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace,
-                                                       on_message=relay.show)
+        outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace, on_message=relay.show)
     except LaunchInterrupted as err:
         _after_interrupt(shell, registry, options, err.partial_result)
         failure = CellInterrupted()
@@ -168,8 +193,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
     if outcome is None:  # this node has no global rank 0
         return None
     if args.no_return:
-        print("enot_nb: --no-return: nothing came back; the notebook is as it was before the cell",
-              file=sys.stderr)
+        print("enot_nb: --no-return: nothing came back; the notebook is as it was before the cell", file=sys.stderr)
     return _bring_back(shell, registry, outcome, options)
 
 
@@ -179,11 +203,15 @@ def _check_sync(namespace: dict[str, Any], names: list[str] | None) -> None:
 
     for name in names or []:
         if name not in namespace:
-            raise UsageError(f"--sync {name}: the notebook has no variable {name!r}; --sync takes "
-                             "the names of models (torch.nn.Module) to broadcast before the cell")
+            raise UsageError(
+                f"--sync {name}: the notebook has no variable {name!r}; --sync takes "
+                "the names of models (torch.nn.Module) to broadcast before the cell"
+            )
         if not isinstance(namespace[name], torch.nn.Module):
-            raise UsageError(f"--sync {name}: {name!r} is a {type(namespace[name]).__name__}, not a "
-                             "torch.nn.Module; --sync takes models")
+            raise UsageError(
+                f"--sync {name}: {name!r} is a {type(namespace[name]).__name__}, not a "
+                "torch.nn.Module; --sync takes models"
+            )
 
 
 class CellInterrupted(KeyboardInterrupt):
@@ -197,46 +225,64 @@ class CellInterrupted(KeyboardInterrupt):
 CellInterrupted.__name__ = CellInterrupted.__qualname__ = "KeyboardInterrupt"  # as a local cell
 
 
-def _after_interrupt(shell: Any, registry: Registry, options: _cell.CellOptions,
-                     partial: Any) -> None:
+def _after_interrupt(shell: Any, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
     if options.no_return:
         return
     if isinstance(partial, _cell.CellOutcome):
         _bring_back(shell, registry, partial, options, show_value=False)
-        print("enot_nb: interrupted; the notebook keeps the state rank 0 had reached, as a local "
-              "cell would", file=sys.stderr)
+        print(
+            "enot_nb: interrupted; the notebook keeps the state rank 0 had reached, as a local cell would",
+            file=sys.stderr,
+        )
     else:
-        print("enot_nb: interrupted; rank 0 could not save its state in time (it was probably "
-              "waiting in a collective), so the notebook is unchanged", file=sys.stderr)
+        print(
+            "enot_nb: interrupted; rank 0 could not save its state in time (it was probably "
+            "waiting in a collective), so the notebook is unchanged",
+            file=sys.stderr,
+        )
 
 
-def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions,
-                   partial: Any) -> None:
+def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
     if options.keep_on_error and isinstance(partial, _cell.CellOutcome):
         _bring_back(shell, registry, partial, options, show_value=False)
-        print("enot_nb: --on-error keep: the notebook holds the state rank 0 had reached when "
-              "the cell failed", file=sys.stderr)
+        print(
+            "enot_nb: --on-error keep: the notebook holds the state rank 0 had reached when the cell failed",
+            file=sys.stderr,
+        )
         return
     if options.keep_on_error:
-        print("enot_nb: --on-error keep: rank 0 sent no state (it did not fail in Python); the "
-              "notebook is unchanged", file=sys.stderr)
+        print(
+            "enot_nb: --on-error keep: rank 0 sent no state (it did not fail in Python); the notebook is unchanged",
+            file=sys.stderr,
+        )
     shared = apply.shared_memory_tensors(registry)
     if shared:
-        print(f"enot_nb: the cell failed, so the notebook is unchanged, except {shared} tensor(s) "
-              "in shared memory (share_memory_()), which may hold partial writes", file=sys.stderr)
+        print(
+            f"enot_nb: the cell failed, so the notebook is unchanged, except {shared} tensor(s) "
+            "in shared memory (share_memory_()), which may hold partial writes",
+            file=sys.stderr,
+        )
 
 
 def _export(shell: Any, code: str, args: Any) -> None:
     from enot_nb.export import export_cell
 
     options = launch_options(args)  # every launch option, as the exported script takes it
-    exported_options = {k: v for k, v in vars(options).items()
-                        if k not in ("start_method", "node_rank", "max_restarts")}
+    exported_options = {
+        k: v for k, v in vars(options).items() if k not in ("start_method", "node_rank", "max_restarts")
+    }
     exported_options["timeout"] = options.timeout.total_seconds()
     try:
         exported = export_cell(
-            code, args.export, shell.user_ns, sync=_names(args.sync), no_sync=args.no_sync,
-            returns=_names(args.returns), no_return=args.no_return, **exported_options)
+            code,
+            args.export,
+            shell.user_ns,
+            sync=_names(args.sync),
+            no_sync=args.no_sync,
+            returns=_names(args.returns),
+            no_return=args.no_return,
+            **exported_options,
+        )
     except SyntaxError:
         shell.showsyntaxerror()
         return None
@@ -248,8 +294,9 @@ def _export(shell: Any, code: str, args: Any) -> None:
     return None
 
 
-def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
-                options: _cell.CellOptions, show_value: bool = True) -> Any:
+def _bring_back(
+    shell: Any, registry: Registry, outcome: _cell.CellOutcome, options: _cell.CellOptions, show_value: bool = True
+) -> Any:
     """Apply the master's changes to the notebook, in place; say what could not come back."""
     changes = apply.load(outcome.state, registry) if outcome.state is not None else None
     problems = []
@@ -260,18 +307,30 @@ def _bring_back(shell: Any, registry: Registry, outcome: _cell.CellOutcome,
     for line in problems:
         print(f"enot_nb: {line}", file=sys.stderr)
     if outcome.detached:
-        print(f"enot_nb: {', '.join(outcome.detached)}: came back without the autograd graph, which "
-              "stays in the worker; call backward() inside the distributed cell", file=sys.stderr)
+        print(
+            f"enot_nb: {', '.join(outcome.detached)}: came back without the autograd graph, which "
+            "stays in the worker; call backward() inside the distributed cell",
+            file=sys.stderr,
+        )
     if outcome.unbound_returns:
-        print(f"enot_nb: --return {','.join(outcome.unbound_returns)}: the cell bound or changed no "
-              "such variable; everything else came back", file=sys.stderr)
+        print(
+            f"enot_nb: --return {','.join(outcome.unbound_returns)}: the cell bound or changed no "
+            "such variable; everything else came back",
+            file=sys.stderr,
+        )
     if outcome.moved_to_cpu:
-        print(f"enot_nb: {outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel "
-              "does not initialize CUDA and later cells still start fast", file=sys.stderr)
+        print(
+            f"enot_nb: {outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel "
+            "does not initialize CUDA and later cells still start fast",
+            file=sys.stderr,
+        )
     if not show_value or not outcome.has_value:
         return None
-    if outcome.value_name is not None and outcome.value_name not in outcome.not_returned \
-            and outcome.value_name not in outcome.detached:  # else shown as the worker had it
+    if (
+        outcome.value_name is not None
+        and outcome.value_name not in outcome.not_returned
+        and outcome.value_name not in outcome.detached
+    ):  # else shown as the worker had it
         return shell.user_ns.get(outcome.value_name)
     if changes is not None and changes.has_value:
         return changes.value
@@ -296,8 +355,7 @@ def check_cell_syntax(lines: list[str]) -> list[str]:
             err.lineno += 1  # the %%enot_distributed line
         if isinstance(getattr(err, "end_lineno", None), int):
             err.end_lineno += 1
-        err.filename = shell.compile.cache("".join(lines), shell.execution_count,
-                                           raw_code="".join(lines))
+        err.filename = shell.compile.cache("".join(lines), shell.execution_count, raw_code="".join(lines))
         raise
     return lines
 

@@ -52,10 +52,13 @@ Only the master (rank 0) prints, and what the cell defines comes back to the not
 print(f"rank {ed.get_rank()} of {ed.get_world_size()}: only the master prints")
 """),
     md("`--output all` shows every rank, each line prefixed by its rank."),
-    code("""
+    code(
+        """
 %%enot_distributed -n $NPROCS --output all
 print(f"hello from rank {ed.get_rank()}")
-""", IGNORE),
+""",
+        IGNORE,
+    ),
     md("""
 ## The functional API
 `enot_nb.distributed` works the same here, in a script, and under `torchrun`:
@@ -86,10 +89,13 @@ log(f"weights after sync_model: {model.weight.tolist()}")
 world = ed.get_world_size()
 """),
     md("Variables the cell bound, and the model it changed, are now in the notebook:"),
-    code("""
+    code(
+        """
 print(cached, world)
 print(model.weight)
-""", IGNORE),
+""",
+        IGNORE,
+    ),
 ]
 
 TRAIN = [
@@ -217,7 +223,7 @@ enot_nb.notebook_launcher(total_of_ranks, args=(1,), nprocs=NPROCS)["world"] == 
 ]
 
 FRAMEWORKS = [
-md("""# Frameworks in a distributed cell
+    md("""# Frameworks in a distributed cell
 
 Code that runs under `torchrun` runs unchanged in `%%enot_distributed`: each worker looks like a
 torchrun worker (`TORCHELASTIC_RUN_ID`, `LOCAL_WORLD_SIZE`, ... are set), and the master looks like
@@ -225,17 +231,17 @@ this kernel to display libraries, so progress bars and widgets appear here, live
 
 Below: a Hugging Face `Trainer`, a Lightning `Trainer` with `strategy="ddp"` and a `tqdm.auto` bar,
 each on every GPU (or on 2 CPU processes). Tiny models built here: nothing is downloaded."""),
-code("""%load_ext enot_nb
+    code("""%load_ext enot_nb
 import torch
 
 # One process per GPU; on a machine without GPUs, two CPU processes (gloo).
 NPROCS = torch.cuda.device_count() or 2
 ON_GPU = torch.cuda.is_available()"""),
-md("""## Hugging Face `Trainer`
+    md("""## Hugging Face `Trainer`
 
 A small BERT made from a config, trained on random token sequences. The `Trainer` finds the
 process group that the workers already form, and shows its own progress display."""),
-code("""import tempfile
+    code("""import tempfile
 
 import transformers
 
@@ -246,21 +252,24 @@ bert = transformers.BertForSequenceClassification(config)
 before = bert.classifier.weight.detach().clone()
 rows = [{"input_ids": torch.randint(0, 64, (16,)), "labels": torch.tensor(i % 2)} for i in range(256)]
 output_dir = tempfile.mkdtemp()"""),
-code("""%%enot_distributed -n $NPROCS
+    code(
+        """%%enot_distributed -n $NPROCS
 args = transformers.TrainingArguments(output_dir=output_dir, num_train_epochs=2, per_device_train_batch_size=16,
                                       report_to=[], use_cpu=not ON_GPU, save_strategy="no", logging_steps=4)
 trainer = transformers.Trainer(model=bert, args=args, train_dataset=rows)
 trainer.train()
 world_size = trainer.args.world_size
-del trainer, args""", IGNORE),
-code("""print("ranks:", world_size)
+del trainer, args""",
+        IGNORE,
+    ),
+    code("""print("ranks:", world_size)
 print("BERT came back trained:", not torch.equal(bert.classifier.weight, before))"""),
-md("""## Lightning `Trainer` with `strategy="ddp"`
+    md("""## Lightning `Trainer` with `strategy="ddp"`
 
 In a notebook Lightning allows only `ddp_notebook`, which forks its own processes. In a
 distributed cell the workers are already the ranks, as under torchrun, so the usual `"ddp"` is
 what to use (`ddp_notebook` there is refused with a clear error)."""),
-code("""import pytorch_lightning as pl
+    code("""import pytorch_lightning as pl
 
 
 class Regressor(pl.LightningModule):
@@ -284,33 +293,40 @@ data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
 regressor = Regressor()
 with torch.no_grad():
     loss_before = torch.nn.functional.mse_loss(regressor.net(data.tensors[0]), data.tensors[1]).item()"""),
-code("""%%enot_distributed -n $NPROCS
+    code(
+        """%%enot_distributed -n $NPROCS
 trainer = pl.Trainer(accelerator="gpu" if ON_GPU else "cpu", devices=NPROCS, strategy="ddp", max_epochs=5,
                      logger=False, enable_checkpointing=False, enable_model_summary=False)
 trainer.fit(regressor, torch.utils.data.DataLoader(data, batch_size=32))
-del trainer""", IGNORE),
-code("""with torch.no_grad():
+del trainer""",
+        IGNORE,
+    ),
+    code("""with torch.no_grad():
     loss_after = torch.nn.functional.mse_loss(regressor.net(data.tensors[0]), data.tensors[1]).item()
 print("the LightningModule came back trained:", loss_after < loss_before / 2)"""),
-md("""## A live `tqdm.auto` bar
+    md("""## A live `tqdm.auto` bar
 
 The master's widgets reach this notebook through the kernel, under this cell; the other ranks'
 are dropped like their output."""),
-code("""%%enot_distributed -n $NPROCS
+    code(
+        """%%enot_distributed -n $NPROCS
 import time
 
 from tqdm.auto import tqdm
 
 for step in tqdm(range(20), desc="master"):
-    time.sleep(0.05)""", IGNORE),
+    time.sleep(0.05)""",
+        IGNORE,
+    ),
 ]
 
 
 def build(name: str, cells: list) -> None:
     notebook = nbformat.v4.new_notebook(cells=cells)
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute()
     nbformat.write(notebook, NOTEBOOKS / name)
     print("wrote", NOTEBOOKS / name)
 

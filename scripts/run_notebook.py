@@ -15,8 +15,9 @@ from nbclient import NotebookClient
 
 def execute(source: Path, target: Path, timeout: int) -> None:
     notebook = nbformat.read(source, as_version=4)
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(source.parent)}}).execute()
+    NotebookClient(
+        notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(source.parent)}}
+    ).execute()
     target.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(notebook, target)
     print(f"executed {source} -> {target}")

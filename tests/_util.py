@@ -25,8 +25,7 @@ def press_before_line(k: int | None, in_scope, where: list[str] | None = None):
     seen = [0]
 
     def local(frame, event, arg):
-        if event == "line" and linecache.getline(frame.f_code.co_filename,
-                                                 frame.f_lineno).strip() != "try:":
+        if event == "line" and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() != "try:":
             seen[0] += 1
             if seen[0] == k and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 if where is not None:

@@ -29,8 +29,7 @@ class CellRun:
 
     def comm_states(self) -> list[dict]:
         """The widget states the client received, in order (comm_open and comm_msg updates)."""
-        return [m["content"]["data"].get("state", {}) for m in self.comms
-                if m["msg_type"] in ("comm_open", "comm_msg")]
+        return [m["content"]["data"].get("state", {}) for m in self.comms if m["msg_type"] in ("comm_open", "comm_msg")]
 
     @property
     def traceback(self) -> str:
@@ -65,9 +64,11 @@ class Kernel:
             try:
                 msg = self.client.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}\n"
-                                   f"stdout so far: {run.stdout[-2000:]!r}\n"
-                                   f"stderr so far: {run.stderr[-2000:]!r}") from None
+                raise TimeoutError(
+                    f"cell did not finish in {timeout} s: {code[:200]!r}\n"
+                    f"stdout so far: {run.stdout[-2000:]!r}\n"
+                    f"stderr so far: {run.stderr[-2000:]!r}"
+                ) from None
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]

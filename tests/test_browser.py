@@ -43,8 +43,16 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "enot_browser.ipynb"
 # Needed on this machine (root, no GPU, no network but package registries): without them Chromium's
 # background connections are refused or hang.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 DISTRIBUTED_CELL = """\
 %%enot_distributed -n 2 --backend gloo
 from tqdm.auto import tqdm
@@ -85,12 +93,22 @@ def kill_all(pids: list[int], grace_s: float) -> list[int]:
 def lab_command(port: int, root_dir: Path) -> list[str]:
     """``jupyter lab`` of this interpreter on 127.0.0.1:``port``: no browser, no token, no password,
     no calls home, and ``window.jupyterapp`` exposed so the test can run JupyterLab's commands."""
-    return [sys.executable, "-m", "jupyterlab", "--allow-root",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            "--IdentityProvider.token=", "--PasswordIdentityProvider.hashed_password=",
-            "--ServerApp.open_browser=False", f"--ServerApp.root_dir={root_dir}",
-            "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    return [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--allow-root",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        "--IdentityProvider.token=",
+        "--PasswordIdentityProvider.hashed_password=",
+        "--ServerApp.open_browser=False",
+        f"--ServerApp.root_dir={root_dir}",
+        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
 
 
 def lab_env(home: Path) -> dict[str, str]:
@@ -154,8 +172,14 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "jupyter-lab.log"
     with open(log, "wb") as out:
-        server = subprocess.Popen(lab_command(port, root), env=lab_env(home), cwd=root,
-                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            lab_command(port, root),
+            env=lab_env(home),
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     left: list[int] = []
     try:
         wait_until_serving(server, url, log, SERVER_START_S)
@@ -241,8 +265,9 @@ def check_progress_widget(cell) -> None:
     row = cell.locator(".jp-OutputArea-output .widget-hbox:has(.widget-hprogress)")
     sync_api.expect(row).to_contain_text("100%", timeout=WIDGET_MS)
     sync_api.expect(row).to_contain_text("20/20", timeout=WIDGET_MS)
-    sync_api.expect(bar.locator(".progress-bar")).to_have_attribute("style", re.compile(r"\bwidth: 100%;"),
-                                                                    timeout=WIDGET_MS)
+    sync_api.expect(bar.locator(".progress-bar")).to_have_attribute(
+        "style", re.compile(r"\bwidth: 100%;"), timeout=WIDGET_MS
+    )
     text_outputs = cell.locator(".jp-OutputArea-output.jp-RenderedText").all_inner_texts()
     assert not any("20/20" in text for text in text_outputs), f"a text progress bar is shown: {text_outputs}"
 

@@ -125,12 +125,20 @@ def test_seed_seeds_python_numpy_and_torch():
 @pytest.fixture
 def restore_cuda_flags(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.are_deterministic_algorithms_enabled())
+    saved = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+    )
     yield
-    (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[:4]
+    (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    ) = saved[:4]
     torch.use_deterministic_algorithms(saved[4])
 
 

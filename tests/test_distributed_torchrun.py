@@ -14,8 +14,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 def torchrun_one_node(tmp_path, scenario, **env):
     cmd = torchrun_cmd("--standalone", "--nproc-per-node", "2", PROBE, str(tmp_path), scenario)
-    proc = subprocess.Popen(cmd, env=clean_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     (out,) = run_all([proc], timeout=90)
     assert proc.returncode == 0, out
     return read_ranks(tmp_path, 2)
@@ -38,10 +37,26 @@ def test_helpers_on_two_simulated_nodes(tmp_path):
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            torchrun_cmd("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                         "--master-addr", "127.0.0.1", "--master-port", port,
-                         PROBE, str(tmp_path), "helpers"),
-            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            torchrun_cmd(
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                PROBE,
+                str(tmp_path),
+                "helpers",
+            ),
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for node in (0, 1)
     ]
     outputs = run_all(procs, timeout=90)
@@ -56,8 +71,7 @@ def test_helpers_on_two_simulated_nodes(tmp_path):
 
 def test_sync_model_values_by_hand(tmp_path):
     # tiny buckets and a tiny in-place threshold: packed buckets and in-place tensors both used
-    r0, r1 = torchrun_one_node(tmp_path, "sync", ENOT_NB_SYNC_BUCKET_MB="0.01",
-                               ENOT_NB_SYNC_DIRECT_MB="0.01")
+    r0, r1 = torchrun_one_node(tmp_path, "sync", ENOT_NB_SYNC_BUCKET_MB="0.01", ENOT_NB_SYNC_DIRECT_MB="0.01")
     for r in (r0, r1):
         assert r["avg_weight"] == [[1.5, 1.5], [1.5, 1.5]]  # (1 + 2) / 2
         assert r["avg_running_mean"] == [15.0, 15.0]  # (10 + 20) / 2

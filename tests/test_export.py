@@ -76,9 +76,13 @@ def check_same_model(script, magic_state):
 
 def test_torchrun_one_node_two_processes(exported):
     script, magic_state = exported
-    proc = subprocess.Popen(torchrun_cmd("--standalone", "--nproc-per-node", "2", str(script)),
-                            env=clean_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        torchrun_cmd("--standalone", "--nproc-per-node", "2", str(script)),
+        env=clean_env(PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     (out,) = run_all([proc], timeout=120)
     assert proc.returncode == 0, out
     assert helper_lines(out) == {("0", "0", "True", "True"), ("1", "1", "False", "False")}, out
@@ -89,11 +93,28 @@ def test_torchrun_two_nodes_on_localhost(exported):
     script, magic_state = exported
     enot_nb.export._beside(script, "results.pkl").unlink(missing_ok=True)
     port = str(free_port())
-    procs = [subprocess.Popen(
-        torchrun_cmd("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                     "--master-addr", "127.0.0.1", "--master-port", port, str(script)),
-        env=clean_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            torchrun_cmd(
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(script),
+            ),
+            env=clean_env(PYTHONPATH=str(ROOT)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outs = run_all(procs, timeout=120)
     assert [p.returncode for p in procs] == [0, 0], outs
     # Each node's helpers: rank 1 is the master of node 1 but not the global master.
@@ -104,8 +125,9 @@ def test_torchrun_two_nodes_on_localhost(exported):
 
 def test_plain_run_of_a_multiprocess_export_refuses(exported):
     script, _ = exported
-    proc = subprocess.run([sys.executable, str(script)], env=clean_env(PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert "exported for 2 processes" in proc.stderr and "torchrun" in proc.stderr
 
@@ -117,9 +139,13 @@ def test_export_cell_without_ipython(tmp_path):
     assert exported.command.startswith("torchrun --nnodes 1 --nproc-per-node 2")
     header = exported.script.read_text()
     assert "Requirements:" in header and "enot_nb" in header
-    proc = subprocess.Popen(torchrun_cmd("--standalone", "--nproc-per-node", "2", str(exported.script)),
-                            env=clean_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        torchrun_cmd("--standalone", "--nproc-per-node", "2", str(exported.script)),
+        env=clean_env(PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     (out,) = run_all([proc], timeout=120)
     assert proc.returncode == 0, out
     assert torch.equal(enot_nb.load_results(exported.script)["total"], torch.full((4,), 6.0))

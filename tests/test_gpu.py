@@ -38,8 +38,13 @@ def where_am_i() -> dict:
 
     t = torch.ones(1, device=f"cuda:{ed.get_local_rank()}")
     dist.all_reduce(t)
-    return {"backend": dist.get_backend(), "world": ed.get_world_size(), "sum": t.item(),
-            "device": torch.cuda.current_device(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return {
+        "backend": dist.get_backend(),
+        "world": ed.get_world_size(),
+        "sum": t.item(),
+        "device": torch.cuda.current_device(),
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
 
 
 def cuda_tensors_through_gloo() -> dict:
@@ -52,13 +57,18 @@ def cuda_tensors_through_gloo() -> dict:
 
 def init_flags(speed: bool, reproducible: bool) -> dict:
     ed.init_torch(seed=0, cuda_optimize_for_speed=speed, cuda_reproducible=reproducible, backend="gloo")
-    return {"benchmark": torch.backends.cudnn.benchmark, "deterministic": torch.backends.cudnn.deterministic,
-            "tf32": torch.backends.cuda.matmul.allow_tf32, "algorithms": torch.are_deterministic_algorithms_enabled()}
+    return {
+        "benchmark": torch.backends.cudnn.benchmark,
+        "deterministic": torch.backends.cudnn.deterministic,
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+        "algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
 
 
 def train_reproducibly() -> torch.Tensor:
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
-                                torch.nn.Linear(8 * 30 * 30, 10)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 30 * 30, 10)
+    ).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.randn(16, 3, 32, 32, device="cuda")
     for _ in range(5):
@@ -83,14 +93,28 @@ def test_nccl_with_more_ranks_than_gpus_fails_before_start_naming_the_count():
 
 
 def test_cuda_visible_devices_is_honoured():
-    code = ("import enot_nb, json; from tests.test_gpu import where_am_i; "
-            "print(json.dumps(enot_nb.notebook_launcher(where_am_i)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=os.environ | {"CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": str(ROOT)})
+    code = (
+        "import enot_nb, json; from tests.test_gpu import where_am_i; "
+        "print(json.dumps(enot_nb.notebook_launcher(where_am_i)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     assert '"world": 1' in out.stdout and '"visible": "0"' in out.stdout
-    hidden = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env=os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)})
+    hidden = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)},
+    )
     assert hidden.returncode != 0 and "no GPU is visible" in hidden.stderr
 
 
@@ -114,8 +138,10 @@ def test_init_torch_sets_the_flags_it_promises(speed, reproducible):
 
 
 def test_a_reproducible_run_gives_bitwise_equal_weights_twice():
-    runs = [enot_nb.notebook_launcher(train_reproducibly, nprocs=1, backend="gloo", seed=0,
-                                      cuda_reproducible=True) for _ in range(2)]
+    runs = [
+        enot_nb.notebook_launcher(train_reproducibly, nprocs=1, backend="gloo", seed=0, cuda_reproducible=True)
+        for _ in range(2)
+    ]
     assert torch.equal(runs[0], runs[1])
 
 
@@ -126,8 +152,9 @@ def test_a_reproducible_run_gives_bitwise_equal_weights_twice():
 def nccl_group(tmp_path):
     """A one-rank nccl process group in this process (NCCL refuses two ranks on one GPU)."""
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
-    torch.distributed.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0,
-                                         world_size=1, timeout=datetime.timedelta(seconds=60))
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     torch.cuda.set_device(0)
     yield
     torch.distributed.destroy_process_group()
@@ -155,14 +182,18 @@ def test_nccl_collectives_and_staging_of_cpu_tensors(nccl_group):
 
 
 def test_a_kernel_that_initialized_cuda_runs_a_cell_through_the_fork_server():
-    with running_kernel("%load_ext enot_nb\nimport torch\nx = torch.zeros(1).cuda()\n"
-                        "torch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\nw0 = model.weight.clone()") as k:
-        run = k.ok("%%enot_distributed -n 1 --backend nccl\n"
-                   "from enot_nb import distributed as ed\n"
-                   "model.cuda(ed.get_local_rank())\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-                   "for _ in range(3):\n    opt.zero_grad()\n"
-                   "    model(torch.ones(8, 4, device='cuda')).pow(2).mean().backward()\n    opt.step()\n",
-                   timeout=240)
+    with running_kernel(
+        "%load_ext enot_nb\nimport torch\nx = torch.zeros(1).cuda()\n"
+        "torch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\nw0 = model.weight.clone()"
+    ) as k:
+        run = k.ok(
+            "%%enot_distributed -n 1 --backend nccl\n"
+            "from enot_nb import distributed as ed\n"
+            "model.cuda(ed.get_local_rank())\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for _ in range(3):\n    opt.zero_grad()\n"
+            "    model(torch.ones(8, 4, device='cuda')).pow(2).mean().backward()\n    opt.step()\n",
+            timeout=240,
+        )
         assert "Cannot re-initialize CUDA" not in run.stderr
         assert "came back on the CPU" in run.stderr
         check = k.ok("print(model.weight.device.type, not torch.equal(model.weight, w0))")
@@ -181,8 +212,17 @@ def test_state_return_of_a_one_gib_cuda_tensor_is_timed():
 
 
 def test_the_training_notebook_runs_to_the_end_on_the_gpu(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_notebook.py"),
-                          str(ROOT / "notebooks" / "02_train_classifier.ipynb"), str(tmp_path / "run.ipynb")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=280,
-                         env=os.environ | {"PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "run_notebook.py"),
+            str(ROOT / "notebooks" / "02_train_classifier.ipynb"),
+            str(tmp_path / "run.ipynb"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]

@@ -25,9 +25,15 @@ pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120), pytest.mark.slo
 
 
 def helper(*args: str, stdin: int | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.helpers.hygiene", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)})
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.hygiene", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=stdin,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
 
 
 def lines_of(proc: subprocess.Popen, timeout: float = 90) -> dict[str, list[str]]:
@@ -56,8 +62,10 @@ def _take_pid(pid: int) -> subprocess.Popen | None:
     return None
 
 
-@pytest.mark.skipif(not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
-                    reason="choosing the next pid needs root (/proc/sys/kernel/ns_last_pid)")
+@pytest.mark.skipif(
+    not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
+    reason="choosing the next pid needs root (/proc/sys/kernel/ns_last_pid)",
+)
 def test_a_reused_pid_is_never_signalled(start_method, tmp_path):
     flag = tmp_path / "go"
     proc = helper("pid_reuse", start_method, str(flag))
@@ -83,8 +91,10 @@ def test_a_reused_pid_is_never_signalled(start_method, tmp_path):
 # ----------------------------------------------------------------------------- 2. interrupts at start
 
 
-STEPS = {"fork": ["before_forks", "between_forks", "after_forks"],
-         "spawn": ["server_starting", "before_launch", "launch_sent", "started"]}
+STEPS = {
+    "fork": ["before_forks", "between_forks", "after_forks"],
+    "spawn": ["server_starting", "before_launch", "launch_sent", "started"],
+}
 
 
 @pytest.mark.parametrize("method, step", [(m, s) for m in METHODS for s in STEPS[m]])
@@ -199,8 +209,11 @@ def test_a_fork_server_fork_that_fails_part_way(monkeypatch):
 def _is_loopback(hex_address: str) -> bool:
     if len(hex_address) == 8:  # IPv4, little-endian
         return hex_address.endswith("7F")
-    return hex_address in ("00000000000000000000000001000000",) or \
-        hex_address.startswith("0000000000000000FFFF0000") and hex_address.endswith("7F")
+    return (
+        hex_address in ("00000000000000000000000001000000",)
+        or hex_address.startswith("0000000000000000FFFF0000")
+        and hex_address.endswith("7F")
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -239,15 +252,18 @@ def _launch(**options):
     return enot_nb.notebook_launcher(jobs.describe, **({"nprocs": 2, "backend": "gloo"} | options))
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"timeout": float("nan")}, "timeout=nan must be positive and finite"),
-    ({"timeout": float("inf")}, "timeout=inf must be positive and finite"),
-    ({"timeout": 1e20}, "timeout=1e+20 must be positive and finite"),
-    ({"master_addr": "no-such-host.invalid"}, "master_addr='no-such-host.invalid' cannot be resolved"),
-    ({"master_addr": None}, "master_addr=None must be a host name or an IP address"),
-    ({"backend": "foo"}, "backend='foo' is not available in this PyTorch build"),
-    ({"seed": 2**70}, "must be below 2**32"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"timeout": float("nan")}, "timeout=nan must be positive and finite"),
+        ({"timeout": float("inf")}, "timeout=inf must be positive and finite"),
+        ({"timeout": 1e20}, "timeout=1e+20 must be positive and finite"),
+        ({"master_addr": "no-such-host.invalid"}, "master_addr='no-such-host.invalid' cannot be resolved"),
+        ({"master_addr": None}, "master_addr=None must be a host name or an IP address"),
+        ({"backend": "foo"}, "backend='foo' is not available in this PyTorch build"),
+        ({"seed": 2**70}, "must be below 2**32"),
+    ],
+)
 def test_bad_launch_inputs_fail_before_anything_starts(options, words):
     from enot_nb.launcher import LaunchConfigError
 
@@ -294,16 +310,19 @@ def kernel():
         yield k
 
 
-@pytest.mark.parametrize("line, words", [
-    ("-n 2 --timeout nan", "timeout=nan"),
-    ("-n 2 --timeout 1e20", "timeout=1e+20"),
-    ("-n 2 --backend glo", "backend='glo' is not available"),
-    ("-n 2 --backend gloo --sync modle", "--sync modle: the notebook has no variable 'modle'"),
-    ("-n 2 --backend gloo --sync lr", "--sync lr: 'lr' is a float, not a torch.nn.Module"),
-    ("-n -3 --export run/x.py", "nprocs=-3"),
-    ("--nnodes 0 --export run/x.py", "nnodes=0"),
-    ("-n 2 --seed 99999999999 --export run/x.py", "below 2**32"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("-n 2 --timeout nan", "timeout=nan"),
+        ("-n 2 --timeout 1e20", "timeout=1e+20"),
+        ("-n 2 --backend glo", "backend='glo' is not available"),
+        ("-n 2 --backend gloo --sync modle", "--sync modle: the notebook has no variable 'modle'"),
+        ("-n 2 --backend gloo --sync lr", "--sync lr: 'lr' is a float, not a torch.nn.Module"),
+        ("-n -3 --export run/x.py", "nprocs=-3"),
+        ("--nnodes 0 --export run/x.py", "nnodes=0"),
+        ("-n 2 --seed 99999999999 --export run/x.py", "below 2**32"),
+    ],
+)
 def test_bad_magic_inputs_are_usage_errors_before_anything_starts(kernel, line, words, tmp_path):
     run = kernel.run(f"%%enot_distributed {line.replace('run/', str(tmp_path) + '/')}\nx = 1")
     assert run.status == "error" and run.stderr.startswith("UsageError: "), run.stderr

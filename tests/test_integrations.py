@@ -37,8 +37,7 @@ def nb(request, tmp_path_factory):
 
 
 def distributed(nb: Kernel, body: str, timeout: float = 240, flags: str = "") -> CellRun:
-    return nb.run(f"%%enot_distributed -n 2 --backend gloo --start-method {nb.method} {flags}\n{body}",
-                  timeout=timeout)
+    return nb.run(f"%%enot_distributed -n 2 --backend gloo --start-method {nb.method} {flags}\n{body}", timeout=timeout)
 
 
 def ok(run: CellRun) -> CellRun:
@@ -52,25 +51,49 @@ def value(nb: Kernel, expression: str):
 
 # ----------------------------------------------------------------------------- torchrun's environment
 
-TORCHRUN_KEYS = ["TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
-                 "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "RANK"]
+TORCHRUN_KEYS = [
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "RANK",
+]
 
 
 def test_workers_look_like_torchrun_workers(nb):
-    ok(distributed(nb, f"""
+    ok(
+        distributed(
+            nb,
+            f"""
 import torch.distributed as dist
 env = {{k: os.environ.get(k) for k in {TORCHRUN_KEYS!r}}}
 elastic = dist.is_torchelastic_launched()
 everyone = [None, None]
 dist.all_gather_object(everyone, (env["TORCHELASTIC_RUN_ID"], env["ROLE_RANK"], env["RANK"]))
-"""))
+""",
+        )
+    )
     env = value(nb, "env")
     run_id = env.pop("TORCHELASTIC_RUN_ID")
     assert run_id and value(nb, "elastic") is True
-    assert env == {"GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": "2",
-                   "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0",
-                   "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": None, "RANK": "0"}
+    assert env == {
+        "GROUP_RANK": "0",
+        "ROLE_RANK": "0",
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": "2",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": None,
+        "RANK": "0",
+    }
     assert value(nb, "everyone") == [[run_id, "0", "0"], [run_id, "1", "1"]]
 
 
@@ -92,25 +115,37 @@ data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
 regressor = Regressor()
 start = regressor.layer.weight.detach().clone()
 """
-TRAINER = ('pl.Trainer(accelerator="cpu", devices=2, strategy="{strategy}", max_epochs=2, logger=False, '
-           'enable_checkpointing=False, enable_model_summary=False)')
+TRAINER = (
+    'pl.Trainer(accelerator="cpu", devices=2, strategy="{strategy}", max_epochs=2, logger=False, '
+    "enable_checkpointing=False, enable_model_summary=False)"
+)
 
 
 def test_lightning_trainer_ddp_trains_on_the_workers(nb):
     nb.ok(LIGHTNING_SETUP)
-    ok(distributed(nb, f"""
+    ok(
+        distributed(
+            nb,
+            f"""
 trainer = {TRAINER.format(strategy="ddp")}
 trainer.fit(regressor, torch.utils.data.DataLoader(data, batch_size=8))
 seen = [trainer.world_size, trainer.global_rank, trainer.num_training_batches]
-"""))
+""",
+        )
+    )
     assert value(nb, "seen") == [2, 0, 4]  # 64 samples, batches of 8, split over 2 ranks
     assert value(nb, "(regressor.layer.weight - start).abs().sum().item()") > 1e-4
 
 
 def test_lightning_fabric_ddp_trains_on_the_workers(nb):
-    nb.ok("torch.manual_seed(1)\nnet = torch.nn.Linear(4, 1)\nfirst = net.weight.detach().clone()\n"
-          "pairs = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))")
-    ok(distributed(nb, """
+    nb.ok(
+        "torch.manual_seed(1)\nnet = torch.nn.Linear(4, 1)\nfirst = net.weight.detach().clone()\n"
+        "pairs = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))"
+    )
+    ok(
+        distributed(
+            nb,
+            """
 from lightning_fabric import Fabric
 fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
 fabric.launch()
@@ -123,16 +158,21 @@ for x, y in loader:
     optimizer.zero_grad()
 fabric_seen = [fabric.world_size, fabric.global_rank, len(loader)]
 del wrapped, loader, fabric
-"""))
+""",
+        )
+    )
     assert value(nb, "fabric_seen") == [2, 0, 4]
     assert value(nb, "(net.weight - first).abs().sum().item()") > 1e-4
 
 
-@pytest.mark.parametrize("starter", [
-    f"{TRAINER.format(strategy='ddp_notebook')}.fit(regressor, torch.utils.data.DataLoader(data))",
-    "import torch.multiprocessing as mp\nfrom tests.helpers import jobs\nmp.spawn(jobs.forms_a_group, nprocs=2)",
-    "import accelerate\naccelerate.notebook_launcher(print, num_processes=2)",
-])
+@pytest.mark.parametrize(
+    "starter",
+    [
+        f"{TRAINER.format(strategy='ddp_notebook')}.fit(regressor, torch.utils.data.DataLoader(data))",
+        "import torch.multiprocessing as mp\nfrom tests.helpers import jobs\nmp.spawn(jobs.forms_a_group, nprocs=2)",
+        "import accelerate\naccelerate.notebook_launcher(print, num_processes=2)",
+    ],
+)
 def test_processes_started_inside_a_worker_are_a_clear_error(nb, starter):
     nb.ok(LIGHTNING_SETUP)
     began = time.monotonic()
@@ -143,27 +183,42 @@ def test_processes_started_inside_a_worker_are_a_clear_error(nb, starter):
 
 
 def test_helper_processes_that_form_no_group_keep_working(nb):
-    run = ok(distributed(nb, "import torch.multiprocessing as mp\n"
-                             "mp.start_processes(print, args=('helper',), nprocs=2, start_method='fork')"))
+    run = ok(
+        distributed(
+            nb,
+            "import torch.multiprocessing as mp\n"
+            "mp.start_processes(print, args=('helper',), nprocs=2, start_method='fork')",
+        )
+    )
     assert "0 helper" in run.stdout and "1 helper" in run.stdout
 
 
 def test_dataloader_workers_keep_working(nb):
-    ok(distributed(nb, """
+    ok(
+        distributed(
+            nb,
+            """
 loader = torch.utils.data.DataLoader(torch.arange(16.0), batch_size=4, num_workers=2,
                                      sampler=torch.utils.data.DistributedSampler(torch.arange(16.0)))
 total = sum(batch.sum().item() for batch in loader)
 del loader
-"""))
+""",
+        )
+    )
     assert value(nb, "total") > 0
 
 
 def test_torch_compile_workers_keep_working(nb):
-    ok(distributed(nb, """
+    ok(
+        distributed(
+            nb,
+            """
 import torch._inductor.config
 torch._inductor.config.compile_threads = 2  # compile in a pool of worker processes
 compiled = torch.compile(lambda t: (t.sin() + 1).sum())(torch.ones(8)).item()
-"""))
+""",
+        )
+    )
     assert abs(value(nb, "compiled") - (8 + 8 * 0.8414709848)) < 1e-4
 
 
@@ -180,21 +235,29 @@ bert = transformers.BertForSequenceClassification(config)
 bert_start = bert.classifier.weight.detach().clone()
 rows = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.tensor(i % 2)} for i in range(32)]
 """)
-    ok(distributed(nb, f"""
+    ok(
+        distributed(
+            nb,
+            f"""
 args = transformers.TrainingArguments(output_dir={str(tmp_path)!r}, max_steps=3, per_device_train_batch_size=4,
                                       report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
 hf = transformers.Trainer(model=bert, args=args, train_dataset=rows)
 hf.train()
 hf_seen = [hf.args.world_size, hf.state.global_step]
 del hf, args
-"""))
+""",
+        )
+    )
     assert value(nb, "hf_seen") == [2, 3]
     assert value(nb, "(bert.classifier.weight - bert_start).abs().sum().item()") > 1e-6
 
 
 def test_accelerate_prepare_backward_gather(nb):
     nb.ok("torch.manual_seed(2)\nsmall = torch.nn.Linear(3, 1)\nsmall_start = small.weight.detach().clone()")
-    ok(distributed(nb, """
+    ok(
+        distributed(
+            nb,
+            """
 from accelerate import Accelerator
 accelerator = Accelerator(cpu=True)
 model, opt = accelerator.prepare(small, torch.optim.SGD(small.parameters(), lr=0.1))
@@ -204,7 +267,9 @@ opt.step()
 gathered = accelerator.gather(torch.tensor([accelerator.process_index])).tolist()
 acc_seen = [accelerator.num_processes, accelerator.is_main_process]
 del model, opt, accelerator, loss
-"""))
+""",
+        )
+    )
     assert value(nb, "gathered") == [0, 1] and value(nb, "acc_seen") == [2, True]
     assert value(nb, "(small.weight - small_start).abs().sum().item()") > 1e-6
 
@@ -225,13 +290,14 @@ def test_tqdm_auto_bar_reaches_the_client_once(nb):
     assert "it/s" not in run.stderr  # not a text bar
     views = [d for d in run.displays if "application/vnd.jupyter.widget-view+json" in d["data"]]
     model_ids = {m["content"]["comm_id"] for m in opened}
-    assert views and all(v["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] in model_ids
-                         for v in views)
+    assert views and all(v["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] in model_ids for v in views)
 
 
 def test_ipywidgets_progress_updated_in_a_loop(nb):
-    body = ("import ipywidgets\nbar = ipywidgets.IntProgress(max=4)\ndisplay(bar)\n"
-            "for i in range(4):\n    bar.value = i + 1\ndel bar")
+    body = (
+        "import ipywidgets\nbar = ipywidgets.IntProgress(max=4)\ndisplay(bar)\n"
+        "for i in range(4):\n    bar.value = i + 1\ndel bar"
+    )
     local = nb.ok(body)
     run = ok(distributed(nb, body))
     values = [s["value"] for s in run.comm_states() if "value" in s]
@@ -262,8 +328,10 @@ def _order(run: CellRun) -> list[str]:
 
 
 def test_output_widget_captures_under_the_cell(nb):
-    body = ("import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\nprint('before')\n"
-            "with out:\n    print('inside the widget')\nprint('after')\ndel out")
+    body = (
+        "import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\nprint('before')\n"
+        "with out:\n    print('inside the widget')\nprint('after')\ndel out"
+    )
     local, run = nb.ok(body), ok(distributed(nb, body))
     # The front end puts into the widget what arrives, under the cell, while its msg_id is set.
     expected = ["display Output()", "before", "capture on", "inside the widget", "capture off", "after"]
@@ -304,17 +372,20 @@ def progress():
 
 
 def test_logs_and_warnings_show_once(nb):
-    nb.ok("import logging, warnings, pytorch_lightning, transformers\n"
-          "logging.basicConfig(level=logging.INFO, force=True)\ntrain_log = logging.getLogger('train')")
-    body = ("train_log.info('step %d', 7)\nwarnings.warn('mind the learning rate')\n"
-            "pytorch_lightning._logger.info('from Lightning')\n"
-            "transformers.logging.get_logger('transformers').warning('from transformers')")
+    nb.ok(
+        "import logging, warnings, pytorch_lightning, transformers\n"
+        "logging.basicConfig(level=logging.INFO, force=True)\ntrain_log = logging.getLogger('train')"
+    )
+    body = (
+        "train_log.info('step %d', 7)\nwarnings.warn('mind the learning rate')\n"
+        "pytorch_lightning._logger.info('from Lightning')\n"
+        "transformers.logging.get_logger('transformers').warning('from transformers')"
+    )
     local = nb.ok(body)
     run = ok(distributed(nb, body))
     # transformers' logger propagates to the root handler too when CI=true: then a local cell shows
     # it twice, and so must the distributed one.
-    for text in ("INFO:train:step 7", "UserWarning: mind the learning rate", "from Lightning",
-                 "from transformers"):
+    for text in ("INFO:train:step 7", "UserWarning: mind the learning rate", "from Lightning", "from transformers"):
         assert local.stderr.count(text) >= 1, local.stderr
         assert run.stderr.count(text) == local.stderr.count(text), (local.stderr, run.stderr)
     nb.ok("logging.getLogger().handlers.clear()")
@@ -349,11 +420,13 @@ def test_the_lightning_flag_is_cleared_in_every_module_that_holds_it():
 
     from enot_nb._worker import frameworks as _frameworks
 
-    out = subprocess.run([sys.executable, "-c", ADAPTED], capture_output=True, text=True, timeout=120,
-                         cwd=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", ADAPTED], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr
-    installed = [name for name in _frameworks.LIGHTNING_FLAG_SOURCES + _frameworks.LIGHTNING_FLAG_HOLDERS
-                 if name.split(".")[0] in ("lightning_fabric", "pytorch_lightning")]
+    installed = [
+        name
+        for name in _frameworks.LIGHTNING_FLAG_SOURCES + _frameworks.LIGHTNING_FLAG_HOLDERS
+        if name.split(".")[0] in ("lightning_fabric", "pytorch_lightning")
+    ]
     assert json.loads(out.stdout.replace("'", '"')) == sorted(installed)
     assert pytorch_lightning.__version__ == _frameworks.LIGHTNING_TESTED
 
@@ -364,6 +437,9 @@ def test_a_lightning_without_the_flag_is_a_clear_error():
     from enot_nb._worker import frameworks as _frameworks
     from enot_nb.errors import IncompatibleFrameworkError
 
-    with pytest.raises(IncompatibleFrameworkError, match=r"lightning_fabric.connector has no "
-                       r"_IS_INTERACTIVE.*pytorch-lightning==2\.6\.6"):
+    with pytest.raises(
+        IncompatibleFrameworkError,
+        match=r"lightning_fabric.connector has no "
+        r"_IS_INTERACTIVE.*pytorch-lightning==2\.6\.6",
+    ):
         _frameworks._clear_flag(types.ModuleType("lightning_fabric.connector"))

@@ -21,8 +21,9 @@ def kernel():
 
 
 def test_only_rank_0_prints(kernel):
-    run = kernel.ok(f"{MAGIC}\nprint('hello from', ed.get_rank())\nimport sys\n"
-                    "print('err from', ed.get_rank(), file=sys.stderr)")
+    run = kernel.ok(
+        f"{MAGIC}\nprint('hello from', ed.get_rank())\nimport sys\nprint('err from', ed.get_rank(), file=sys.stderr)"
+    )
     assert run.stdout == "hello from 0\n"
     assert run.stderr == "err from 0\n"
 
@@ -34,10 +35,13 @@ def test_output_all_shows_every_rank(kernel):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_functions_and_classes_from_earlier_cells(kernel, method):
-    kernel.ok("def double(v):\n    return 2 * v\n\nclass Box:\n    def __init__(self, v):\n"
-              "        self.v = v\nseed_value = 21")
-    run = kernel.ok(f"{MAGIC} --start-method {method}\nbox = Box(double(seed_value))\n"
-                    "answer = box.v + ed.get_rank()\nanswer")
+    kernel.ok(
+        "def double(v):\n    return 2 * v\n\nclass Box:\n    def __init__(self, v):\n"
+        "        self.v = v\nseed_value = 21"
+    )
+    run = kernel.ok(
+        f"{MAGIC} --start-method {method}\nbox = Box(double(seed_value))\nanswer = box.v + ed.get_rank()\nanswer"
+    )
     assert run.result["text/plain"] == "42"
     assert kernel.ok("print(answer, box.v, type(box).__name__)").stdout == "42 42 Box\n"
 
@@ -79,8 +83,10 @@ def test_matplotlib_figures_arrive_as_png(kernel):
 
 
 def test_display_html_and_last_expression(kernel):
-    run = kernel.ok(f"{MAGIC}\nfrom IPython.display import HTML, display\n"
-                    "display(HTML('<b>bold</b>'))\n{'rank': ed.get_rank(), 'world': ed.get_world_size()}")
+    run = kernel.ok(
+        f"{MAGIC}\nfrom IPython.display import HTML, display\n"
+        "display(HTML('<b>bold</b>'))\n{'rank': ed.get_rank(), 'world': ed.get_world_size()}"
+    )
     assert any(d["data"].get("text/html") == "<b>bold</b>" for d in run.displays)
     assert run.result["text/plain"] == "{'rank': 0, 'world': 2}"
     assert kernel.ok("_['world']").result["text/plain"] == "2"
@@ -93,8 +99,9 @@ def test_semicolon_suppresses_out(kernel):
 @pytest.mark.parametrize("method", METHODS)
 def test_exception_on_one_rank_shows_cell_lines(kernel, method):
     kernel.ok("keep = 'before'")
-    run = kernel.run(f"{MAGIC} --start-method {method}\nkeep = 'changed'\n"
-                     "if ed.get_rank() == 1:\n    raise ValueError('bad rank')\n")
+    run = kernel.run(
+        f"{MAGIC} --start-method {method}\nkeep = 'changed'\nif ed.get_rank() == 1:\n    raise ValueError('bad rank')\n"
+    )
     assert run.error["ename"] == "WorkerFailedError"
     text = run.traceback
     assert "rank 1 raised ValueError: bad rank" in text
@@ -124,14 +131,17 @@ def test_return_options(kernel):
     assert kernel.ok("print('c' in dir())").stdout == "False\n"
 
 
-@pytest.mark.parametrize("line, words", [
-    ("--nprocs 0", "nprocs=0"),
-    ("-n 2 --bogus", "unrecognized arguments"),
-    ("-n 2 --output loud", "invalid choice"),
-    ("-n 2 --speed --reproducible", "mutually exclusive"),
-    ("-n 2 --sync a --no-sync", "contradict"),
-    ("-n 2 --sync 1x", "NAME[,NAME...]"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("--nprocs 0", "nprocs=0"),
+        ("-n 2 --bogus", "unrecognized arguments"),
+        ("-n 2 --output loud", "invalid choice"),
+        ("-n 2 --speed --reproducible", "mutually exclusive"),
+        ("-n 2 --sync a --no-sync", "contradict"),
+        ("-n 2 --sync 1x", "NAME[,NAME...]"),
+    ],
+)
 def test_bad_options_are_usage_errors(kernel, line, words):
     run = kernel.run(f"%%enot_distributed {line}\npass")
     # IPython prints a UsageError as one line, without a traceback
@@ -141,16 +151,19 @@ def test_bad_options_are_usage_errors(kernel, line, words):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_line_magics_and_shell_lines(kernel, method):
-    run = kernel.ok(f"{MAGIC} --start-method {method}\n%time t = 1 + 1\n!echo shell-ok\n"
-                    "print('t =', t)\nnames = %who_ls\nprint('who:', 't' in names)")
+    run = kernel.ok(
+        f"{MAGIC} --start-method {method}\n%time t = 1 + 1\n!echo shell-ok\n"
+        "print('t =', t)\nnames = %who_ls\nprint('who:', 't' in names)"
+    )
     assert "shell-ok" in run.stdout and "t = 2" in run.stdout and "who: True" in run.stdout
 
 
 def test_notebook_function_through_launcher_under_spawn(kernel):
-    kernel.ok("import enot_nb\ndef work(k):\n    import torch.distributed as dist\n"
-              "    t = torch.ones(1) * (ed.get_rank() + 1)\n    dist.all_reduce(t)\n    return t.item() * k")
-    run = kernel.ok("enot_nb.notebook_launcher(work, args=(2,), nprocs=2, backend='gloo', "
-                    "start_method='spawn')")
+    kernel.ok(
+        "import enot_nb\ndef work(k):\n    import torch.distributed as dist\n"
+        "    t = torch.ones(1) * (ed.get_rank() + 1)\n    dist.all_reduce(t)\n    return t.item() * k"
+    )
+    run = kernel.ok("enot_nb.notebook_launcher(work, args=(2,), nprocs=2, backend='gloo', start_method='spawn')")
     assert run.result["text/plain"] == "6.0"
 
 
@@ -178,8 +191,7 @@ def _alive(pid):
     return alive(pid)
 
 
-LONG_CELL = (f"{MAGIC} --output all\nimport os, time\nprint('worker-pid', os.getpid(), flush=True)\n"
-             "time.sleep(600)")
+LONG_CELL = f"{MAGIC} --output all\nimport os, time\nprint('worker-pid', os.getpid(), flush=True)\ntime.sleep(600)"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -193,8 +205,9 @@ def test_interrupt_button_stops_a_long_cell(method):
                 seen["pids"] = worker_pids(run)
                 k.manager.interrupt_kernel()
 
-        run = k.run(LONG_CELL.replace("--output all", f"--output all --start-method {method}"),
-                    on_output=interrupt_when_started)
+        run = k.run(
+            LONG_CELL.replace("--output all", f"--output all --start-method {method}"), on_output=interrupt_when_started
+        )
         assert "t" in seen, f"the two workers never printed their pids: {run.stdout!r}"
         record_figure("interrupt_to_error_kernel_s", time.monotonic() - seen["t"])
         assert time.monotonic() - seen["t"] < 5
@@ -222,20 +235,39 @@ def test_kernel_restart_ends_the_workers():
 
 def test_large_notebook_tensor_reaches_spawned_workers_through_shared_memory(kernel):
     kernel.ok("big = torch.arange(2 * 2**20)")
-    kernel.ok(f"{MAGIC} --start-method spawn\nwith open('/proc/self/maps') as maps:\n"
-              "    shared = 'enot_nb-tensor' in maps.read()\ntotal = int(big.sum())\ndel maps")
+    kernel.ok(
+        f"{MAGIC} --start-method spawn\nwith open('/proc/self/maps') as maps:\n"
+        "    shared = 'enot_nb-tensor' in maps.read()\ntotal = int(big.sum())\ndel maps"
+    )
     assert kernel.ok("print(shared, total == int(big.sum()))").stdout == "True True\n"
 
 
 def test_magic_help_lists_the_options(kernel):
     run = kernel.ok("from enot_nb.magic import EnotMagics\nprint(EnotMagics.enot_distributed.__doc__)")
-    for option in ("--nprocs", "--backend", "--seed", "--speed", "--reproducible", "--start-method",
-                   "--output", "--sync", "--no-sync", "--return", "--no-return", "--timeout",
-                   "--nnodes", "--node-rank", "--master-addr", "--master-port"):
+    for option in (
+        "--nprocs",
+        "--backend",
+        "--seed",
+        "--speed",
+        "--reproducible",
+        "--start-method",
+        "--output",
+        "--sync",
+        "--no-sync",
+        "--return",
+        "--no-return",
+        "--timeout",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+    ):
         assert option in run.stdout
 
 
 def test_progress_bars_keep_their_carriage_returns(kernel):
-    run = kernel.ok(f"{MAGIC}\nimport sys\nfor i in range(3):\n"
-                    "    sys.stderr.write(f'\\rstep {i}/3')\n    sys.stderr.flush()\nprint()")
+    run = kernel.ok(
+        f"{MAGIC}\nimport sys\nfor i in range(3):\n"
+        "    sys.stderr.write(f'\\rstep {i}/3')\n    sys.stderr.flush()\nprint()"
+    )
     assert "\rstep 0/3\rstep 1/3\rstep 2/3" in run.stderr

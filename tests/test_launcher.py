@@ -127,8 +127,7 @@ def test_sys_exit_in_a_worker():
     assert "sys.exit(3)" in str(info.value)
 
 
-@pytest.mark.parametrize("signum, words", [(signal.SIGKILL, "out-of-memory"),
-                                           (signal.SIGSEGV, "native code")])
+@pytest.mark.parametrize("signum, words", [(signal.SIGKILL, "out-of-memory"), (signal.SIGSEGV, "native code")])
 @pytest.mark.parametrize("method", METHODS)
 def test_worker_killed_by_signal(method, signum, words):
     start = time.monotonic()
@@ -178,8 +177,7 @@ def test_concurrent_launch_from_another_thread_is_refused():
     started_r, started_w = os.pipe()
     release_r, release_w = os.pipe()
     results = []
-    thread = threading.Thread(
-        target=lambda: results.append(launch(jobs.wait_for_release, started_w, release_r)))
+    thread = threading.Thread(target=lambda: results.append(launch(jobs.wait_for_release, started_w, release_r)))
     thread.start()
     try:
         assert os.read(started_r, 1) == b"s"
@@ -278,9 +276,13 @@ def test_busy_master_port_is_a_clear_error():
 
 
 def start_script(method: str) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, str(HELPERS / "launch_script.py"), method],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen(
+        [sys.executable, str(HELPERS / "launch_script.py"), method],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": os.getcwd()},
+    )
     pids = []
     while len(pids) < 2:
         line = proc.stdout.readline()
@@ -335,9 +337,16 @@ def test_two_nodes_on_localhost(tmp_path):
         "r = enot_nb.notebook_launcher(jobs.describe, nprocs=1, backend='gloo', nnodes=2, "
         f"node_rank=int(sys.argv[1]), master_port={port}); print('RESULT', json.dumps(r))"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(node)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=os.environ | {"PYTHONPATH": os.getcwd()}) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(node)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ | {"PYTHONPATH": os.getcwd()},
+        )
+        for node in (0, 1)
+    ]
     outs = [p.communicate(timeout=50)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     import json

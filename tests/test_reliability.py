@@ -45,16 +45,23 @@ def test_fault_in_plain_python(tmp_path, method, fault, activity):
     victim, delay = rng.randrange(2), rng.uniform(0.0, 0.5)
     stamp = tmp_path / "stamp"
     with pytest.raises(WorkerFailedError) as info:
-        enot_nb.notebook_launcher(faults.fault_job, args=(fault, victim, delay, str(stamp), activity),
-                                  nprocs=2, backend="gloo", start_method=method)
+        enot_nb.notebook_launcher(
+            faults.fault_job,
+            args=(fault, victim, delay, str(stamp), activity),
+            nprocs=2,
+            backend="gloo",
+            start_method=method,
+        )
     detected = time.monotonic() - float(stamp.read_text())
     left = workers_of(os.getpid())
     check_fault(info.value, fault, victim)
     assert detected < 2.0
     assert left == []  # every worker is gone by the time the error is raised
     record_figure("detection_plain_s", detected)
-    assert enot_nb.notebook_launcher(faults.big_tensor, args=(0,), nprocs=2, backend="gloo",
-                                     start_method=method).numel() == 0  # the next launch works
+    assert (
+        enot_nb.notebook_launcher(faults.big_tensor, args=(0,), nprocs=2, backend="gloo", start_method=method).numel()
+        == 0
+    )  # the next launch works
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +90,18 @@ def test_fault_in_a_kernel(kernel, tmp_path, method, fault):
     assert detected < 2.0
     assert workers_of(kernel.pid) == []
     record_figure("detection_kernel_s", detected)
-    assert kernel.ok("enot_nb.notebook_launcher(faults.big_tensor, args=(1,), nprocs=2, "
-                     f"backend='gloo', start_method={method!r}).numel()").result["text/plain"] == "262144"
+    assert (
+        kernel.ok(
+            "enot_nb.notebook_launcher(faults.big_tensor, args=(1,), nprocs=2, "
+            f"backend='gloo', start_method={method!r}).numel()"
+        ).result["text/plain"]
+        == "262144"
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_ten_megabytes_of_output_and_no_trailing_newline(capfd, method):
-    count = enot_nb.notebook_launcher(faults.print_megabytes, args=(10,), nprocs=2, backend="gloo",
-                                      start_method=method)
+    count = enot_nb.notebook_launcher(faults.print_megabytes, args=(10,), nprocs=2, backend="gloo", start_method=method)
     out, _ = capfd.readouterr()
     assert out.count("x" * 99 + "\n") == count
     assert out.endswith("no newline at the end")
@@ -100,22 +111,44 @@ def test_output_and_large_result_in_a_kernel(kernel):
     run = kernel.ok("enot_nb.notebook_launcher(faults.print_megabytes, args=(10,), nprocs=2, backend='gloo')")
     assert run.stdout.count("x" * 99 + "\n") == int(run.result["text/plain"])
     assert run.stdout.endswith("no newline at the end")
-    run = kernel.ok("r = enot_nb.notebook_launcher(faults.big_tensor, args=(300,), nprocs=2, backend='gloo')\n"
-                    "bool((r == __import__('torch').arange(300 * 2**18, dtype=r.dtype)).all())")
+    run = kernel.ok(
+        "r = enot_nb.notebook_launcher(faults.big_tensor, args=(300,), nprocs=2, backend='gloo')\n"
+        "bool((r == __import__('torch').arange(300 * 2**18, dtype=r.dtype)).all())"
+    )
     assert run.result["text/plain"] == "True"
 
 
 # ----------------------------------------------------------------------------- bad input
 
 
-OPTION_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 70000), st.floats(allow_nan=True),
-                          st.text(max_size=6), st.just(object()))
+OPTION_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 70000), st.floats(allow_nan=True), st.text(max_size=6), st.just(object())
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(options=st.dictionaries(st.sampled_from([
-    "nprocs", "backend", "seed", "start_method", "output", "master_port", "nnodes", "node_rank",
-    "max_restarts", "timeout", "cuda_optimize_for_speed", "cuda_reproducible"]), OPTION_VALUES, min_size=1))
+@given(
+    options=st.dictionaries(
+        st.sampled_from(
+            [
+                "nprocs",
+                "backend",
+                "seed",
+                "start_method",
+                "output",
+                "master_port",
+                "nnodes",
+                "node_rank",
+                "max_restarts",
+                "timeout",
+                "cuda_optimize_for_speed",
+                "cuda_reproducible",
+            ]
+        ),
+        OPTION_VALUES,
+        min_size=1,
+    )
+)
 def test_bad_launcher_arguments_fail_fast_and_clearly(options):
     before = set(descendants())
     try:
@@ -134,11 +167,42 @@ def test_bad_launcher_arguments_fail_fast_and_clearly(options):
     assert set(descendants()) - before == set()  # nothing started either way
 
 
-LINE_PARTS = st.sampled_from(["-n", "--nprocs", "--backend", "--seed", "--speed", "--reproducible",
-                              "--start-method", "--output", "--sync", "--no-sync", "--return",
-                              "--no-return", "--timeout", "--master-port", "--nnodes", "--node-rank",
-                              "--max-restarts", "--bogus", "0", "-3", "2", "x", "fork", "spawn", "all",
-                              "a,b", "1x", "''", "nccl", "gloo", "1e9", "-"])
+LINE_PARTS = st.sampled_from(
+    [
+        "-n",
+        "--nprocs",
+        "--backend",
+        "--seed",
+        "--speed",
+        "--reproducible",
+        "--start-method",
+        "--output",
+        "--sync",
+        "--no-sync",
+        "--return",
+        "--no-return",
+        "--timeout",
+        "--master-port",
+        "--nnodes",
+        "--node-rank",
+        "--max-restarts",
+        "--bogus",
+        "0",
+        "-3",
+        "2",
+        "x",
+        "fork",
+        "spawn",
+        "all",
+        "a,b",
+        "1x",
+        "''",
+        "nccl",
+        "gloo",
+        "1e9",
+        "-",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -166,8 +230,12 @@ def test_bad_magic_options_are_usage_errors(parts):
 def _process_figures() -> dict[str, int]:
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f)
-    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
-            "children": len(workers_of(os.getpid())), "rss_kb": int(status["VmRSS"].split()[0])}
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "children": len(workers_of(os.getpid())),
+        "rss_kb": int(status["VmRSS"].split()[0]),
+    }
 
 
 @pytest.mark.timeout(1800)
@@ -182,13 +250,17 @@ def test_soak_launches_stay_flat(request):
         method = METHODS[i % 2]
         if i % 10 == 9:
             with pytest.raises(WorkerFailedError):
-                enot_nb.notebook_launcher(faults.fault_job, args=("raise", 1, 0.0, os.devnull, "collective"),
-                                          nprocs=2, backend="gloo", start_method=method)
+                enot_nb.notebook_launcher(
+                    faults.fault_job,
+                    args=("raise", 1, 0.0, os.devnull, "collective"),
+                    nprocs=2,
+                    backend="gloo",
+                    start_method=method,
+                )
         else:
             enot_nb.notebook_launcher(faults.big_tensor, args=(1,), nprocs=2, backend="gloo", start_method=method)
     end = _process_figures()
-    record_figure("soak", {"launches": launches, "seconds": time.monotonic() - begin,
-                           "start": start, "end": end})
+    record_figure("soak", {"launches": launches, "seconds": time.monotonic() - begin, "start": start, "end": end})
     assert end["fds"] == start["fds"] and end["threads"] == start["threads"]
     assert end["children"] == start["children"]  # (a test kernel may be running)
     assert end["rss_kb"] - start["rss_kb"] < 30 * 1024, (start, end)

@@ -16,177 +16,450 @@ from tests._util import METHODS
 from tests.kernel import running_kernel
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-PRELUDE = ("import torch, copy, collections, dataclasses, numpy as np\n"
-           "from enot_nb import distributed as ed\ntorch.manual_seed(0)\n")
+PRELUDE = (
+    "import torch, copy, collections, dataclasses, numpy as np\n"
+    "from enot_nb import distributed as ed\ntorch.manual_seed(0)\n"
+)
 LINEAR = "model = torch.nn.Linear(2, 2)\n"
 
 # (id, set-up, cell, probes, code run in both kernels after the cell and before the probes)
 CASES = [
-    ("function-scales-global-model", LINEAR + "def scale(f):\n    model.weight.data.mul_(f)\n",
-     "scale(10.0)", ["model.weight.tolist()"], ""),
-    ("function-appends-to-global-list", "logged = []\ndef log(v):\n    logged.append(v)\n",
-     "log(5)\nlog(6)", ["logged"], ""),
-    ("function-fills-global-tensor", "buf = torch.zeros(3)\ndef fill():\n    buf.fill_(2.5)\n",
-     "fill()", ["buf.tolist()"], ""),
+    (
+        "function-scales-global-model",
+        LINEAR + "def scale(f):\n    model.weight.data.mul_(f)\n",
+        "scale(10.0)",
+        ["model.weight.tolist()"],
+        "",
+    ),
+    (
+        "function-appends-to-global-list",
+        "logged = []\ndef log(v):\n    logged.append(v)\n",
+        "log(5)\nlog(6)",
+        ["logged"],
+        "",
+    ),
+    (
+        "function-fills-global-tensor",
+        "buf = torch.zeros(3)\ndef fill():\n    buf.fill_(2.5)\n",
+        "fill()",
+        ["buf.tolist()"],
+        "",
+    ),
     ("data-fill", LINEAR, "model.weight.data.fill_(3.0)", ["model.weight.tolist()"], ""),
-    ("eval-mode", "net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())\n",
-     "net.eval()", ["net.training", "net[1].training"], ""),
-    ("requires-grad-off", LINEAR, "model.weight.requires_grad_(False)",
-     ["model.weight.requires_grad", "model.bias.requires_grad"], ""),
-    ("module-double", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
-     "model.double()", ["model.weight.dtype", "opt.param_groups[0]['params'][0] is model.weight",
-                        "model.weight.tolist()"], ""),
-    ("module-half-then-float", LINEAR, "model.to(torch.float16)\nmodel.float()",
-     ["model.weight.dtype", "model.weight.tolist()"], ""),
-    ("grad-assigned", LINEAR, "model.weight.grad = torch.ones_like(model.weight)",
-     ["model.weight.grad.tolist()", "model.bias.grad"], ""),
-    ("grad-from-backward", LINEAR, "model(torch.ones(3, 2)).sum().backward()",
-     ["model.weight.grad.tolist()", "model.bias.grad.tolist()"], ""),
+    (
+        "eval-mode",
+        "net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())\n",
+        "net.eval()",
+        ["net.training", "net[1].training"],
+        "",
+    ),
+    (
+        "requires-grad-off",
+        LINEAR,
+        "model.weight.requires_grad_(False)",
+        ["model.weight.requires_grad", "model.bias.requires_grad"],
+        "",
+    ),
+    (
+        "module-double",
+        LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+        "model.double()",
+        ["model.weight.dtype", "opt.param_groups[0]['params'][0] is model.weight", "model.weight.tolist()"],
+        "",
+    ),
+    (
+        "module-half-then-float",
+        LINEAR,
+        "model.to(torch.float16)\nmodel.float()",
+        ["model.weight.dtype", "model.weight.tolist()"],
+        "",
+    ),
+    (
+        "grad-assigned",
+        LINEAR,
+        "model.weight.grad = torch.ones_like(model.weight)",
+        ["model.weight.grad.tolist()", "model.bias.grad"],
+        "",
+    ),
+    (
+        "grad-from-backward",
+        LINEAR,
+        "model(torch.ones(3, 2)).sum().backward()",
+        ["model.weight.grad.tolist()", "model.bias.grad.tolist()"],
+        "",
+    ),
     ("module-attribute", LINEAR, "model.note = 'hi'", ["model.note"], ""),
-    ("replaced-submodule", "net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())\n"
-     "alias = net\n", "net[1] = torch.nn.Tanh()",
-     ["type(net[1]).__name__", "alias is net", "len(list(net.modules()))"], ""),
-    ("model-through-list", "models = [torch.nn.Linear(2, 2)]\nfirst = models[0]\n",
-     "models[0].weight.data.zero_()", ["first.weight.tolist()", "models[0] is first"], ""),
-    ("instance-of-notebook-class", "class Box:\n    def __init__(self, v):\n        self.v = v\n",
-     "b = Box(1)", ["isinstance(b, Box)", "b.v", "type(b) is Box"], ""),
-    ("config-attribute", "class Cfg:\n    lr = 0.1\ncfg = Cfg()\n", "cfg.lr = 0.5",
-     ["type(cfg) is Cfg", "cfg.lr", "Cfg.lr"], ""),
-    ("dict-only-read", LINEAR + "reg = {'m': model}\n", "total = float(reg['m'].weight.sum())",
-     ["reg['m'] is model", "total"], ""),
-    ("scheduler-and-optimizer", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n"
-     "sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)\n",
-     "opt.step()\nsched.step()", ["sched.optimizer is opt", "opt.param_groups[0]['lr']",
-                                 "sched.last_epoch"], ""),
-    ("scheduler-built-in-cell", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n",
-     "sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)\nopt.step()\nsched.step()",
-     ["sched.optimizer is opt", "opt.param_groups[0]['lr']"], ""),
+    (
+        "replaced-submodule",
+        "net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())\nalias = net\n",
+        "net[1] = torch.nn.Tanh()",
+        ["type(net[1]).__name__", "alias is net", "len(list(net.modules()))"],
+        "",
+    ),
+    (
+        "model-through-list",
+        "models = [torch.nn.Linear(2, 2)]\nfirst = models[0]\n",
+        "models[0].weight.data.zero_()",
+        ["first.weight.tolist()", "models[0] is first"],
+        "",
+    ),
+    (
+        "instance-of-notebook-class",
+        "class Box:\n    def __init__(self, v):\n        self.v = v\n",
+        "b = Box(1)",
+        ["isinstance(b, Box)", "b.v", "type(b) is Box"],
+        "",
+    ),
+    (
+        "config-attribute",
+        "class Cfg:\n    lr = 0.1\ncfg = Cfg()\n",
+        "cfg.lr = 0.5",
+        ["type(cfg) is Cfg", "cfg.lr", "Cfg.lr"],
+        "",
+    ),
+    (
+        "dict-only-read",
+        LINEAR + "reg = {'m': model}\n",
+        "total = float(reg['m'].weight.sum())",
+        ["reg['m'] is model", "total"],
+        "",
+    ),
+    (
+        "scheduler-and-optimizer",
+        LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n"
+        "sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)\n",
+        "opt.step()\nsched.step()",
+        ["sched.optimizer is opt", "opt.param_groups[0]['lr']", "sched.last_epoch"],
+        "",
+    ),
+    (
+        "scheduler-built-in-cell",
+        LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n",
+        "sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)\nopt.step()\nsched.step()",
+        ["sched.optimizer is opt", "opt.param_groups[0]['lr']"],
+        "",
+    ),
     ("del-name", "x = 1\ny = [1]\n", "del x\ndel y", ["'x' in dir()", "'y' in dir()"], ""),
-    ("cell-function-reads-notebook-globals", "scale_v = 1\n",
-     "def get_scale():\n    return scale_v", ["get_scale()"], "scale_v = 2"),
-    ("cell-function-calls-later-function", "",
-     "def outer():\n    return later() + 1", ["outer()"], "def later():\n    return 41"),
-    ("global-through-function", "counter = 0\ndef bump():\n    global counter\n    counter += 1\n",
-     "bump()\nbump()", ["counter"], ""),
-    ("optimizer-built-in-cell", LINEAR,
-     "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
-     ["optimizer.param_groups[0]['params'][0] is model.weight", "model.weight.tolist()"],
-     "model.weight.grad = torch.ones_like(model.weight)\noptimizer.step()"),
-    ("training-loop", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
-     "data = torch.arange(6.0).reshape(3, 2)\nlosses = []\n",
-     "for step in range(3):\n    loss = model(data).pow(2).mean()\n    opt.zero_grad()\n"
-     "    loss.backward()\n    opt.step()\n    losses.append(round(loss.item(), 5))",
-     ["model.weight.tolist()", "losses", "opt.state[model.weight]['momentum_buffer'].tolist()",
-      "round(loss.item(), 5)", "step"], ""),
-    ("ema-copy", LINEAR + "ema = copy.deepcopy(model)\nmodel.weight.data.add_(1.0)\n",
-     "for e, p in zip(ema.parameters(), model.parameters()):\n"
-     "    e.data.mul_(0.5).add_(p.data, alpha=0.5)",
-     ["ema.weight.tolist()", "model.weight.tolist()"], ""),
-    ("ema-made-in-cell", LINEAR, "ema = copy.deepcopy(model)\nema.weight.data.zero_()",
-     ["ema.weight.tolist()", "ema is model", "model.weight.sum().item() != 0"], ""),
-    ("dataclass-config", "@dataclasses.dataclass\nclass Config:\n    lr: float = 0.1\n"
-     "    epochs: int = 1\nconfig = Config()\n", "config.epochs += 1\nother = Config(lr=0.3)",
-     ["config", "other", "isinstance(other, Config)"], ""),
-    ("numpy-in-place", "arr = np.zeros(4)\n", "arr[1] = 5\narr2 = arr * 2",
-     ["arr.tolist()", "arr2.tolist()"], ""),
-    ("numpy-view-of-notebook-array", "arr = np.zeros(4)\n", "view = arr[:2]",
-     ["np.shares_memory(view, arr)", "view.tolist()"], "arr[0] = 9"),
-    ("nested-containers", "d = {'a': [1, {'b': []}]}\ninner = d['a'][1]\n",
-     "d['a'][1]['b'].append(3)\nd['c'] = (4, [5])", ["d", "inner is d['a'][1]"], ""),
-    ("closure-mutable-cell", "def make():\n    c = [0]\n    def inc():\n        c[0] += 1\n"
-     "        return c[0]\n    return inc\ninc = make()\n", "inc()\ninc()", ["inc()"], ""),
-    ("closure-nonlocal", "def make():\n    n = 0\n    def inc():\n        nonlocal n\n        n += 1\n"
-     "        return n\n    return inc\ninc = make()\n", "inc()", ["inc()"], ""),
-    ("generator-left-alone", "gen = (i for i in range(10))\nnext(gen)\n", "x = 1",
-     ["next(gen)", "x"], ""),
-    ("tensor-view-and-base", "base = torch.zeros(4)\nv = base[:2]\n", "v.fill_(1)",
-     ["base.tolist()", "v.data_ptr() == base.data_ptr()"], ""),
-    ("new-view-of-notebook-tensor", "base = torch.zeros(4)\n", "w = base[1:3]",
-     ["w.tolist()"], "base.fill_(7)"),
-    ("two-names-one-tensor", "", "a = torch.ones(2)\nb = a\nc = a[1:]",
-     ["a is b", "c.data_ptr() == a.data_ptr() + 4"], "a.add_(1)"),
+    (
+        "cell-function-reads-notebook-globals",
+        "scale_v = 1\n",
+        "def get_scale():\n    return scale_v",
+        ["get_scale()"],
+        "scale_v = 2",
+    ),
+    (
+        "cell-function-calls-later-function",
+        "",
+        "def outer():\n    return later() + 1",
+        ["outer()"],
+        "def later():\n    return 41",
+    ),
+    (
+        "global-through-function",
+        "counter = 0\ndef bump():\n    global counter\n    counter += 1\n",
+        "bump()\nbump()",
+        ["counter"],
+        "",
+    ),
+    (
+        "optimizer-built-in-cell",
+        LINEAR,
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
+        ["optimizer.param_groups[0]['params'][0] is model.weight", "model.weight.tolist()"],
+        "model.weight.grad = torch.ones_like(model.weight)\noptimizer.step()",
+    ),
+    (
+        "training-loop",
+        LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+        "data = torch.arange(6.0).reshape(3, 2)\nlosses = []\n",
+        "for step in range(3):\n    loss = model(data).pow(2).mean()\n    opt.zero_grad()\n"
+        "    loss.backward()\n    opt.step()\n    losses.append(round(loss.item(), 5))",
+        [
+            "model.weight.tolist()",
+            "losses",
+            "opt.state[model.weight]['momentum_buffer'].tolist()",
+            "round(loss.item(), 5)",
+            "step",
+        ],
+        "",
+    ),
+    (
+        "ema-copy",
+        LINEAR + "ema = copy.deepcopy(model)\nmodel.weight.data.add_(1.0)\n",
+        "for e, p in zip(ema.parameters(), model.parameters()):\n    e.data.mul_(0.5).add_(p.data, alpha=0.5)",
+        ["ema.weight.tolist()", "model.weight.tolist()"],
+        "",
+    ),
+    (
+        "ema-made-in-cell",
+        LINEAR,
+        "ema = copy.deepcopy(model)\nema.weight.data.zero_()",
+        ["ema.weight.tolist()", "ema is model", "model.weight.sum().item() != 0"],
+        "",
+    ),
+    (
+        "dataclass-config",
+        "@dataclasses.dataclass\nclass Config:\n    lr: float = 0.1\n    epochs: int = 1\nconfig = Config()\n",
+        "config.epochs += 1\nother = Config(lr=0.3)",
+        ["config", "other", "isinstance(other, Config)"],
+        "",
+    ),
+    ("numpy-in-place", "arr = np.zeros(4)\n", "arr[1] = 5\narr2 = arr * 2", ["arr.tolist()", "arr2.tolist()"], ""),
+    (
+        "numpy-view-of-notebook-array",
+        "arr = np.zeros(4)\n",
+        "view = arr[:2]",
+        ["np.shares_memory(view, arr)", "view.tolist()"],
+        "arr[0] = 9",
+    ),
+    (
+        "nested-containers",
+        "d = {'a': [1, {'b': []}]}\ninner = d['a'][1]\n",
+        "d['a'][1]['b'].append(3)\nd['c'] = (4, [5])",
+        ["d", "inner is d['a'][1]"],
+        "",
+    ),
+    (
+        "closure-mutable-cell",
+        "def make():\n    c = [0]\n    def inc():\n        c[0] += 1\n"
+        "        return c[0]\n    return inc\ninc = make()\n",
+        "inc()\ninc()",
+        ["inc()"],
+        "",
+    ),
+    (
+        "closure-nonlocal",
+        "def make():\n    n = 0\n    def inc():\n        nonlocal n\n        n += 1\n"
+        "        return n\n    return inc\ninc = make()\n",
+        "inc()",
+        ["inc()"],
+        "",
+    ),
+    ("generator-left-alone", "gen = (i for i in range(10))\nnext(gen)\n", "x = 1", ["next(gen)", "x"], ""),
+    (
+        "tensor-view-and-base",
+        "base = torch.zeros(4)\nv = base[:2]\n",
+        "v.fill_(1)",
+        ["base.tolist()", "v.data_ptr() == base.data_ptr()"],
+        "",
+    ),
+    ("new-view-of-notebook-tensor", "base = torch.zeros(4)\n", "w = base[1:3]", ["w.tolist()"], "base.fill_(7)"),
+    (
+        "two-names-one-tensor",
+        "",
+        "a = torch.ones(2)\nb = a\nc = a[1:]",
+        ["a is b", "c.data_ptr() == a.data_ptr() + 4"],
+        "a.add_(1)",
+    ),
     ("rebinding", "x = 1\n", "x = x + 1", ["x"], ""),
     ("set-add", "s = {1}\nt = s\n", "s.add(2)", ["sorted(t)", "t is s"], ""),
-    ("deque-append", "dq = collections.deque([1], maxlen=3)\n", "dq.append(2)\ndq.append(3)\n"
-     "dq.append(4)", ["list(dq)", "dq.maxlen"], ""),
+    (
+        "deque-append",
+        "dq = collections.deque([1], maxlen=3)\n",
+        "dq.append(2)\ndq.append(3)\ndq.append(4)",
+        ["list(dq)", "dq.maxlen"],
+        "",
+    ),
     ("bytearray", "ba = bytearray(b'abc')\n", "ba[0] = 120\nba.extend(b'!')", ["bytes(ba)"], ""),
-    ("class-attribute", "class Box:\n    count = 0\n", "Box.count = 5\nBox.extra = 'x'",
-     ["Box.count", "Box.extra"], ""),
-    ("mutable-default", "def f(acc=[]):\n    acc.append(1)\n    return acc\n", "f()\nf()",
-     ["f()"], ""),
-    ("holder-of-notebook-model", LINEAR + "class Holder:\n    def __init__(self, m):\n"
-     "        self.m = m\n", "holder = Holder(model)", ["holder.m is model", "isinstance(holder, Holder)"],
-     ""),
-    ("deleted-attribute", "class C:\n    pass\nc = C()\nc.extra = 1\nc.keep = 2\n", "del c.extra",
-     ["hasattr(c, 'extra')", "c.keep"], ""),
-    ("register-buffer", LINEAR, "model.register_buffer('count', torch.zeros(1))\nmodel.count += 3",
-     ["model.count.tolist()", "[n for n, _ in model.named_buffers()]"], ""),
-    ("notebook-module-class", "class Net(torch.nn.Module):\n    def __init__(self):\n"
-     "        super().__init__()\n        self.fc = torch.nn.Linear(2, 1)\n",
-     "torch.manual_seed(1)\nnet = Net()", ["isinstance(net, Net)", "net.fc.weight.tolist()"], ""),
-    ("load-state-dict", LINEAR + "torch.manual_seed(5)\nother = torch.nn.Linear(2, 2)\n",
-     "model.load_state_dict(other.state_dict())", ["torch.equal(model.weight, other.weight)"], ""),
-    ("replace-list-item", "models = [torch.nn.Linear(2, 2)]\nalias = models\n",
-     "torch.manual_seed(3)\nmodels[0] = torch.nn.Linear(2, 2)",
-     ["alias is models", "models[0].weight.tolist()"], ""),
+    (
+        "class-attribute",
+        "class Box:\n    count = 0\n",
+        "Box.count = 5\nBox.extra = 'x'",
+        ["Box.count", "Box.extra"],
+        "",
+    ),
+    ("mutable-default", "def f(acc=[]):\n    acc.append(1)\n    return acc\n", "f()\nf()", ["f()"], ""),
+    (
+        "holder-of-notebook-model",
+        LINEAR + "class Holder:\n    def __init__(self, m):\n        self.m = m\n",
+        "holder = Holder(model)",
+        ["holder.m is model", "isinstance(holder, Holder)"],
+        "",
+    ),
+    (
+        "deleted-attribute",
+        "class C:\n    pass\nc = C()\nc.extra = 1\nc.keep = 2\n",
+        "del c.extra",
+        ["hasattr(c, 'extra')", "c.keep"],
+        "",
+    ),
+    (
+        "register-buffer",
+        LINEAR,
+        "model.register_buffer('count', torch.zeros(1))\nmodel.count += 3",
+        ["model.count.tolist()", "[n for n, _ in model.named_buffers()]"],
+        "",
+    ),
+    (
+        "notebook-module-class",
+        "class Net(torch.nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc = torch.nn.Linear(2, 1)\n",
+        "torch.manual_seed(1)\nnet = Net()",
+        ["isinstance(net, Net)", "net.fc.weight.tolist()"],
+        "",
+    ),
+    (
+        "load-state-dict",
+        LINEAR + "torch.manual_seed(5)\nother = torch.nn.Linear(2, 2)\n",
+        "model.load_state_dict(other.state_dict())",
+        ["torch.equal(model.weight, other.weight)"],
+        "",
+    ),
+    (
+        "replace-list-item",
+        "models = [torch.nn.Linear(2, 2)]\nalias = models\n",
+        "torch.manual_seed(3)\nmodels[0] = torch.nn.Linear(2, 2)",
+        ["alias is models", "models[0].weight.tolist()"],
+        "",
+    ),
     ("lambda-in-cell", "k = 3\n", "times_k = lambda v: v * k", ["times_k(2)"], "k = 4"),
-    ("dict-of-tensors-key-order", "state = {'b': torch.zeros(1), 'a': torch.ones(1)}\n",
-     "state.pop('b')\nstate['b'] = torch.full((1,), 2.0)", ["list(state)", "state['b'].tolist()"], ""),
-    ("in-place-add-through-alias", "w = torch.zeros(2)\nalias = w\n", "w += 1",
-     ["alias.tolist()", "alias is w"], ""),
-    ("attribute-rebound-to-an-equal-list", "class T:\n    pass\nt = T()\nt.h = []\nold = t.h\n"
-     "d = {'h': []}\nold_d = d['h']\n", "t.h = []\nd['h'] = []", ["t.h is old", "d['h'] is old_d"], ""),
-    ("numpy-of-notebook-tensor", "t = torch.zeros(4)\n", "a = t.numpy()\nb = np.asarray(t[1:])\n"
-     "c = t.view(2, 2).T.numpy()", ["a.tolist()", "b.tolist()", "c.tolist()", "np.shares_memory(a, b)"],
-     "t[1] = 5"),
-    ("tensor-from-notebook-array", "arr = np.zeros(4)\n",
-     "t = torch.from_numpy(arr)\ntv = torch.from_numpy(arr[2:])", ["t.tolist()", "tv.tolist()"],
-     "arr[3] = 7"),
-    ("array-and-tensor-made-in-cell", "", "data = np.arange(6.0)\nx = torch.from_numpy(data).view(2, 3)\n"
-     "back = x.numpy()", ["data.tolist()", "back.tolist()"], "x.mul_(2)"),
-    ("tensor-over-notebook-array-changed-in-cell", "arr = np.zeros(3)\nt = torch.from_numpy(arr)\n",
-     "t.add_(1)\ns = float(arr.sum())", ["s", "arr.tolist()", "t.tolist()"], "arr[0] = 9"),
-    ("resize-notebook-tensor", "t = torch.zeros(2)\nalias = t\n", "t.resize_(5)\nt[2:] = 1",
-     ["t.tolist()", "alias is t", "t.shape"], "t.resize_(1)"),
-    ("out-argument-grows", "out = torch.zeros(0)\n", "torch.add(torch.ones(3), 1, out=out)",
-     ["out.tolist()"], ""),
-    ("partial-keywords", "def rec(v, store):\n    store.append(v)\nimport functools\n"
-     "cb = functools.partial(rec, store=[])\n", "cb(5)", ["cb.keywords['store']"], "cb(6)"),
-    ("array-module-array", "import array\nar = array.array('d', [1, 2])\n", "ar.append(3)\nar[0] = 7",
-     ["ar.tolist()", "ar.typecode"], ""),
-    ("numpy-reshaped-in-place", "arr = np.zeros(4)\nalias = arr\n", "arr.shape = (2, 2)\narr[1, 1] = 3",
-     ["arr.tolist()", "alias is arr"], ""),
-    ("import-in-cell", "", "import math\nfrom collections import OrderedDict as OD\nimport torch.nn.functional as F\n"
-     "y = math.pi", ["math.pi", "OD.__name__", "F.relu(torch.tensor([-1.0])).tolist()", "y"], ""),
-    ("numpy-retyped-and-resized", "arr = np.zeros(1)\nobjs = np.array([None, [1]], dtype=object)\n",
-     "arr.dtype = np.int8\narr.resize(3, refcheck=False)\narr[0] = 1\nobjs[1].append(2)",
-     ["arr.tolist()", "str(arr.dtype)", "objs.tolist()"], ""),
-    ("array-with-a-memoryview", "import array\nar = array.array('d', [1, 2])\nmv = memoryview(ar)\n",
-     "ar[0] = 7", ["ar.tolist()", "mv.tolist()"], ""),
-    ("partial-attribute", "import functools\np = functools.partial(max, 1)\n", "p.note = 'hi'",
-     ["getattr(p, 'note', None)", "p(5)"], ""),
-    ("numpy-generator", "rng = np.random.default_rng(0)\n", "a = rng.random()",
-     ["round(a, 12)", "round(rng.random(), 12)"], ""),
-    ("torch-generator", "g = torch.Generator().manual_seed(0)\n", "first = torch.rand(1, generator=g)",
-     ["first.tolist()", "torch.rand(1, generator=g).tolist()"], ""),
-    ("python-random", "import random\nr = random.Random(0)\n", "x = r.random()",
-     ["round(x, 12)", "round(r.random(), 12)"], ""),
+    (
+        "dict-of-tensors-key-order",
+        "state = {'b': torch.zeros(1), 'a': torch.ones(1)}\n",
+        "state.pop('b')\nstate['b'] = torch.full((1,), 2.0)",
+        ["list(state)", "state['b'].tolist()"],
+        "",
+    ),
+    ("in-place-add-through-alias", "w = torch.zeros(2)\nalias = w\n", "w += 1", ["alias.tolist()", "alias is w"], ""),
+    (
+        "attribute-rebound-to-an-equal-list",
+        "class T:\n    pass\nt = T()\nt.h = []\nold = t.h\nd = {'h': []}\nold_d = d['h']\n",
+        "t.h = []\nd['h'] = []",
+        ["t.h is old", "d['h'] is old_d"],
+        "",
+    ),
+    (
+        "numpy-of-notebook-tensor",
+        "t = torch.zeros(4)\n",
+        "a = t.numpy()\nb = np.asarray(t[1:])\nc = t.view(2, 2).T.numpy()",
+        ["a.tolist()", "b.tolist()", "c.tolist()", "np.shares_memory(a, b)"],
+        "t[1] = 5",
+    ),
+    (
+        "tensor-from-notebook-array",
+        "arr = np.zeros(4)\n",
+        "t = torch.from_numpy(arr)\ntv = torch.from_numpy(arr[2:])",
+        ["t.tolist()", "tv.tolist()"],
+        "arr[3] = 7",
+    ),
+    (
+        "array-and-tensor-made-in-cell",
+        "",
+        "data = np.arange(6.0)\nx = torch.from_numpy(data).view(2, 3)\nback = x.numpy()",
+        ["data.tolist()", "back.tolist()"],
+        "x.mul_(2)",
+    ),
+    (
+        "tensor-over-notebook-array-changed-in-cell",
+        "arr = np.zeros(3)\nt = torch.from_numpy(arr)\n",
+        "t.add_(1)\ns = float(arr.sum())",
+        ["s", "arr.tolist()", "t.tolist()"],
+        "arr[0] = 9",
+    ),
+    (
+        "resize-notebook-tensor",
+        "t = torch.zeros(2)\nalias = t\n",
+        "t.resize_(5)\nt[2:] = 1",
+        ["t.tolist()", "alias is t", "t.shape"],
+        "t.resize_(1)",
+    ),
+    ("out-argument-grows", "out = torch.zeros(0)\n", "torch.add(torch.ones(3), 1, out=out)", ["out.tolist()"], ""),
+    (
+        "partial-keywords",
+        "def rec(v, store):\n    store.append(v)\nimport functools\ncb = functools.partial(rec, store=[])\n",
+        "cb(5)",
+        ["cb.keywords['store']"],
+        "cb(6)",
+    ),
+    (
+        "array-module-array",
+        "import array\nar = array.array('d', [1, 2])\n",
+        "ar.append(3)\nar[0] = 7",
+        ["ar.tolist()", "ar.typecode"],
+        "",
+    ),
+    (
+        "numpy-reshaped-in-place",
+        "arr = np.zeros(4)\nalias = arr\n",
+        "arr.shape = (2, 2)\narr[1, 1] = 3",
+        ["arr.tolist()", "alias is arr"],
+        "",
+    ),
+    (
+        "import-in-cell",
+        "",
+        "import math\nfrom collections import OrderedDict as OD\nimport torch.nn.functional as F\ny = math.pi",
+        ["math.pi", "OD.__name__", "F.relu(torch.tensor([-1.0])).tolist()", "y"],
+        "",
+    ),
+    (
+        "numpy-retyped-and-resized",
+        "arr = np.zeros(1)\nobjs = np.array([None, [1]], dtype=object)\n",
+        "arr.dtype = np.int8\narr.resize(3, refcheck=False)\narr[0] = 1\nobjs[1].append(2)",
+        ["arr.tolist()", "str(arr.dtype)", "objs.tolist()"],
+        "",
+    ),
+    (
+        "array-with-a-memoryview",
+        "import array\nar = array.array('d', [1, 2])\nmv = memoryview(ar)\n",
+        "ar[0] = 7",
+        ["ar.tolist()", "mv.tolist()"],
+        "",
+    ),
+    (
+        "partial-attribute",
+        "import functools\np = functools.partial(max, 1)\n",
+        "p.note = 'hi'",
+        ["getattr(p, 'note', None)", "p(5)"],
+        "",
+    ),
+    (
+        "numpy-generator",
+        "rng = np.random.default_rng(0)\n",
+        "a = rng.random()",
+        ["round(a, 12)", "round(rng.random(), 12)"],
+        "",
+    ),
+    (
+        "torch-generator",
+        "g = torch.Generator().manual_seed(0)\n",
+        "first = torch.rand(1, generator=g)",
+        ["first.tolist()", "torch.rand(1, generator=g).tolist()"],
+        "",
+    ),
+    (
+        "python-random",
+        "import random\nr = random.Random(0)\n",
+        "x = r.random()",
+        ["round(x, 12)", "round(r.random(), 12)"],
+        "",
+    ),
     ("numpy-masked-array", "m = np.ma.zeros(4)\n", "m[1] = 5", ["m.tolist()"], ""),
-    ("tensor-subclass", "class S(torch.Tensor):\n    pass\nx = torch.zeros(4)\ns = x.as_subclass(S)\n"
-     "y = torch.ones(2)\nz = torch.ones(2)\n", "z.fill_(float(s.sum()) + 5)",
-     ["y.tolist()", "z.tolist()", "type(s).__name__"], ""),
-    ("module-moved-between-devices", LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
-     "model.to(torch.device('cpu'))\nmodel.to(torch.float64)\nmodel.to('cpu', torch.float32)",
-     ["model.weight.dtype", "str(model.weight.device)", "opt.param_groups[0]['params'][0] is model.weight"],
-     ""),
+    (
+        "tensor-subclass",
+        "class S(torch.Tensor):\n    pass\nx = torch.zeros(4)\ns = x.as_subclass(S)\n"
+        "y = torch.ones(2)\nz = torch.ones(2)\n",
+        "z.fill_(float(s.sum()) + 5)",
+        ["y.tolist()", "z.tolist()", "type(s).__name__"],
+        "",
+    ),
+    (
+        "module-moved-between-devices",
+        LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+        "model.to(torch.device('cpu'))\nmodel.to(torch.float64)\nmodel.to('cpu', torch.float32)",
+        ["model.weight.dtype", "str(model.weight.device)", "opt.param_groups[0]['params'][0] is model.weight"],
+        "",
+    ),
 ]
 
 
 def _probe_code(probes: list[str]) -> str:
-    return ("import json as __json\n__r = []\nfor __e in " + repr(probes) + ":\n"
-            "    try:\n        __r.append(repr(eval(__e)))\n"
-            "    except Exception as __x:\n        __r.append('error: ' + type(__x).__name__)\n"
-            "print(__json.dumps(__r))")
+    return (
+        "import json as __json\n__r = []\nfor __e in " + repr(probes) + ":\n"
+        "    try:\n        __r.append(repr(eval(__e)))\n"
+        "    except Exception as __x:\n        __r.append('error: ' + type(__x).__name__)\n"
+        "print(__json.dumps(__r))"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +477,7 @@ def _fresh(kernel) -> None:
 def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell, probes, after):
     local, dist = kernels
     results = []
-    for kernel, header in ((local, ""), (dist, f"%%enot_distributed -n 2 --backend gloo "
-                                               f"--start-method {method}\n")):
+    for kernel, header in ((local, ""), (dist, f"%%enot_distributed -n 2 --backend gloo --start-method {method}\n")):
         _fresh(kernel)
         if setup:
             kernel.ok(setup)
@@ -236,8 +508,10 @@ def kernel():
 @pytest.mark.parametrize("method", METHODS)
 def test_a_failed_cell_changes_nothing_and_says_so_for_shared_memory(kernel, method):
     kernel.ok(LINEAR + "shared = torch.zeros(2).share_memory_()\nkept = [1]\nw0 = model.weight.clone()")
-    run = kernel.run(f"{MAGIC} --start-method {method}\nmodel.weight.data.fill_(5)\nkept.append(2)\n"
-                     "new_name = 1\nshared.fill_(1)\nraise ValueError('boom')")
+    run = kernel.run(
+        f"{MAGIC} --start-method {method}\nmodel.weight.data.fill_(5)\nkept.append(2)\n"
+        "new_name = 1\nshared.fill_(1)\nraise ValueError('boom')"
+    )
     assert run.error["ename"] == "WorkerFailedError"
     assert "may hold partial writes" in run.stderr
     check = kernel.ok("print(torch.equal(model.weight, w0), kept, 'new_name' in dir())")
@@ -247,8 +521,10 @@ def test_a_failed_cell_changes_nothing_and_says_so_for_shared_memory(kernel, met
 @pytest.mark.parametrize("method", METHODS)
 def test_on_error_keep_brings_back_the_state_at_the_failure(kernel, method):
     kernel.ok(LINEAR + "kept = [1]")
-    run = kernel.run(f"{MAGIC} --start-method {method} --on-error keep\nmodel.weight.data.fill_(5)\n"
-                     "kept.append(2)\nepoch = 7\nif ed.is_master():\n    raise ValueError('boom')")
+    run = kernel.run(
+        f"{MAGIC} --start-method {method} --on-error keep\nmodel.weight.data.fill_(5)\n"
+        "kept.append(2)\nepoch = 7\nif ed.is_master():\n    raise ValueError('boom')"
+    )
     assert run.error["ename"] == "WorkerFailedError"
     assert "--on-error keep" in run.stderr
     check = kernel.ok("print(model.weight.tolist(), kept, epoch)")
@@ -266,10 +542,12 @@ def test_interrupt_keeps_what_the_master_reached(method):
                 seen["t"] = time.monotonic()
                 k.manager.interrupt_kernel()
 
-        cell = (f"{MAGIC} --start-method {method}\nimport time\nsteps_done = 0\n"
-                "for step in range(100000):\n    model.weight.data.add_(1.0)\n"
-                "    steps_done = step + 1\n    if step == 20:\n        print('running', flush=True)\n"
-                "    time.sleep(0.01)\n")
+        cell = (
+            f"{MAGIC} --start-method {method}\nimport time\nsteps_done = 0\n"
+            "for step in range(100000):\n    model.weight.data.add_(1.0)\n"
+            "    steps_done = step + 1\n    if step == 20:\n        print('running', flush=True)\n"
+            "    time.sleep(0.01)\n"
+        )
         run = k.run(cell, timeout=60, on_output=interrupt_when_running)
         assert time.monotonic() - seen["t"] < 5
         assert run.error["ename"] == "KeyboardInterrupt"
@@ -284,8 +562,7 @@ def test_interrupt_keeps_what_the_master_reached(method):
         assert int(moved[1]) > 20 and abs(int(moved[0]) - int(moved[1])) <= 1
 
 
-@pytest.mark.parametrize("code, ename", [("x = (1,\n", "SyntaxError"),
-                                          ("if True:\nprint(1)\n", "IndentationError")])
+@pytest.mark.parametrize("code, ename", [("x = (1,\n", "SyntaxError"), ("if True:\nprint(1)\n", "IndentationError")])
 def test_syntax_errors_are_shown_and_replied_as_in_a_local_cell(kernel, code, ename):
     run = kernel.run(f"{MAGIC}\n{code}")
     assert run.status == "error" and run.error["ename"] == ename
@@ -334,11 +611,14 @@ def test_no_return_says_so(kernel):
     assert kernel.ok("print(z, 'q' in dir())").stdout == "[0] False\n"
 
 
-@pytest.mark.parametrize("header, cell, shown", [
-    ("--return loss", "loss = 3\nother = 4\nother", "4"),  # not returned: shown all the same
-    ("", "import threading\nlk = threading.Lock()\nlk", "<unlocked _thread.lock object"),
-    ("", "other = 5\nother", "5"),
-])
+@pytest.mark.parametrize(
+    "header, cell, shown",
+    [
+        ("--return loss", "loss = 3\nother = 4\nother", "4"),  # not returned: shown all the same
+        ("", "import threading\nlk = threading.Lock()\nlk", "<unlocked _thread.lock object"),
+        ("", "other = 5\nother", "5"),
+    ],
+)
 def test_the_value_shown_is_the_cells(kernel, header, cell, shown):
     kernel.ok("other = 'old'\nlk = 'old lock'")
     run = kernel.ok(f"{MAGIC} {header}\n{cell}")
@@ -348,14 +628,18 @@ def test_the_value_shown_is_the_cells(kernel, header, cell, shown):
 @pytest.mark.parametrize("method", METHODS)
 def test_optimizer_built_from_ddp_parameters_drives_the_notebook_model(kernel, method):
     kernel.ok(LINEAR)
-    run = kernel.ok(f"{MAGIC} --start-method {method}\n"
-                    "ddp = torch.nn.parallel.DistributedDataParallel(model)\n"
-                    "optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
-                    "ddp(torch.ones(4, 2)).sum().backward()\noptimizer.step()")
+    run = kernel.ok(
+        f"{MAGIC} --start-method {method}\n"
+        "ddp = torch.nn.parallel.DistributedDataParallel(model)\n"
+        "optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
+        "ddp(torch.ones(4, 2)).sum().backward()\noptimizer.step()"
+    )
     assert "'ddp' was not brought back" in run.stderr
-    check = kernel.ok("w = model.weight.clone()\nprint(optimizer.param_groups[0]['params'][0] is "
-                      "model.weight)\nmodel.weight.grad = torch.ones_like(w)\noptimizer.step()\n"
-                      "print(torch.allclose(model.weight, w - 0.1))")
+    check = kernel.ok(
+        "w = model.weight.clone()\nprint(optimizer.param_groups[0]['params'][0] is "
+        "model.weight)\nmodel.weight.grad = torch.ones_like(w)\noptimizer.step()\n"
+        "print(torch.allclose(model.weight, w - 0.1))"
+    )
     assert check.stdout == "True\nTrue\n"
 
 

@@ -17,8 +17,7 @@ def _imports(path: Path) -> set[str]:
             found |= {a.name for a in node.names if a.name.startswith("enot_nb")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("enot_nb"):
             if node.module == "enot_nb":
-                found |= {f"enot_nb.{a.name}" for a in node.names
-                          if (PACKAGE / f"{a.name}.py").exists()}
+                found |= {f"enot_nb.{a.name}" for a in node.names if (PACKAGE / f"{a.name}.py").exists()}
             else:
                 found.add(node.module)
     return found
@@ -26,8 +25,7 @@ def _imports(path: Path) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     modules = {f"enot_nb.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    return {name: {m for m in _imports(path) if m in modules and m != name}
-            for name, path in modules.items()}
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -39,7 +37,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:

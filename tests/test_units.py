@@ -90,8 +90,7 @@ def _changes(namespace: dict, cell: str) -> tuple[list[str], list[str], int]:
             before = dict(namespace)
             exec(cell, namespace)
             changes, changed = collect.collect(registry, snapshot, before, namespace)
-            found = (sorted(changes.bound), sorted(registry.path(i) for i in changed),
-                     len(changes.storages))
+            found = (sorted(changes.bound), sorted(registry.path(i) for i in changed), len(changes.storages))
             os.write(write, pickle.dumps(found))
         finally:
             os._exit(0)
@@ -103,8 +102,14 @@ def _changes(namespace: dict, cell: str) -> tuple[list[str], list[str], int]:
 
 
 def test_change_tracking_finds_what_changed_and_only_that():
-    namespace = {"torch": torch, "model": torch.nn.Linear(2, 2), "log": [], "cfg": {"lr": 0.1},
-                 "arr": np.zeros(3), "big": torch.zeros(2**20)}
+    namespace = {
+        "torch": torch,
+        "model": torch.nn.Linear(2, 2),
+        "log": [],
+        "cfg": {"lr": 0.1},
+        "arr": np.zeros(3),
+        "big": torch.zeros(2**20),
+    }
     bound, changed, storages = _changes(namespace, "log.append(1)\nmodel.weight.data.add_(1)\nz = 1")
     assert bound == ["z"] and changed == ["log"] and storages == 1
     bound, changed, storages = _changes(namespace, "model.eval()\narr[0] = 1\nbig[5] = 1")
@@ -135,11 +140,17 @@ def test_launch_options_are_one_definition_for_every_front():
     assert set(LaunchOptions.FLAGS.values()) <= flags
 
 
-@pytest.mark.parametrize("options, parameter", [
-    ({"nprocs": 0}, "nprocs"), ({"timeout": float("nan")}, "timeout"), ({"seed": 2**40}, "seed"),
-    ({"cuda_optimize_for_speed": True, "cuda_reproducible": True}, "cuda_reproducible"),
-    ({"nnodes": 2}, "master_port"), ({"output": "loud"}, "output"),
-])
+@pytest.mark.parametrize(
+    "options, parameter",
+    [
+        ({"nprocs": 0}, "nprocs"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"seed": 2**40}, "seed"),
+        ({"cuda_optimize_for_speed": True, "cuda_reproducible": True}, "cuda_reproducible"),
+        ({"nnodes": 2}, "master_port"),
+        ({"output": "loud"}, "output"),
+    ],
+)
 def test_bad_options_name_their_parameter(options, parameter):
     with pytest.raises(LaunchConfigError) as caught:
         LaunchOptions(**options)
@@ -147,16 +158,17 @@ def test_bad_options_name_their_parameter(options, parameter):
 
 
 def test_errors_survive_a_pickle_round_trip():
-    failure = WorkerFailure(rank=1, exitcode=-9, signal_name="SIGKILL", error_type=None, message="",
-                            traceback=None)
+    failure = WorkerFailure(rank=1, exitcode=-9, signal_name="SIGKILL", error_type=None, message="", traceback=None)
     err = pickle.loads(pickle.dumps(WorkerFailedError([failure])))
     assert err.rank == 1 and err.signal_name == "SIGKILL" and "SIGKILL" in str(err)
     config = pickle.loads(pickle.dumps(LaunchConfigError("bad", parameter="seed")))
     assert config.parameter == "seed" and str(config) == "bad"
 
 
-@pytest.mark.parametrize("nprocs, gpus, backend", [(2, 0, "gloo"), (2, 1, "gloo"), (2, 2, "nccl"),
-                                                   (1, 8, "nccl"), (8, 8, "nccl"), (9, 8, "gloo")])
+@pytest.mark.parametrize(
+    "nprocs, gpus, backend",
+    [(2, 0, "gloo"), (2, 1, "gloo"), (2, 2, "nccl"), (1, 8, "nccl"), (8, 8, "nccl"), (9, 8, "gloo")],
+)
 def test_default_backend(nprocs, gpus, backend):
     from enot_nb._runtime.devices import default_backend
 
@@ -180,7 +192,7 @@ def test_fenced_stream_releases_each_piece_after_its_message():
     stream = Fenced()
     data = b"a" + OUTPUT_FENCE + b"b" + OUTPUT_FENCE + b"c"
     for i in range(0, len(data), 3):  # in chunks that cut the fences
-        stream.add(data[i:i + 3])
+        stream.add(data[i : i + 3])
     assert stream.fences == 2
     assert stream.release(0) == b"a"  # no message handled yet: only what came before the first
     assert stream.release(1) == b"b"
@@ -223,11 +235,11 @@ def test_numpy_and_torch_memory_stays_shared_through_a_round_trip():
     assert alone.tolist() == [1, 1]  # its array did not travel: the tensor comes by value
 
 
-
 def test_a_stop_press_anywhere_in_reading_a_pipe_end_leaves_it_readable_again():
     """CI saw a KeyboardInterrupt land between the unregistering of a pipe at its end and the
     bookkeeping: the interrupt's own drain then failed with "13 is not registered". A press before
     any line of the reading must leave a state that the next drain and close() finish."""
+
     def run(interrupt_at: int | None) -> int:
         ranks = make_ranks(1, 0, "none")
         r = ranks[0]

@@ -52,21 +52,29 @@ RENDEZVOUS = os.environ.get("ENOT_NB_RENDEZVOUS", "file")
 _ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 
 
-def rank_environment(plan: LaunchPlan, local_rank: int, address: str, port: int,
-                     attempt: int) -> dict[str, str]:
+def rank_environment(plan: LaunchPlan, local_rank: int, address: str, port: int, attempt: int) -> dict[str, str]:
     """The caller's environment plus torchrun's variables for one rank."""
     env = dict(os.environ)
     rank = str(plan.node_rank * plan.nprocs + local_rank)
     env.update(
-        WORLD_SIZE=str(plan.world_size), RANK=rank,
-        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(plan.nprocs),
-        NODE_RANK=str(plan.node_rank), GROUP_RANK=str(plan.node_rank),
-        GROUP_WORLD_SIZE=str(plan.nnodes), ROLE_NAME="default", ROLE_RANK=rank,
-        ROLE_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=address, MASTER_PORT=str(port),
+        WORLD_SIZE=str(plan.world_size),
+        RANK=rank,
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(plan.nprocs),
+        NODE_RANK=str(plan.node_rank),
+        GROUP_RANK=str(plan.node_rank),
+        GROUP_WORLD_SIZE=str(plan.nnodes),
+        ROLE_NAME="default",
+        ROLE_RANK=rank,
+        ROLE_WORLD_SIZE=str(plan.world_size),
+        MASTER_ADDR=address,
+        MASTER_PORT=str(port),
         # torchrun's markers: frameworks (Lightning, Accelerate) see an external launcher.
         # Not TORCHELASTIC_USE_AGENT_STORE: the ranks meet through our own store, not an agent's.
-        TORCHELASTIC_RUN_ID=plan.run_id, TORCHELASTIC_RESTART_COUNT=str(attempt),
-        TORCHELASTIC_MAX_RESTARTS=str(plan.max_restarts), OMP_NUM_THREADS=str(plan.threads),
+        TORCHELASTIC_RUN_ID=plan.run_id,
+        TORCHELASTIC_RESTART_COUNT=str(attempt),
+        TORCHELASTIC_MAX_RESTARTS=str(plan.max_restarts),
+        OMP_NUM_THREADS=str(plan.threads),
     )
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # a kernel started by torchrun has it
     if plan.nnodes == 1:  # the collectives' own sockets stay on loopback too
@@ -118,8 +126,11 @@ class _Stopping:
         self.stopping = True  # deaths from here on are our doing
         running = [r for r in self.ranks if r.running]
         if running and self.io is not None:
-            print(f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:",
+                file=sys.stderr,
+                flush=True,
+            )
             self._signal_running(signal.SIGUSR1, running)
             self.io.capturing_stacks = True
             self._pump(STACK_DUMP_WAIT, force_show=True)
@@ -129,8 +140,9 @@ class _Stopping:
         master = next((r for r in self.ranks if r.rank == 0 and r.running), None)
         if master is not None and self.group is not None:
             self._signal_running(signal.SIGINT, [master])
-            self._pump(INTERRUPT_SAVE_WAIT, force_show=False,
-                       until=lambda: master.partial is not None or not master.running)
+            self._pump(
+                INTERRUPT_SAVE_WAIT, force_show=False, until=lambda: master.partial is not None or not master.running
+            )
         self._stop(self.ranks)
 
     def _pump(self, seconds: float, force_show: bool, until: Callable[[], bool] | None = None) -> None:
@@ -149,7 +161,6 @@ class _Stopping:
                 return
             self._handle(events, force_show)
 
-
     def _select(self, timeout: float | None) -> list:
         raise NotImplementedError
 
@@ -160,8 +171,14 @@ class _Stopping:
 class Attempt(_Stopping):
     """One start of the whole group: start -> supervise -> collect -> close."""
 
-    def __init__(self, plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[int]] | None,
-                 attempt: int, on_message: Callable[[str, Any], None] | None = None):
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        job: bootstrap.Job,
+        shipped: tuple[bytes, list[int]] | None,
+        attempt: int,
+        on_message: Callable[[str, Any], None] | None = None,
+    ):
         self.plan, self.job, self.shipped, self.attempt = plan, job, shipped, attempt
         self.on_message = on_message
         self.ranks: list[Rank] = []
@@ -210,8 +227,9 @@ class Attempt(_Stopping):
                 if self.plan.node_rank == 0:  # global rank 0 runs here
                     self.result_fd = pickling.result_fd()
                 self.rendezvous_dir = rendezvous_folder(self.plan)
-            self.group = make_group(self.plan, self.job, self.shipped, self.ranks, self.attempt,
-                                    self.result_fd, self.rendezvous_dir)
+            self.group = make_group(
+                self.plan, self.job, self.shipped, self.ranks, self.attempt, self.result_fd, self.rendezvous_dir
+            )
             for rank, pid in self.group.start().items():
                 self._rank(rank).pid = pid
         finally:
@@ -241,8 +259,13 @@ class Attempt(_Stopping):
             self._on_exits(self.group.exits(None))
             timeout = 0
         # Exits the group recorded whose report a stop press cut off on the way here.
-        self._on_exits([(r.rank, self.group.exited[r.rank]) for r in self.ranks
-                        if r.exitcode is None and r.rank in self.group.exited])
+        self._on_exits(
+            [
+                (r.rank, self.group.exited[r.rank])
+                for r in self.ranks
+                if r.exitcode is None and r.rank in self.group.exited
+            ]
+        )
         return self.io.selector.select(timeout)
 
     def _handle(self, events: list, force_show: bool = False) -> None:
@@ -277,10 +300,12 @@ class Attempt(_Stopping):
     def _collect(self) -> Outcome:
         if self.failures:
             self.failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
-            reconnectable = (self.plan.nnodes == 1 and all(f.connecting for f in self.failures)
-                             and not any(r.connected for r in self.ranks))
-            return Outcome(ok=False, failures=self.failures, partial=self._partial(),
-                           reconnectable=reconnectable)
+            reconnectable = (
+                self.plan.nnodes == 1
+                and all(f.connecting for f in self.failures)
+                and not any(r.connected for r in self.ranks)
+            )
+            return Outcome(ok=False, failures=self.failures, partial=self._partial(), reconnectable=reconnectable)
         master = next((r for r in self.ranks if r.rank == 0), None)
         if master is None:
             return Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
@@ -293,10 +318,12 @@ class Attempt(_Stopping):
         """Everything the attempt holds, released: each once, however often this runs (see
         run), and all of them even if one fails (the first error is raised after)."""
         errors = []
-        for name, release in (("group", lambda group: group.close()),  # killed and reaped
-                              ("io", lambda io: io.close()),
-                              ("result_fd", os.close),  # a loaded result keeps its pages mapped
-                              ("rendezvous_dir", remove_rendezvous_folder)):
+        for name, release in (
+            ("group", lambda group: group.close()),  # killed and reaped
+            ("io", lambda io: io.close()),
+            ("result_fd", os.close),  # a loaded result keeps its pages mapped
+            ("rendezvous_dir", remove_rendezvous_folder),
+        ):
             held = getattr(self, name)
             if held is not None:
                 setattr(self, name, None)
@@ -338,9 +365,15 @@ def remove_rendezvous_folder(folder: str) -> None:
     spawn.watchdog().tell(f"unfolder {folder}")
 
 
-def make_group(plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[int]] | None,
-               ranks: list[Rank], attempt: int, result_fd: int | None,
-               folder: str | None) -> WorkerGroup:
+def make_group(
+    plan: LaunchPlan,
+    job: bootstrap.Job,
+    shipped: tuple[bytes, list[int]] | None,
+    ranks: list[Rank],
+    attempt: int,
+    result_fd: int | None,
+    folder: str | None,
+) -> WorkerGroup:
     """Describe each rank (environment, descriptors, rendezvous) and make its group."""
     init_kwargs = dict(plan.init_kwargs)
     address = plan.master_addr if plan.nnodes > 1 else _rendezvous.loopback_for(plan.master_addr)
@@ -353,14 +386,26 @@ def make_group(plan: LaunchPlan, job: bootstrap.Job, shipped: tuple[bytes, list[
     fork = plan.start_method == "fork"
     front_end, parent = relay.in_ipython(), relay.kernel_parent()
     output_setup = None if fork else streams.capture()  # one pickle for every rank
-    specs = [bootstrap.WorkerSpec(
-        rank=r.rank, env=rank_environment(plan, r.local_rank, address, port, attempt),
-        cwd=os.getcwd(), sys_path=[p for p in sys.path if isinstance(p, str)],
-        threads=plan.threads, init_kwargs=init_kwargs, parent_pid=os.getpid(),
-        stdout_fd=r.pipes["out"][1], stderr_fd=r.pipes["err"][1], message_fd=r.pipes["msg"][1],
-        close_fds=_not_for(r, ranks) if fork else [], result_fd=result_fd,
-        front_end=front_end, kernel_parent=parent,
-        output_setup=output_setup) for r in ranks]
+    specs = [
+        bootstrap.WorkerSpec(
+            rank=r.rank,
+            env=rank_environment(plan, r.local_rank, address, port, attempt),
+            cwd=os.getcwd(),
+            sys_path=[p for p in sys.path if isinstance(p, str)],
+            threads=plan.threads,
+            init_kwargs=init_kwargs,
+            parent_pid=os.getpid(),
+            stdout_fd=r.pipes["out"][1],
+            stderr_fd=r.pipes["err"][1],
+            message_fd=r.pipes["msg"][1],
+            close_fds=_not_for(r, ranks) if fork else [],
+            result_fd=result_fd,
+            front_end=front_end,
+            kernel_parent=parent,
+            output_setup=output_setup,
+        )
+        for r in ranks
+    ]
     if fork:
         return ForkedGroup([(s.rank, lambda s=s: bootstrap.run(s, lambda: job)) for s in specs])
     job_bytes, shared = shipped or (b"", [])
@@ -385,9 +430,11 @@ def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
             return pickling.read_result(result_fd, data)
         return pickle.loads(data)
     except Exception as err:
-        raise LaunchError(f"rank 0's result could not be loaded in this process "
-                          f"({type(err).__name__}: {err}); return plain data, tensors or "
-                          "state dicts") from err
+        raise LaunchError(
+            f"rank 0's result could not be loaded in this process "
+            f"({type(err).__name__}: {err}); return plain data, tensors or "
+            "state dicts"
+        ) from err
 
 
 def stack_report(rank: int, text: str) -> str:
@@ -402,8 +449,7 @@ def stack_report(rank: int, text: str) -> str:
             path = line.split('"')[1]
             if not threads:
                 threads.append([])
-            if not path.startswith(bootstrap.PACKAGE_DIR) and not path.endswith(
-                    ("/threading.py", "/selectors.py")):
+            if not path.startswith(bootstrap.PACKAGE_DIR) and not path.endswith(("/threading.py", "/selectors.py")):
                 threads[-1].append(line)
         elif line.strip():
             other.append(line)

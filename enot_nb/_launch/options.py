@@ -52,58 +52,77 @@ class LaunchOptions:
 
     # The magic's flag for each field (UsageError messages name the flag the user typed).
     FLAGS: ClassVar[dict[str, str]] = {
-        "nprocs": "-n", "backend": "--backend", "seed": "--seed",
-        "cuda_optimize_for_speed": "--speed", "cuda_reproducible": "--reproducible",
-        "start_method": "--start-method", "output": "--output", "master_addr": "--master-addr",
-        "master_port": "--master-port", "nnodes": "--nnodes", "node_rank": "--node-rank",
-        "max_restarts": "--max-restarts", "timeout": "--timeout",
+        "nprocs": "-n",
+        "backend": "--backend",
+        "seed": "--seed",
+        "cuda_optimize_for_speed": "--speed",
+        "cuda_reproducible": "--reproducible",
+        "start_method": "--start-method",
+        "output": "--output",
+        "master_addr": "--master-addr",
+        "master_port": "--master-port",
+        "nnodes": "--nnodes",
+        "node_rank": "--node-rank",
+        "max_restarts": "--max-restarts",
+        "timeout": "--timeout",
     }
 
     def __post_init__(self) -> None:
         if self.cuda_optimize_for_speed and self.cuda_reproducible:
-            raise ConflictingFlagsError("cuda_optimize_for_speed and cuda_reproducible are mutually "
-                                        "exclusive; set at most one", parameter="cuda_reproducible")
+            raise ConflictingFlagsError(
+                "cuda_optimize_for_speed and cuda_reproducible are mutually exclusive; set at most one",
+                parameter="cuda_reproducible",
+            )
         if self.nprocs is not None:
             check_int("nprocs", self.nprocs, low=1)
         check_int("nnodes", self.nnodes, low=1)
         check_int("node_rank", self.node_rank, low=0)
         if self.node_rank >= self.nnodes:
-            raise LaunchConfigError(f"node_rank={self.node_rank} is out of range for "
-                                    f"nnodes={self.nnodes}; use 0 <= node_rank < {self.nnodes}",
-                                    parameter="node_rank")
+            raise LaunchConfigError(
+                f"node_rank={self.node_rank} is out of range for "
+                f"nnodes={self.nnodes}; use 0 <= node_rank < {self.nnodes}",
+                parameter="node_rank",
+            )
         check_int("max_restarts", self.max_restarts, low=0)
         if self.seed is not None:
             check_int("seed", self.seed, low=0)
             if self.seed >= 2**32:
-                raise LaunchConfigError(f"seed={self.seed} must be below 2**32 (NumPy's limit); "
-                                        "pick a smaller seed", parameter="seed")
+                raise LaunchConfigError(
+                    f"seed={self.seed} must be below 2**32 (NumPy's limit); pick a smaller seed", parameter="seed"
+                )
         if self.output not in OUTPUT_MODES:
-            raise LaunchConfigError(f"output={self.output!r} is not one of {', '.join(OUTPUT_MODES)}",
-                                    parameter="output")
+            raise LaunchConfigError(
+                f"output={self.output!r} is not one of {', '.join(OUTPUT_MODES)}", parameter="output"
+            )
         if self.start_method not in START_METHODS:
-            raise LaunchConfigError(f"start_method={self.start_method!r} is not one of 'fork', "
-                                    "'spawn' or None", parameter="start_method")
+            raise LaunchConfigError(
+                f"start_method={self.start_method!r} is not one of 'fork', 'spawn' or None", parameter="start_method"
+            )
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
-            raise LaunchConfigError(f"backend={self.backend!r} must be a name such as 'nccl' or "
-                                    "'gloo'", parameter="backend")
+            raise LaunchConfigError(
+                f"backend={self.backend!r} must be a name such as 'nccl' or 'gloo'", parameter="backend"
+            )
         object.__setattr__(self, "timeout", as_timedelta(self.timeout))
         if not isinstance(self.master_addr, str) or not self.master_addr:
-            raise LaunchConfigError(f"master_addr={self.master_addr!r} must be a host name or an IP "
-                                    "address (node 0's, as every node reaches it)",
-                                    parameter="master_addr")
+            raise LaunchConfigError(
+                f"master_addr={self.master_addr!r} must be a host name or an IP "
+                "address (node 0's, as every node reaches it)",
+                parameter="master_addr",
+            )
         self._check_port()
 
     def _check_port(self) -> None:
         if self.master_port is None:
             if self.nnodes > 1:
-                raise LaunchConfigError("nnodes > 1 needs master_port: every node must be given the "
-                                        "same master_addr and master_port of node 0",
-                                        parameter="master_port")
+                raise LaunchConfigError(
+                    "nnodes > 1 needs master_port: every node must be given the "
+                    "same master_addr and master_port of node 0",
+                    parameter="master_port",
+                )
             return
         check_int("master_port", self.master_port, low=1)
         if self.master_port > 65535:
-            raise LaunchConfigError(f"master_port={self.master_port} must be at most 65535",
-                                    parameter="master_port")
+            raise LaunchConfigError(f"master_port={self.master_port} must be at most 65535", parameter="master_port")
 
     @classmethod
     def names(cls) -> list[str]:
@@ -121,9 +140,10 @@ def as_timedelta(timeout: Any) -> datetime.timedelta:
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise LaunchConfigError(f"timeout={timeout!r} must be a datetime.timedelta or seconds",
-                                parameter="timeout")
+        raise LaunchConfigError(f"timeout={timeout!r} must be a datetime.timedelta or seconds", parameter="timeout")
     if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
-        raise LaunchConfigError(f"timeout={timeout!r} must be positive and finite: seconds above 0 "
-                                f"and at most {MAX_TIMEOUT_S} (a year)", parameter="timeout")
+        raise LaunchConfigError(
+            f"timeout={timeout!r} must be positive and finite: seconds above 0 and at most {MAX_TIMEOUT_S} (a year)",
+            parameter="timeout",
+        )
     return datetime.timedelta(seconds=seconds)

@@ -72,10 +72,11 @@ class Fenced:
             if at:
                 self._pieces.append((self.fences, data[:at]))
             self.fences += 1
-            data = data[at + len(OUTPUT_FENCE):]
+            data = data[at + len(OUTPUT_FENCE) :]
         if not final:
-            keep = next((n for n in range(min(len(data), len(OUTPUT_FENCE) - 1), 0, -1)
-                         if data.endswith(OUTPUT_FENCE[:n])), 0)
+            keep = next(
+                (n for n in range(min(len(data), len(OUTPUT_FENCE) - 1), 0, -1) if data.endswith(OUTPUT_FENCE[:n])), 0
+            )
             if keep:
                 data, self._partial = data[:-keep], data[-keep:]
         if data:

@@ -64,9 +64,14 @@ def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:
             rank = node_rank * nprocs + local_rank
             show = output == "all" or (output == "master" and rank == 0)
             prefix = f"[rank {rank}] " if output == "all" else ""
-            ranks.append(Rank(rank=rank, local_rank=local_rank, pipes={},
-                              sinks={"out": StreamSink("stdout", show, prefix),
-                                     "err": StreamSink("stderr", show, prefix)}))
+            ranks.append(
+                Rank(
+                    rank=rank,
+                    local_rank=local_rank,
+                    pipes={},
+                    sinks={"out": StreamSink("stdout", show, prefix), "err": StreamSink("stderr", show, prefix)},
+                )
+            )
             for name in STREAMS:
                 ranks[-1].pipes[name] = os.pipe()
     except OSError as err:
@@ -86,8 +91,9 @@ def close_pipes(ranks: list[Rank]) -> None:
 class RankIO:
     """Reads every rank's pipes through one selector (which also watches the group's exits)."""
 
-    def __init__(self, ranks: list[Rank], on_message: Callable[[str, Any], None] | None,
-                 on_error: Callable[[Rank, dict], None]) -> None:
+    def __init__(
+        self, ranks: list[Rank], on_message: Callable[[str, Any], None] | None, on_error: Callable[[Rank, dict], None]
+    ) -> None:
         self.ranks, self.on_message, self.on_error = ranks, on_message, on_error
         self.selector = selectors.DefaultSelector()
         self.capturing_stacks = False

@@ -43,8 +43,7 @@ def show(kind: str, payload: Any) -> None:
     from IPython.display import clear_output, publish_display_data
 
     if kind == Kind.DISPLAY:
-        publish_display_data(payload.data, payload.metadata, transient=payload.transient,
-                             update=payload.update)
+        publish_display_data(payload.data, payload.metadata, transient=payload.transient, update=payload.update)
     elif kind == Kind.CLEAR_OUTPUT:
         clear_output(wait=payload)
     elif kind == Kind.COMM:
@@ -55,9 +54,15 @@ def _publish_comm(message: Any) -> None:
     kernel = _kernel()
     if kernel is None:  # a terminal IPython: no front end can show a widget
         return
-    kernel.session.send(kernel.iopub_socket, message.msg_type, message.content,
-                        metadata=message.metadata, parent=kernel.get_parent(), ident=message.topic,
-                        buffers=message.buffers)
+    kernel.session.send(
+        kernel.iopub_socket,
+        message.msg_type,
+        message.content,
+        metadata=message.metadata,
+        parent=kernel.get_parent(),
+        ident=message.topic,
+        buffers=message.buffers,
+    )
 
 
 def adopt_comm(comm_id: str, target_name: str) -> Any:

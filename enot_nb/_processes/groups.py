@@ -228,5 +228,4 @@ class ServerGroup:
                 os.close(pidfd)
             self.pidfds = {}
             if self.pids:  # those whose exit was not seen (exits forgot the others)
-                spawn.watchdog().tell(*(f"forget {pid}" for rank, pid in self.pids.items()
-                                         if rank not in self.exited))
+                spawn.watchdog().tell(*(f"forget {pid}" for rank, pid in self.pids.items() if rank not in self.exited))

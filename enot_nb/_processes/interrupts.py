@@ -23,8 +23,10 @@ from typing import Any
 def interrupts_deferred() -> Iterator[None]:
     """Hold SIGINT while the block runs; a press meanwhile goes to the previous handler after
     it (KeyboardInterrupt, for Python's default)."""
-    if (threading.current_thread() is not threading.main_thread()  # only it sets handlers
-            or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN)):  # set from C, or ignored
+    if (
+        threading.current_thread() is not threading.main_thread()  # only it sets handlers
+        or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN)
+    ):  # set from C, or ignored
         yield
         return
     pressed: list[Any] = []  # the frame each press interrupted

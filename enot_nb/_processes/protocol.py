@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 from enot_nb._processes.interrupts import interrupts_deferred
 
 _HEADER = struct.Struct("<Q")
+
+
 class Kind:
     """Every message kind, defined once.
 

@@ -70,8 +70,9 @@ def free_port(address: str) -> int:
         return sock.getsockname()[1]
 
 
-def _handler(address_url: str, timeout: datetime.timedelta = datetime.timedelta(seconds=1800),
-             **_: Any) -> Iterator[tuple[Any, int, int]]:
+def _handler(
+    address_url: str, timeout: datetime.timedelta = datetime.timedelta(seconds=1800), **_: Any
+) -> Iterator[tuple[Any, int, int]]:
     from torch.distributed import TCPStore
 
     parsed = urlparse(address_url)

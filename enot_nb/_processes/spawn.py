@@ -110,8 +110,9 @@ def settle(future: concurrent.futures.Future | None) -> None:
             continue
 
 
-def fork_all(children: list[tuple[int, Callable[[], Any]]],
-             started: list[tuple[int, int, int]]) -> concurrent.futures.Future:
+def fork_all(
+    children: list[tuple[int, Callable[[], Any]]], started: list[tuple[int, int, int]]
+) -> concurrent.futures.Future:
     """Fork one process per (rank, child) on the clean thread; each child leads its own process
     group. ``(rank, pid, pidfd)`` is appended to ``started`` the moment a child exists."""
 
@@ -154,12 +155,14 @@ def start_error(err: OSError, what: str) -> LaunchError:
         return LaunchError(
             f"{what}: too many open files (the limit is {soft}; each worker needs 3 pipes, the "
             "launcher a few more). Lower nprocs, or raise the limit: `ulimit -n 65536` before "
-            "starting Jupyter, or resource.setrlimit(resource.RLIMIT_NOFILE, ...)")
+            "starting Jupyter, or resource.setrlimit(resource.RLIMIT_NOFILE, ...)"
+        )
     if err.errno in (errno.EAGAIN, errno.ENOMEM):
         return LaunchError(
             f"{what}: the system refused a new process ({os.strerror(err.errno)}): the limit on "
             "processes per user (`ulimit -u`, RLIMIT_NPROC) or memory is reached. Lower nprocs, "
-            "or raise the limit")
+            "or raise the limit"
+        )
     return LaunchError(f"{what}: {type(err).__name__}: {err}")
 
 
@@ -179,7 +182,9 @@ class ForkServer:
         def start() -> subprocess.Popen:
             return subprocess.Popen(
                 [sys.executable, "-m", "enot_nb._worker.forkserver", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
             )
 
         self.sock = ours
@@ -217,8 +222,9 @@ class ForkServer:
         self._launch_id += 1
         return self._launch_id
 
-    def send_launch(self, launch_id: int, specs: list[Any], fds: list[int], job_bytes: bytes,
-                    layout: LaunchFds) -> None:
+    def send_launch(
+        self, launch_id: int, specs: list[Any], fds: list[int], job_bytes: bytes, layout: LaunchFds
+    ) -> None:
         """Ask for one worker per spec (see wait_started)."""
         self.broken = True  # until the whole request is out
         _protocol.send_message(self.sock, Launch(launch_id, specs, job_bytes, layout), fds)
@@ -236,8 +242,13 @@ class ForkServer:
                     self.broken = True
                     return message.pids
             if isinstance(message, StartFailed) and message.launch_id == launch_id:
-                raise StartRefused(str(start_error(OSError(message.errno, message.reason),
-                                                   "the fork server could not start the workers")))
+                raise StartRefused(
+                    str(
+                        start_error(
+                            OSError(message.errno, message.reason), "the fork server could not start the workers"
+                        )
+                    )
+                )
 
     def take_pidfds(self, pids: dict[int, int]) -> dict[int, int]:
         """Each rank's pidfd, sent right after "started"; call with stop presses held, so
@@ -246,8 +257,7 @@ class ForkServer:
             self.sock.settimeout(SERVER_RECOVERY_TIMEOUT)
             pidfds = _protocol.recv_fds(self.sock, self.reader, len(pids))
         except (EOFError, TimeoutError) as err:  # still broken: the server is replaced
-            raise LaunchError(f"the enot_nb fork server did not send the workers' pidfds ({err})"
-                              ) from err
+            raise LaunchError(f"the enot_nb fork server did not send the workers' pidfds ({err})") from err
         finally:
             self.sock.settimeout(None)
         self.broken = False
@@ -311,8 +321,12 @@ class Watchdog:
 
         def start() -> subprocess.Popen:
             return subprocess.Popen(
-                [sys.executable, "-I", path, str(os.getpid())], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                [sys.executable, "-I", path, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
         self.process = on_clean_thread(start)
         assert self.process.stdin is not None

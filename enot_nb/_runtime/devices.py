@@ -16,9 +16,12 @@ def device_for(local_rank: int, visible: int) -> int:
         ValueError: no GPU is visible, or fewer than the local ranks (the message says what to do).
     """
     if visible <= 0:
-        raise ValueError("backend 'nccl' needs CUDA, but no GPU is available to this process; "
-                         "use backend='gloo' to train on the CPU")
+        raise ValueError(
+            "backend 'nccl' needs CUDA, but no GPU is available to this process; use backend='gloo' to train on the CPU"
+        )
     if not 0 <= local_rank < visible:
-        raise ValueError(f"LOCAL_RANK={local_rank} but only {visible} GPU(s) are visible; start at "
-                         f"most {visible} processes per node with nccl, or use backend='gloo'")
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but only {visible} GPU(s) are visible; start at "
+            f"most {visible} processes per node with nccl, or use backend='gloo'"
+        )
     return local_rank

@@ -154,8 +154,9 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _plan(tensors: list[torch.Tensor], capacity: int,
-          in_place: Callable[[torch.Tensor], bool]) -> list[list[torch.Tensor]]:
+def _plan(
+    tensors: list[torch.Tensor], capacity: int, in_place: Callable[[torch.Tensor], bool]
+) -> list[list[torch.Tensor]]:
     """Group tensors into collectives: a tensor that ``in_place`` accepts alone (no copies);
     the others packed in order into buckets of at most ``capacity`` elements."""
     items: list[list[torch.Tensor]] = []
@@ -193,8 +194,7 @@ def _sync_group(tensors: list[torch.Tensor], mode: str) -> None:
     items = _plan(tensors, max(1, BUCKET_BYTES // tensors[0].element_size()), in_place)
     packed = [item for item in items if len(item) > 1 or not in_place(item[0])]
     largest = max((sum(t.numel() for t in item) for item in packed), default=0)
-    buffers = [torch.empty(largest, dtype=tensors[0].dtype, device=device)
-               for _ in range(min(IN_FLIGHT, len(packed)))]
+    buffers = [torch.empty(largest, dtype=tensors[0].dtype, device=device) for _ in range(min(IN_FLIGHT, len(packed)))]
     world_size, is_source = dist.get_world_size(), dist.get_rank() == 0
     in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor] | None]] = []
     used = 0
@@ -227,8 +227,9 @@ def _pack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += tensor.numel()
 
 
-def _finish(work: dist.Work, flat: torch.Tensor, bucket: list[torch.Tensor] | None, mode: str,
-            world_size: int, is_source: bool) -> None:
+def _finish(
+    work: dist.Work, flat: torch.Tensor, bucket: list[torch.Tensor] | None, mode: str, world_size: int, is_source: bool
+) -> None:
     work.wait()
     if bucket is None:  # synced in place
         if mode == _REDUCE:

@@ -38,8 +38,7 @@ SHARED_FD: list[int] = []
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -111,8 +110,16 @@ def _to_device(storage: Any, device: str) -> Any:
     return storage.cuda(torch.device(device).index)
 
 
-def _rebuild_tensor(storage: Any, offset: int, size: tuple, stride: tuple, dtype: Any,
-                    requires_grad: bool, parameter: bool, subclass: Any = None) -> Any:
+def _rebuild_tensor(
+    storage: Any,
+    offset: int,
+    size: tuple,
+    stride: tuple,
+    dtype: Any,
+    requires_grad: bool,
+    parameter: bool,
+    subclass: Any = None,
+) -> Any:
     import torch
 
     tensor = torch.empty(0, dtype=dtype, device=storage.device)
@@ -131,8 +138,9 @@ def _plain_subclass(t: type) -> bool:
     storage is shared as the notebook's is (exotic tensors keep torch's own pickling)."""
     import torch
 
-    return (issubclass(t, torch.Tensor) and not issubclass(t, torch.nn.Parameter)
-            and not t.__module__.startswith("torch"))
+    return (
+        issubclass(t, torch.Tensor) and not issubclass(t, torch.nn.Parameter) and not t.__module__.startswith("torch")
+    )
 
 
 def _set_tensor_state(tensor: Any, state: tuple) -> Any:
@@ -277,8 +285,7 @@ class TensorPickler(cloudpickle.Pickler):
     checks what would pickle; no data is touched).
     """
 
-    def __init__(self, file: Any, mode: str, buffer_callback: Any = None,
-                 namespace: dict | None = None) -> None:
+    def __init__(self, file: Any, mode: str, buffer_callback: Any = None, namespace: dict | None = None) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self.mode = mode
         self.shared: _SharedFile | None = None
@@ -305,13 +312,15 @@ class TensorPickler(cloudpickle.Pickler):
         import torch
 
         t = type(obj)
-        if (t in (torch.Tensor, torch.nn.Parameter) or _plain_subclass(t)) \
-                and obj.layout == torch.strided and obj.device.type != "meta":
+        if (
+            (t in (torch.Tensor, torch.nn.Parameter) or _plain_subclass(t))
+            and obj.layout == torch.strided
+            and obj.device.type != "meta"
+        ):
             return self._reduce_tensor(obj)
         if t is torch.UntypedStorage:
             return self._reduce_storage(obj)
-        if t is types.FunctionType and self.namespace is not None \
-                and obj.__globals__ is self.namespace:
+        if t is types.FunctionType and self.namespace is not None and obj.__globals__ is self.namespace:
             return self._reduce_function(obj)
         if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
             tensor = _tensor_owned(obj)
@@ -341,10 +350,16 @@ class TensorPickler(cloudpickle.Pickler):
         import torch
 
         self.off_cpu += tensor.device.type != "cpu" and self.mode != "ship"
-        args = (tensor.untyped_storage(), tensor.storage_offset(), tuple(tensor.shape),
-                tensor.stride(), tensor.dtype, tensor.requires_grad,
-                type(tensor) is torch.nn.Parameter,
-                type(tensor) if type(tensor) not in (torch.Tensor, torch.nn.Parameter) else None)
+        args = (
+            tensor.untyped_storage(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.dtype,
+            tensor.requires_grad,
+            type(tensor) is torch.nn.Parameter,
+            type(tensor) if type(tensor) not in (torch.Tensor, torch.nn.Parameter) else None,
+        )
         attributes = dict(getattr(tensor, "__dict__", {}))
         grad = tensor.grad if tensor.is_leaf else None
         if grad is None and not attributes:
@@ -370,8 +385,7 @@ class TensorPickler(cloudpickle.Pickler):
         """The NumPy array (and offset) whose memory a storage made by ``torch.from_numpy`` is,
         if the receiver holds it or it was met before; else the storage is noted, and an array
         met later is rebuilt over it. Only storages that cannot be resized can be an array's."""
-        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules \
-                or not storage.nbytes():
+        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules or not storage.nbytes():
             return None
         held = self._array_map().holding(storage.data_ptr(), storage.nbytes())
         if held is None:
@@ -399,10 +413,16 @@ class TensorPickler(cloudpickle.Pickler):
                 contents.append(cell.cell_contents)
             except ValueError:
                 contents.append(_EMPTY_CELL)
-        state = {"__defaults__": function.__defaults__, "__kwdefaults__": function.__kwdefaults__,
-                 "__qualname__": function.__qualname__, "__module__": function.__module__,
-                 "__doc__": function.__doc__, "__annotations__": function.__annotations__,
-                 "__dict__": dict(function.__dict__), "closure_contents": contents}
+        state = {
+            "__defaults__": function.__defaults__,
+            "__kwdefaults__": function.__kwdefaults__,
+            "__qualname__": function.__qualname__,
+            "__module__": function.__module__,
+            "__doc__": function.__doc__,
+            "__annotations__": function.__annotations__,
+            "__dict__": dict(function.__dict__),
+            "closure_contents": contents,
+        }
         # The cells themselves travel (empty, filled by the state): one cell shared by two
         # closures, or registered by the object graph, stays one cell.
         self._function_cells.update(map(id, closure or ()))
@@ -431,16 +451,21 @@ class _StorageMemory:
 
     def __init__(self, storage: Any) -> None:
         self.storage = storage
-        self.__array_interface__ = {"data": (storage.data_ptr(), False), "shape": (storage.nbytes(),),
-                                    "typestr": "|u1", "version": 3}
+        self.__array_interface__ = {
+            "data": (storage.data_ptr(), False),
+            "shape": (storage.nbytes(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 class ShipPickler(TensorPickler):
     """Notebook -> spawned workers: the notebook's namespace dict travels as a reference to the
     worker's own namespace (pickle never calls reducer_override for a dict, so a persistent id)."""
 
-    def __init__(self, file: Any, mode: str = "ship", buffer_callback: Any = None,
-                 namespace: dict | None = None) -> None:
+    def __init__(
+        self, file: Any, mode: str = "ship", buffer_callback: Any = None, namespace: dict | None = None
+    ) -> None:
         super().__init__(file, mode, buffer_callback=buffer_callback, namespace=namespace)
 
     def persistent_id(self, obj: Any) -> Any:
@@ -503,8 +528,7 @@ class _Discard(io.RawIOBase):
 
 def dry_run(obj: Any, pickler_class: Any = None, **kwargs: Any) -> int:
     """Raise if ``obj`` cannot be pickled; return how many of its tensors are off the CPU."""
-    pickler = (pickler_class or TensorPickler)(_Discard(), "dry", buffer_callback=_ignore,
-                                               **kwargs)
+    pickler = (pickler_class or TensorPickler)(_Discard(), "dry", buffer_callback=_ignore, **kwargs)
     pickler.dump(obj)
     return pickler.off_cpu
 
@@ -532,8 +556,10 @@ def _refuse_process_bound(obj: Any) -> None:
 
     if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
         # It pickles, but unpickling needs the process group of the run that made it.
-        raise TypeError("DistributedDataParallel is bound to the workers' process group; its "
-                        ".module (your model) comes back instead when the cell uses it")
+        raise TypeError(
+            "DistributedDataParallel is bound to the workers' process group; its "
+            ".module (your model) comes back instead when the cell uses it"
+        )
 
 
 def dump_result(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:

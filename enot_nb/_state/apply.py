@@ -38,8 +38,9 @@ def load(state: PickledState, registry: Registry) -> Changes:
         return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
 
 
-def apply_changes(namespace: dict[str, Any], registry: Registry, changes: Changes,
-                  returns: list[str] | None) -> list[str]:
+def apply_changes(
+    namespace: dict[str, Any], registry: Registry, changes: Changes, returns: list[str] | None
+) -> list[str]:
     """Make the notebook hold what the master held; returns a line per thing left unchanged."""
     problems: list[str] = []
 
@@ -85,8 +86,7 @@ def _apply_tensor(tensor: Any, state: tuple, problems: list[str], path: str) -> 
 
     _, storage, offset, size, stride, dtype, device, requires_grad, _, attributes = state
     current = objgraph.tensor_meta(tensor)
-    if storage is not None and not (storage is current[1] and (offset, size, stride, dtype)
-                                    == tuple(current[2:6])):
+    if storage is not None and not (storage is current[1] and (offset, size, stride, dtype) == tuple(current[2:6])):
         rebuilt = pickling._rebuild_tensor(storage, offset, size, stride, dtype, False, False)
         if device.type != "cpu" and tensor.device.type != "cpu":
             rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
@@ -174,9 +174,11 @@ def _reshape_in_place(obj: Any, new: Any) -> None:
 
     resize = obj.nbytes != new.nbytes
     if not obj.flags.c_contiguous or resize and not obj.flags.owndata:
-        raise ValueError(f"its shape or dtype changed to {new.shape}, {new.dtype}, which NumPy "
-                         "cannot do in place for this array; assign the array to a name to bring "
-                         "it back")
+        raise ValueError(
+            f"its shape or dtype changed to {new.shape}, {new.dtype}, which NumPy "
+            "cannot do in place for this array; assign the array to a name to bring "
+            "it back"
+        )
     obj.shape = (obj.size,)
     obj.dtype = numpy.uint8  # its bytes, as a 1-d array: from here every step is allowed
     if resize:
@@ -221,11 +223,21 @@ def _apply_cell(cell: Any, state: tuple) -> None:
         del cell.cell_contents
 
 
-_APPLY = {"rng": objgraph.set_rng_state, "dict": _apply_dict, "list": _apply_list,
-          "deque": _apply_deque, "set": _apply_set,
-          "object": _apply_object, "partial": _apply_object, "ndarray": _apply_ndarray,
-          "bytearray": _apply_bytearray, "array": _apply_array,
-          "function": _apply_function, "class": _apply_class, "cell": _apply_cell}
+_APPLY = {
+    "rng": objgraph.set_rng_state,
+    "dict": _apply_dict,
+    "list": _apply_list,
+    "deque": _apply_deque,
+    "set": _apply_set,
+    "object": _apply_object,
+    "partial": _apply_object,
+    "ndarray": _apply_ndarray,
+    "bytearray": _apply_bytearray,
+    "array": _apply_array,
+    "function": _apply_function,
+    "class": _apply_class,
+    "cell": _apply_cell,
+}
 
 
 def shared_memory_tensors(registry: Registry) -> int:
@@ -233,5 +245,8 @@ def shared_memory_tensors(registry: Registry) -> int:
     torch = sys.modules.get("torch")
     if torch is None:
         return 0
-    return sum(1 for obj, kind in zip(registry.objects, registry.kinds)
-               if kind == "tensor" and obj.device.type == "cpu" and obj.is_shared())
+    return sum(
+        1
+        for obj, kind in zip(registry.objects, registry.kinds)
+        if kind == "tensor" and obj.device.type == "cpu" and obj.is_shared()
+    )

@@ -64,8 +64,13 @@ class PickledState:
 # ----------------------------------------------------------------------------- master side
 
 
-def collect(registry: Registry, snapshot: objgraph.Snapshot, names_before: dict[str, Any],
-            namespace: dict[str, Any], hidden: Any = ()) -> tuple[Changes, list[int]]:
+def collect(
+    registry: Registry,
+    snapshot: objgraph.Snapshot,
+    names_before: dict[str, Any],
+    namespace: dict[str, Any],
+    hidden: Any = (),
+) -> tuple[Changes, list[int]]:
     """The changes the cell made; also the indices of the changed objects (for their names)."""
     changes = Changes()
     now = objgraph.user_variables(namespace, hidden)
@@ -75,8 +80,10 @@ def collect(registry: Registry, snapshot: objgraph.Snapshot, names_before: dict[
     for i in changed:
         changes.objects.append((i, _new_state(registry.objects[i], registry.kinds[i])))
     # By value, as a buffer: the storage itself would travel as a reference to the notebook's.
-    changes.storages = [(j, pickle.PickleBuffer(pickling.storage_array(registry.storages[j])))
-                        for j in snapshot.changed_storages(registry)]
+    changes.storages = [
+        (j, pickle.PickleBuffer(pickling.storage_array(registry.storages[j])))
+        for j in snapshot.changed_storages(registry)
+    ]
     return changes, changed
 
 

@@ -39,21 +39,59 @@ from enot_nb._serialize.pickling import storage_array
 from enot_nb._state import pagemap as _pagemap
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
-_IPYTHON_NAME = re.compile(r"^(_|__|___|_i|_ii|_iii|_i\d+|_\d+|_dh|_oh|_ih|In|Out|exit|quit|"
-                           r"get_ipython|__\w+__)$")
+_IPYTHON_NAME = re.compile(
+    r"^(_|__|___|_i|_ii|_iii|_i\d+|_\d+|_dh|_oh|_ih|In|Out|exit|quit|"
+    r"get_ipython|__\w+__)$"
+)
 
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis),
-          type(NotImplemented), slice)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
 # Process plumbing: referenced by identity, never walked (their state is the worker's).
-_PLUMBING_MODULES = ("IPython", "ipykernel", "ipywidgets", "zmq", "tornado", "asyncio", "logging",
-                     "threading", "_thread", "socket", "subprocess", "multiprocessing", "concurrent",
-                     "io", "_io", "matplotlib", "traitlets", "jupyter_client", "comm", "tqdm",
-                     "selectors", "queue", "weakref", "_weakref", "enot_nb")
-_OPAQUE_TYPES = (types.ModuleType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
-                 types.FrameType, types.CodeType, types.TracebackType, types.BuiltinFunctionType,
-                 types.MethodWrapperType, types.WrapperDescriptorType, types.GetSetDescriptorType,
-                 types.MemberDescriptorType, types.MappingProxyType, property, staticmethod,
-                 classmethod, memoryview)
+_PLUMBING_MODULES = (
+    "IPython",
+    "ipykernel",
+    "ipywidgets",
+    "zmq",
+    "tornado",
+    "asyncio",
+    "logging",
+    "threading",
+    "_thread",
+    "socket",
+    "subprocess",
+    "multiprocessing",
+    "concurrent",
+    "io",
+    "_io",
+    "matplotlib",
+    "traitlets",
+    "jupyter_client",
+    "comm",
+    "tqdm",
+    "selectors",
+    "queue",
+    "weakref",
+    "_weakref",
+    "enot_nb",
+)
+_OPAQUE_TYPES = (
+    types.ModuleType,
+    types.GeneratorType,
+    types.CoroutineType,
+    types.AsyncGeneratorType,
+    types.FrameType,
+    types.CodeType,
+    types.TracebackType,
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+    types.MappingProxyType,
+    property,
+    staticmethod,
+    classmethod,
+    memoryview,
+)
 
 
 def is_user_name(name: str, hidden: Any = ()) -> bool:
@@ -123,9 +161,15 @@ def _is_rng(obj: Any) -> bool:
     import random
 
     torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
-    return (isinstance(obj, random.Random) and type(obj) is not random.SystemRandom
-            or torch is not None and isinstance(obj, torch.Generator) and obj.device.type == "cpu"
-            or numpy is not None and isinstance(obj, (numpy.random.Generator, numpy.random.RandomState)))
+    return (
+        isinstance(obj, random.Random)
+        and type(obj) is not random.SystemRandom
+        or torch is not None
+        and isinstance(obj, torch.Generator)
+        and obj.device.type == "cpu"
+        or numpy is not None
+        and isinstance(obj, (numpy.random.Generator, numpy.random.RandomState))
+    )
 
 
 def rng_state(obj: Any) -> Any:
@@ -155,8 +199,7 @@ def _slot_names(t: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in getattr(t, "__mro__", ()):
         slots = klass.__dict__.get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else [s for s in slots
-                                                         if s not in ("__dict__", "__weakref__")]
+        names += [slots] if isinstance(slots, str) else [s for s in slots if s not in ("__dict__", "__weakref__")]
     return tuple(names)
 
 
@@ -353,8 +396,7 @@ def _storage_area(storage: Any) -> tuple[int, int]:
 
 def _storage_digests(storages: list[Any]) -> list[tuple]:
     cpu = [j for j, s in enumerate(storages) if s.device.type == "cpu"]
-    found = dict(zip(cpu, _area_digests([_storage_area(storages[j]) for j in cpu],
-                                        [storages[j] for j in cpu])))
+    found = dict(zip(cpu, _area_digests([_storage_area(storages[j]) for j in cpu], [storages[j] for j in cpu])))
     return [found[j] if j in found else ("device", _device_digest(s)) for j, s in enumerate(storages)]
 
 
@@ -364,8 +406,14 @@ def _device_digest(storage: Any) -> tuple:
 
 def _changed_storages(storages: list[Any], before: list[tuple]) -> list[int]:
     cpu = [j for j, b in enumerate(before) if b[0] != "device" and storages[j].device.type == "cpu"]
-    flags = dict(zip(cpu, _areas_changed([_storage_area(storages[j]) for j in cpu],
-                                         [storages[j] for j in cpu], [before[j] for j in cpu])))
+    flags = dict(
+        zip(
+            cpu,
+            _areas_changed(
+                [_storage_area(storages[j]) for j in cpu], [storages[j] for j in cpu], [before[j] for j in cpu]
+            ),
+        )
+    )
     changed = []
     for j, storage in enumerate(storages):
         if before[j][0] == "device":
@@ -384,16 +432,14 @@ def _array_digest(array: Any) -> tuple:
     if array.flags.c_contiguous:
         area = (array.__array_interface__["data"][0], array.nbytes)
         return (array.shape, array.strides, array.dtype, *_area_digests([area], [array])[0])
-    return (array.shape, array.strides, array.dtype,
-            digest(numpy.ascontiguousarray(array).view(numpy.uint8).ravel()))
+    return (array.shape, array.strides, array.dtype, digest(numpy.ascontiguousarray(array).view(numpy.uint8).ravel()))
 
 
 def _array_changed(array: Any, before: tuple) -> bool:
     if array.dtype.hasobject or not array.flags.c_contiguous:
         return before != _array_digest(array)
     area = (array.__array_interface__["data"][0], array.nbytes)
-    return (array.shape, array.strides, array.dtype) != before[:3] or \
-        _areas_changed([area], [array], [before[3:]])[0]
+    return (array.shape, array.strides, array.dtype) != before[:3] or _areas_changed([area], [array], [before[3:]])[0]
 
 
 def _bytes_of(obj: Any) -> Any:
@@ -466,12 +512,12 @@ def _areas_changed(areas: list[tuple[int, int]], owners: list[Any], before: list
     changed = [True] * len(areas)
     for j, mask in zip(paged, masks or [None] * len(paged)):
         was = before[j][3]
-        changed[j] = mask is None or bool((mask & ~was).any()) or \
-            _digest_pages(areas[j], owners[j], was) != before[j][4]
+        changed[j] = (
+            mask is None or bool((mask & ~was).any()) or _digest_pages(areas[j], owners[j], was) != before[j][4]
+        )
     for j, b in enumerate(before):
         if b[0] == "digest":
-            changed[j] = tuple(b[1:3]) != areas[j] or \
-                b[3] != (digest(_bytes_of(owners[j])) if areas[j][1] else (0, 0))
+            changed[j] = tuple(b[1:3]) != areas[j] or b[3] != (digest(_bytes_of(owners[j])) if areas[j][1] else (0, 0))
     return changed
 
 
@@ -514,8 +560,15 @@ def tensor_meta(t: Any) -> tuple:
         layout = (storage, t.storage_offset(), tuple(t.shape), t.stride())
     except (RuntimeError, NotImplementedError):
         storage, layout = None, (None, 0, tuple(t.shape), None)
-    return (type(t), *layout, t.dtype, t.device, t.requires_grad, t.grad if t.is_leaf else None,
-            dict(_object_dict(t) or {}))
+    return (
+        type(t),
+        *layout,
+        t.dtype,
+        t.device,
+        t.requires_grad,
+        t.grad if t.is_leaf else None,
+        dict(_object_dict(t) or {}),
+    )
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -528,15 +581,13 @@ def same_value(a: Any, b: Any) -> bool:
         return False
     if type(a) in _ATOMS:
         return a == b
-    return type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in (
-        "torch", "numpy") and a == b
+    return type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in ("torch", "numpy") and a == b
 
 
 def _same_pairs(a: Any, b: Any) -> bool:
     """Two sequences of (key, value) pairs, in order."""
     a, b = list(a), list(b)
-    return len(a) == len(b) and all(same_value(ka, kb) and same_value(va, vb)
-                                    for (ka, va), (kb, vb) in zip(a, b))
+    return len(a) == len(b) and all(same_value(ka, kb) and same_value(va, vb) for (ka, va), (kb, vb) in zip(a, b))
 
 
 def _same_dict(a: dict | None, b: dict | None) -> bool:
@@ -565,8 +616,16 @@ def same_state(kind: str, a: Any, b: Any) -> bool:
     if kind in ("object", "partial"):
         return a[0] is b[0] and _same_attrs(a[1], b[1])
     if kind == "tensor":
-        return (a[0] is b[0] and a[1] is b[1] and a[2:5] == b[2:5] and a[5] == b[5] and a[6] == b[6]
-                and a[7] == b[7] and a[8] is b[8] and _same_dict(a[9], b[9]))
+        return (
+            a[0] is b[0]
+            and a[1] is b[1]
+            and a[2:5] == b[2:5]
+            and a[5] == b[5]
+            and a[6] == b[6]
+            and a[7] == b[7]
+            and a[8] is b[8]
+            and _same_dict(a[9], b[9])
+        )
     if kind == "function":
         return a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and _same_dict(a[3], b[3])
     if kind == "class":
@@ -647,8 +706,7 @@ def global_names(function: Any) -> set[str]:
     return names
 
 
-def shippable_namespace(namespace: dict[str, Any], code: str
-                        ) -> tuple[dict[str, Any], dict[str, str], Registry]:
+def shippable_namespace(namespace: dict[str, Any], code: str) -> tuple[dict[str, Any], dict[str, str], Registry]:
     """What spawned workers need: the variables the cell uses, and those the notebook's functions
     it uses read (to any depth), that can be pickled; those that cannot (with why); and the
     registry of every object they reach."""
@@ -658,8 +716,9 @@ def shippable_namespace(namespace: dict[str, Any], code: str
     left_out: dict[str, str] = {}
     todo, seen_functions = set(names_used(code)), 0
     while todo:
-        names = sorted(n for n in todo if n in namespace and is_user_name(n, hidden)
-                       and n not in values and n not in left_out)
+        names = sorted(
+            n for n in todo if n in namespace and is_user_name(n, hidden) and n not in values and n not in left_out
+        )
         todo = set()
         problems = pickling.unpicklable({n: namespace[n] for n in names})
         left_out.update(problems)

@@ -93,10 +93,12 @@ def become_worker(spec: WorkerSpec) -> None:
     _fence_fds = (os.dup(1), os.dup(2))  # the pipes themselves, even if the user redirects fd 1/2
     inherited = sys.stdout, sys.stderr
     # line_buffering flushes on "\n" and "\r": lines and progress bars arrive live.
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", line_buffering=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", line_buffering=True)
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
     sys.stdin = open(os.devnull)  # lives as long as the process
     streams.redirect_inherited(*inherited)
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2):
@@ -225,8 +227,9 @@ def _is_transient_connect_error(exc: BaseException) -> bool:
     closed by peer"; 3 launches in 1,400 here, torch 2.13, the same before and after enot_nb's own
     start-up changes). Only gloo's text says so: it raises a plain RuntimeError."""
     while exc is not None:
-        if isinstance(exc, _MeshBroken) or (isinstance(exc, RuntimeError)
-                                             and "Gloo connectFullMesh failed" in str(exc)):
+        if isinstance(exc, _MeshBroken) or (
+            isinstance(exc, RuntimeError) and "Gloo connectFullMesh failed" in str(exc)
+        ):
             return True
         exc = exc.__cause__
     return False
@@ -293,8 +296,14 @@ def _leave(exitcode: int) -> NoReturn:
     os._exit(exitcode)
 
 
-def init_kwargs(seed: int | None, speed: bool, reproducible: bool, backend: str,
-                timeout: datetime.timedelta) -> dict[str, Any]:
+def init_kwargs(
+    seed: int | None, speed: bool, reproducible: bool, backend: str, timeout: datetime.timedelta
+) -> dict[str, Any]:
     """The keyword arguments of init_torch for every worker."""
-    return {"seed": seed, "cuda_optimize_for_speed": speed, "cuda_reproducible": reproducible,
-            "backend": backend, "timeout": timeout}
+    return {
+        "seed": seed,
+        "cuda_optimize_for_speed": speed,
+        "cuda_reproducible": reproducible,
+        "backend": backend,
+        "timeout": timeout,
+    }

@@ -89,8 +89,9 @@ def split_cell(code: str, first_line: int) -> tuple[ast.Module, ast.Expression |
 # ----------------------------------------------------------------------------- worker side
 
 
-def run_cell(code: str, namespace: dict[str, Any], options: CellOptions,
-             registry: Registry | None = None) -> CellOutcome | None:
+def run_cell(
+    code: str, namespace: dict[str, Any], options: CellOptions, registry: Registry | None = None
+) -> CellOutcome | None:
     """Run the cell as this rank; the master returns what goes back to the notebook.
 
     ``registry``: the notebook's objects (inherited by fork, or the shipped copies); None in an
@@ -147,8 +148,9 @@ def _cell_shell(options: CellOptions) -> Any:
     return shell
 
 
-def run_shipped_cell(values: dict[str, Any], left_out: dict[str, str], objects: list[Any],
-                      code: str, options: CellOptions) -> Any:
+def run_shipped_cell(
+    values: dict[str, Any], left_out: dict[str, str], objects: list[Any], code: str, options: CellOptions
+) -> Any:
     """Worker side under spawn: the shipped variables become the cell's namespace; ``objects``
     are the copies of the notebook's registered objects, index for index."""
     namespace = objects[0]  # the worker's namespace dict (see pickling.WORKER_NAMESPACE)
@@ -173,13 +175,20 @@ class _Tracker:
         self.names_before = objgraph.user_variables(namespace, hidden)
         self.snapshot = objgraph.Snapshot.take(registry)
 
-    def outcome(self, options: CellOptions, value: Any, has_value: bool,
-                last: ast.Expression | None, shell: Any, body: ast.Module | None = None) -> CellOutcome:
-        changes, changed = collect.collect(self.registry, self.snapshot, self.names_before,
-                                          self.namespace, self.hidden)
+    def outcome(
+        self,
+        options: CellOptions,
+        value: Any,
+        has_value: bool,
+        last: ast.Expression | None,
+        shell: Any,
+        body: ast.Module | None = None,
+    ) -> CellOutcome:
+        changes, changed = collect.collect(self.registry, self.snapshot, self.names_before, self.namespace, self.hidden)
         outcome = CellOutcome(has_value=has_value)
-        outcome.changed_names = sorted(set(changes.bound) | {
-            name for name in map(self.registry.root_name, changed) if name in self.namespace})
+        outcome.changed_names = sorted(
+            set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
+        )
         if options.returns is not None:
             written = set(outcome.changed_names) | set(changes.deleted) | names_written(body, last)
             outcome.unbound_returns = [n for n in options.returns if n not in written]
@@ -187,18 +196,21 @@ class _Tracker:
             changes.deleted = [n for n in changes.deleted if n in options.returns]
             outcome.changed_names = [n for n in outcome.changed_names if n in options.returns]
         tensor = sys.modules["torch"].Tensor
-        outcome.detached = sorted(n for n, v in changes.bound.items()
-                                  if isinstance(v, tensor) and v.grad_fn is not None)
+        outcome.detached = sorted(
+            n for n, v in changes.bound.items() if isinstance(v, tensor) and v.grad_fn is not None
+        )
         name = last.body.id if has_value and last is not None and isinstance(last.body, ast.Name) else None
-        if name is not None and self.namespace.get(name) is value and (
-                name in changes.bound or self.names_before.get(name, collect._MISSING) is value):
+        if (
+            name is not None
+            and self.namespace.get(name) is value
+            and (name in changes.bound or self.names_before.get(name, collect._MISSING) is value)
+        ):
             outcome.value_name = name  # the notebook will hold it under that name: show that object
             outcome.value_bundle = _bundle(value, shell)  # in case it cannot come back
         elif has_value:
             changes.value, changes.has_value = value, True
             outcome.value_bundle = _bundle(value, shell)
-        outcome.state, outcome.moved_to_cpu = collect.dump(changes, self.registry,
-                                                          outcome.not_returned)
+        outcome.state, outcome.moved_to_cpu = collect.dump(changes, self.registry, outcome.not_returned)
         return outcome
 
 

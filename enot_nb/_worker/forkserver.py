@@ -34,8 +34,9 @@ from enot_nb._serialize import pickling
 from enot_nb._worker import bootstrap
 
 
-def _fork_workers(sock: socket.socket, specs: list[bootstrap.WorkerSpec], fds: list[int],
-                  job_bytes: bytes, layout: LaunchFds) -> dict[int, tuple[int, int]]:
+def _fork_workers(
+    sock: socket.socket, specs: list[bootstrap.WorkerSpec], fds: list[int], job_bytes: bytes, layout: LaunchFds
+) -> dict[int, tuple[int, int]]:
     """Fork one worker per spec; {pid: (rank, pidfd)}. On failure nothing is left running."""
     pipes, result_fd, shared_fd = layout.split(fds)
     started: dict[int, tuple[int, int]] = {}
@@ -107,8 +108,11 @@ def serve(sock: socket.socket) -> None:
             protocol.send_message(sock, StartFailed(launch.launch_id, err.errno, str(err)))
             continue
         by_rank = sorted(started.items(), key=lambda item: item[1][0])
-        protocol.send_message(sock, Started(launch.launch_id, {rank: pid for pid, (rank, _) in by_rank}),
-                              [pidfd for _, (_, pidfd) in by_rank])
+        protocol.send_message(
+            sock,
+            Started(launch.launch_id, {rank: pid for pid, (rank, _) in by_rank}),
+            [pidfd for _, (_, pidfd) in by_rank],
+        )
         for _, pidfd in started.values():
             os.close(pidfd)  # the caller has its own copies
         while started:

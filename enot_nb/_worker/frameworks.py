@@ -59,8 +59,9 @@ def adapt() -> None:
     sys.meta_path.insert(0, _AfterImportFinder(after_import))
 
 
-def _patch_when_imported(name: str, patch: Callable[[Any], None],
-                         after_import: dict[str, Callable[[Any], None]]) -> None:
+def _patch_when_imported(
+    name: str, patch: Callable[[Any], None], after_import: dict[str, Callable[[Any], None]]
+) -> None:
     """Patch a module now if it is imported, else right after its import (nothing is imported
     here: a worker that never uses it pays nothing)."""
     if name in sys.modules:
@@ -74,7 +75,8 @@ def _clear_flag(module: Any) -> None:
         raise IncompatibleFrameworkError(
             f"enot_nb cannot run Lightning's 'ddp' in a worker: {module.__name__} has no {_FLAG} "
             f"flag in this Lightning version (enot_nb was tested with {LIGHTNING_TESTED}). "
-            f"Install pytorch-lightning=={LIGHTNING_TESTED}, or report this at enot_nb's issues")
+            f"Install pytorch-lightning=={LIGHTNING_TESTED}, or report this at enot_nb's issues"
+        )
     setattr(module, _FLAG, False)
 
 
@@ -110,7 +112,8 @@ _NESTED = (
     "processes that form another process group (Lightning's strategy='ddp_notebook' or 'ddp_spawn', "
     "torch.multiprocessing.spawn of init_process_group, Accelerate's notebook_launcher, torchrun's "
     "elastic_launch). They would wait forever for ranks that never join. Let each worker be a rank: "
-    "use strategy='ddp' in Lightning, or call the function directly instead of launching it")
+    "use strategy='ddp' in Lightning, or call the function directly instead of launching it"
+)
 
 
 def _refuse(*args: Any, **kwargs: Any) -> Any:
@@ -145,5 +148,6 @@ def _refuse_nested_starts(after_import: dict[str, Callable[[Any], None]]) -> Non
 
     mp.start_processes = spawn_module.start_processes = start_processes  # mp.spawn calls it too
     # What elastic_launch (torchrun, Accelerate) calls; its import costs ~25 ms, so only if used.
-    _patch_when_imported("torch.distributed.launcher.api",
-                         lambda module: setattr(module, "launch_agent", _refuse), after_import)
+    _patch_when_imported(
+        "torch.distributed.launcher.api", lambda module: setattr(module, "launch_agent", _refuse), after_import
+    )

@@ -43,15 +43,24 @@ class PipePublisher:
     """Stands in for IPython's display publisher: display data goes to the notebook (or, in an
     exported script, text to stdout and images to ``figure_dir``)."""
 
-    def __init__(self, send: Send | None, shown: bool = True, figure_dir: str | None = None,
-                 figure_prefix: str = "cell"):
+    def __init__(
+        self, send: Send | None, shown: bool = True, figure_dir: str | None = None, figure_prefix: str = "cell"
+    ):
         self.send, self.shown = send, shown
         self.figure_dir, self.figure_prefix = figure_dir, figure_prefix
         self.is_publishing = False
         self._saved = 0
 
-    def publish(self, data: dict, metadata: dict | None = None, source: Any = None, *,
-                transient: dict | None = None, update: bool = False, **_: Any) -> None:
+    def publish(
+        self,
+        data: dict,
+        metadata: dict | None = None,
+        source: Any = None,
+        *,
+        transient: dict | None = None,
+        update: bool = False,
+        **_: Any,
+    ) -> None:
         if not self.shown:
             return
         if self.figure_dir is None and self.send is not None:
@@ -76,11 +85,20 @@ class PipePublisher:
 def _publisher(send: Send) -> Callable[..., None]:
     """A comm's ``publish_msg`` that sends to the launching kernel, which publishes on iopub."""
 
-    def publish_msg(self: Any, msg_type: str, data: dict | None = None, metadata: dict | None = None,
-                    buffers: list | None = None, **keys: Any) -> None:
+    def publish_msg(
+        self: Any,
+        msg_type: str,
+        data: dict | None = None,
+        metadata: dict | None = None,
+        buffers: list | None = None,
+        **keys: Any,
+    ) -> None:
         content = dict(data=data or {}, comm_id=self.comm_id, **keys)
-        send(WorkerMessage(Kind.COMM, CommMessage(
-            msg_type, content, metadata or {}, [bytes(b) for b in buffers or []], self.topic)))
+        send(
+            WorkerMessage(
+                Kind.COMM, CommMessage(msg_type, content, metadata or {}, [bytes(b) for b in buffers or []], self.topic)
+            )
+        )
 
     return publish_msg
 
@@ -94,8 +112,11 @@ def _install_comms(send: Send) -> Any:
     except ImportError:  # no comm package: no widget library can be imported either
         return None
     publish = _publisher(send)
-    pipe_comm = type("PipeComm", (BaseComm,), {"publish_msg": publish, "__reduce__": _adopted_in_kernel,
-                                               "__doc__": _publisher.__doc__})
+    pipe_comm = type(
+        "PipeComm",
+        (BaseComm,),
+        {"publish_msg": publish, "__reduce__": _adopted_in_kernel, "__doc__": _publisher.__doc__},
+    )
     manager = CommManager()
     comm.create_comm = pipe_comm
     comm.get_comm_manager = lambda: manager
@@ -207,5 +228,7 @@ def _pipe_displayhook(shell: Any) -> Any:
 
 
 def _no_input(prompt: str = "", stream: Any = None) -> str:
-    raise RuntimeError("input() and getpass() are not available in a distributed worker: read the "
-                       "value in an ordinary cell before it and use the variable")
+    raise RuntimeError(
+        "input() and getpass() are not available in a distributed worker: read the "
+        "value in an ordinary cell before it and use the variable"
+    )

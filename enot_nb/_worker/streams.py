@@ -32,8 +32,7 @@ class OutputSetup(NamedTuple):
 
 
 def _loggers() -> dict[str, logging.Logger]:
-    named = {name: lg for name, lg in logging.Logger.manager.loggerDict.items()
-             if isinstance(lg, logging.Logger)}
+    named = {name: lg for name, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
     return {"": logging.getLogger()} | named
 
 
@@ -66,8 +65,11 @@ def recreate(pickled: bytes) -> None:
     try:
         setup = pickle.loads(pickled)
     except Exception as err:  # noqa: BLE001 - the cell can run without them; say so once
-        print(f"enot_nb: the notebook's logging and warning filters could not be recreated in this "
-              f"worker ({type(err).__name__}: {err}); the defaults apply", file=sys.stderr)
+        print(
+            f"enot_nb: the notebook's logging and warning filters could not be recreated in this "
+            f"worker ({type(err).__name__}: {err}); the defaults apply",
+            file=sys.stderr,
+        )
         return
     loggers = _loggers()
     for name, level in setup.levels.items():
@@ -80,8 +82,14 @@ def recreate(pickled: bytes) -> None:
     warnings.resetwarnings()
     for action, message, category, module, lineno in setup.warning_filters:
         # Stored compiled, or as a plain string (the interpreter's defaults), or None.
-        warnings.filterwarnings(action, getattr(message, "pattern", message) or "", category,
-                                getattr(module, "pattern", module) or "", lineno, append=True)
+        warnings.filterwarnings(
+            action,
+            getattr(message, "pattern", message) or "",
+            category,
+            getattr(module, "pattern", module) or "",
+            lineno,
+            append=True,
+        )
 
 
 def redirect_inherited(old_out: Any, old_err: Any) -> None:

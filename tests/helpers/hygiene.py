@@ -53,8 +53,7 @@ def early_return_then_fail(flag: str) -> None:
 def with_descendants() -> None:
     """Each worker starts a child and a grandchild (in its own process group), then blocks."""
     child = subprocess.Popen(["sleep", "300"])
-    grand = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE,
-                             text=True)
+    grand = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
     grandchild = int(grand.stdout.readline())
     say(f"tree {os.getpid()} {child.pid} {grand.pid} {grandchild}")
     time.sleep(3600)
@@ -104,14 +103,16 @@ def big_result() -> object:
 
 def pid_reuse(method: str, flag: str) -> None:
     try:
-        enot_nb.notebook_launcher(early_return_then_fail, args=(flag,), nprocs=2, backend="gloo",
-                                  start_method=method, output="all")
+        enot_nb.notebook_launcher(
+            early_return_then_fail, args=(flag,), nprocs=2, backend="gloo", start_method=method, output="all"
+        )
     except enot_nb.WorkerFailedError as err:
         say("failed", err.rank)
 
 
 def interrupt_at(method: str, step: str) -> None:
     """SIGINT delivered at a named step of the start; then a normal launch must work."""
+
     def interrupt(*_: object) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -127,8 +128,11 @@ def interrupt_at(method: str, step: str) -> None:
     left = leftovers()
     say("left", json.dumps(left))
     start = time.monotonic()
-    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method),
-        round(time.monotonic() - start, 2))
+    say(
+        "next",
+        enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method),
+        round(time.monotonic() - start, 2),
+    )
 
 
 def interrupt_sweep(method: str, tries: str) -> None:
@@ -184,8 +188,7 @@ def press_before_every_line(method: str, stride: str) -> None:
     tensors = [torch.ones(2**19)]
 
     def launch() -> float:
-        return enot_nb.notebook_launcher(ranks_total, args=(tensors,), nprocs=2, backend="gloo",
-                                         start_method=method)
+        return enot_nb.notebook_launcher(ranks_total, args=(tensors,), nprocs=2, backend="gloo", start_method=method)
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     launch()  # warm
@@ -220,8 +223,19 @@ def press_before_every_line(method: str, stride: str) -> None:
         left = leftovers()
         new_folders = sorted(rendezvous_folders() - folders)
         if outcome not in ("finished", "interrupted") or left or new_folders or own_fds() != fds:
-            say("bad", json.dumps({"line": k, "where": where, "outcome": outcome, "left": left,
-                                   "folders": new_folders, "fds": [fds, own_fds()]}))
+            say(
+                "bad",
+                json.dumps(
+                    {
+                        "line": k,
+                        "where": where,
+                        "outcome": outcome,
+                        "left": left,
+                        "folders": new_folders,
+                        "fds": [fds, own_fds()],
+                    }
+                ),
+            )
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
             fds, folders = own_fds(), rendezvous_folders()
@@ -231,8 +245,7 @@ def press_before_every_line(method: str, stride: str) -> None:
 
 
 def descendants_then_block(method: str) -> None:
-    enot_nb.notebook_launcher(with_descendants, nprocs=2, backend="gloo", start_method=method,
-                              output="all")
+    enot_nb.notebook_launcher(with_descendants, nprocs=2, backend="gloo", start_method=method, output="all")
 
 
 def fd_limit(method: str) -> None:
@@ -274,8 +287,7 @@ def fork_fails(method: str) -> None:
 
 def sockets(method: str, port: str) -> None:
     kwargs = {"master_port": int(port)} if port != "none" else {}
-    result = enot_nb.notebook_launcher(sockets_used, nprocs=2, backend="gloo", start_method=method,
-                                       **kwargs)
+    result = enot_nb.notebook_launcher(sockets_used, nprocs=2, backend="gloo", start_method=method, **kwargs)
     say("sockets", json.dumps(result))
 
 
@@ -283,8 +295,7 @@ def kept_results(method: str) -> None:
     kept = [enot_nb.notebook_launcher(big_result, nprocs=2, backend="gloo", start_method=method)]
     before = open_fds()
     for _ in range(49):
-        kept.append(enot_nb.notebook_launcher(big_result, nprocs=2, backend="gloo",
-                                              start_method=method))
+        kept.append(enot_nb.notebook_launcher(big_result, nprocs=2, backend="gloo", start_method=method))
     say("fds", before, open_fds(), len(kept), float(sum(t.sum() for t in kept)))
 
 
@@ -292,8 +303,7 @@ def many_tensors(method: str) -> None:
     import torch
 
     tensors = [torch.full((2**18,), float(i)) for i in range(300)]  # 300 x 1 MiB
-    total = enot_nb.notebook_launcher(ranks_total, args=(tensors,), nprocs=2, backend="gloo",
-                                      start_method=method)
+    total = enot_nb.notebook_launcher(ranks_total, args=(tensors,), nprocs=2, backend="gloo", start_method=method)
     say("total", total, float(sum(t.sum().item() for t in tensors)))
 
 

@@ -19,11 +19,23 @@ def rank_sum(x):
 
 
 def describe():
-    keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")
+    keys = (
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "OMP_NUM_THREADS",
+    )
     return {k: os.environ.get(k) for k in keys} | {
-        "threads": torch.get_num_threads(), "pid": os.getpid(), "is_dist": ed.is_dist(),
-        "is_master": ed.is_master(), "is_local_master": ed.is_local_master(),
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+        "is_dist": ed.is_dist(),
+        "is_master": ed.is_master(),
+        "is_local_master": ed.is_local_master(),
         "pgid": os.getpgid(0),
     }
 
@@ -127,10 +139,13 @@ def inspect_tensors(big, small):
     with open("/proc/self/maps") as f:
         mapped = [line for line in f if "enot_nb-tensor" in line]
     in_shm = lambda t: any(  # noqa: E731 - a one-line predicate, local to this job
-        int(line.split("-")[0], 16) <= t.data_ptr() < int(line.split()[0].split("-")[1], 16)
-        for line in mapped)
-    result = {"sums": [float(big.sum()), float(small.sum())],
-              "big_in_shared_memory": in_shm(big), "small_in_shared_memory": in_shm(small)}
+        int(line.split("-")[0], 16) <= t.data_ptr() < int(line.split()[0].split("-")[1], 16) for line in mapped
+    )
+    result = {
+        "sums": [float(big.sum()), float(small.sum())],
+        "big_in_shared_memory": in_shm(big),
+        "small_in_shared_memory": in_shm(small),
+    }
     big[0] = 42  # private mapping: allowed, and invisible to the caller and the other rank
     dist.barrier()
     result["writable_copy_on_write"] = big[0].item() == 42

@@ -23,5 +23,4 @@ def block():
 
 if __name__ == "__main__":
     print(f"launcher {os.getpid()}", flush=True)
-    enot_nb.notebook_launcher(block, nprocs=2, backend="gloo", start_method=sys.argv[1],
-                              output="all")
+    enot_nb.notebook_launcher(block, nprocs=2, backend="gloo", start_method=sys.argv[1], output="all")
