@@ -8,6 +8,7 @@ Public surface:
 """
 
 from enot_nb import distributed
+from enot_nb._version import __version__
 from enot_nb.errors import (
     DistributedRuntimeException,
     EnotNbError,
@@ -31,7 +32,6 @@ __all__ = [
     "load_results",
     "notebook_launcher",
 ]
-__version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: object) -> None:

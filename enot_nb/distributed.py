@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._runtime.devices import device_for
 from enot_nb._runtime.env import read_layout
 from enot_nb._runtime.sync import collective_device, sync_model
@@ -48,7 +49,6 @@ __all__ = [
     "sync_model",
 ]
 
-_DEFAULT_TIMEOUT = datetime.timedelta(seconds=1800)
 # cuBLAS needs a fixed workspace for deterministic results (CUDA docs, "Results reproducibility").
 _CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
 
@@ -58,7 +58,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def init_process_group(
     backend: str = "nccl",
     init_method: str = "env://",
-    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> None:
     """Create the default process group when ``WORLD_SIZE > 1``; otherwise do nothing.
 
@@ -118,7 +118,7 @@ def init_torch(
     cuda_reproducible: bool = False,
     backend: str = "nccl",
     init_method: str = "env://",
-    timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> None:
     """Seed, set the cuDNN/cuBLAS flags, and create the process group (see :func:`init_process_group`).
 

@@ -25,6 +25,8 @@ from typing import Any, NoReturn
 
 import cloudpickle
 
+from enot_nb._defaults import DEFAULT_TIMEOUT
+
 SCRIPT_TEMPLATE = '''#!/usr/bin/env python3
 """A notebook cell exported by enot_nb: run it with torchrun, on one node or many.
 
@@ -102,7 +104,7 @@ def export_cell(
     no_sync: bool = False,
     returns: list[str] | None = None,
     no_return: bool = False,
-    timeout: float = 1800.0,
+    timeout: float = DEFAULT_TIMEOUT.total_seconds(),
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
 ) -> ExportedCell:
@@ -156,7 +158,7 @@ def export_cell(
     write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out}, protocol=5))
     import torch
 
-    from enot_nb import __version__
+    from enot_nb._version import __version__
 
     command = torchrun_command(script, nprocs, nnodes, master_addr, master_port)
     options = {

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
 from enot_nb._launch.attempt import Attempt
 from enot_nb._launch.options import ConflictingFlagsError, LaunchOptions
@@ -68,7 +69,7 @@ def notebook_launcher(
     nnodes: int = 1,
     node_rank: int = 0,
     max_restarts: int = 0,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` processes and return global rank 0's result.
 

@@ -21,6 +21,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
 from enot_nb._launch.options import LaunchOptions
 from enot_nb._state import apply, objgraph
@@ -85,9 +86,9 @@ class EnotMagics(Magics):
     @argument(
         "--timeout",
         type=float,
-        default=1800.0,
+        default=DEFAULT_TIMEOUT.total_seconds(),
         metavar="SECONDS",
-        help="process group timeout for collectives (default: 1800)",
+        help=f"process group timeout for collectives (default: {DEFAULT_TIMEOUT.total_seconds():g})",
     )
     @argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
     @argument("--master-port", type=int, default=None, help="port on node 0 (default: a free one)")

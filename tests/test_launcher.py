@@ -390,3 +390,37 @@ def test_ranks_that_fail_to_connect_are_started_again(method, tmp_path, monkeypa
 def test_the_same_error_from_user_code_is_a_failure():
     with pytest.raises(WorkerFailedError, match="connectFullMesh"):
         launch(jobs.raise_like_a_lost_connection, start_method="fork")
+
+
+_LOGGED_LAUNCH = (
+    "import logging, enot_nb\n"
+    "from tests.helpers import jobs\n"
+    "logging.basicConfig(level=logging.DEBUG)\n"
+    "try:\n"
+    "    enot_nb.notebook_launcher(jobs.raise_on, args=(1,), nprocs=2, backend='gloo')\n"
+    "except enot_nb.WorkerFailedError:\n"
+    "    print('failed as expected')\n"
+)
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_the_debug_log_is_silent_unless_asked_for(debug):
+    """Under a user's basicConfig(level=DEBUG) enot_nb logs nothing; ENOT_NB_DEBUG=1 logs an
+    attempt's transitions (start, first failure, the stop signals, close)."""
+    from tests._util import clean_env
+
+    env = clean_env(PYTHONPATH=os.getcwd(), ENOT_NB_DEBUG=debug)
+    run = subprocess.run(
+        [sys.executable, "-c", _LOGGED_LAUNCH], env=env, capture_output=True, text=True, timeout=50
+    )
+    assert run.returncode == 0, run.stderr
+    assert "failed as expected" in run.stdout
+    ours = [line for line in run.stderr.splitlines() if line.startswith("enot_nb ") or "DEBUG:enot_nb" in line]
+    if not debug:
+        assert ours == [], run.stderr
+    else:
+        text = "\n".join(ours)
+        assert "attempt 0: starting 2 rank(s) by fork" in text
+        assert "attempt 0: started, pids" in text
+        assert "attempt 0: first failure, rank 1 (exit code 1)" in text
+        assert "attempt 0: closed, exit codes" in text

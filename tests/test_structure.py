@@ -1,4 +1,5 @@
-"""The package's structure: no import cycles (function-level and TYPE_CHECKING imports count),
+"""The package's structure: its folders form one stack of layers (a module imports only from its
+own layer or the ones below; function-level and TYPE_CHECKING imports count), no import cycles,
 no class too long to read in one sitting."""
 
 from __future__ import annotations
@@ -8,24 +9,58 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "enot_nb"
 
+LAYERS = [
+    # bottom: what every layer may use
+    {"enot_nb.errors", "enot_nb._defaults", "enot_nb._log", "enot_nb._version"},
+    {"enot_nb._processes"},  # making, watching and ending processes; the worker protocol
+    {"enot_nb._serialize"},  # pickling between the notebook and its workers
+    {"enot_nb._runtime", "enot_nb.distributed"},  # the functional API and its machinery
+    {"enot_nb._state"},  # what the notebook holds, what a cell changed
+    {"enot_nb._worker"},  # what runs in a worker
+    {"enot_nb._launch"},  # the kernel's side of a launch
+    {"enot_nb.launcher", "enot_nb.export", "enot_nb.magic", "enot_nb"},  # top: the public entry points
+]
+"""Low to high. Each module's layer is that of its longest listed prefix (a module's folder)."""
 
-def _imports(path: Path) -> set[str]:
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    """Every module of the package, in every folder (``enot_nb._state.apply`` -> its path)."""
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     """The enot_nb modules a module imports, wherever the import statement is."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("enot_nb")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("enot_nb"):
-            if node.module == "enot_nb":
-                found |= {f"enot_nb.{a.name}" for a in node.names if (PACKAGE / f"{a.name}.py").exists()}
-            else:
-                found.add(node.module)
+            for a in node.names:  # `from enot_nb._state import apply` imports enot_nb._state.apply
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in modules else node.module)
     return found
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = {f"enot_nb.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+    modules = all_modules()
+    return {
+        name: {m for m in _imports(path, modules) if m in modules and m != name} for name, path in modules.items()
+    }
+
+
+def layer_of(module: str) -> int:
+    best, level = -1, None
+    for i, members in enumerate(LAYERS):
+        for prefix in members:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), i
+    assert level is not None, f"{module} is in no layer: add its folder to LAYERS"
+    return level
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -59,14 +94,43 @@ def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def test_the_walk_sees_every_folder():
+    modules = all_modules()
+    assert "enot_nb._state.apply" in modules and "enot_nb._processes.interrupts" in modules
+    assert {m.split(".")[1] for m in modules if m.count(".") >= 2} == {
+        "_launch",
+        "_processes",
+        "_runtime",
+        "_serialize",
+        "_state",
+        "_worker",
+    }
+
+
+def test_layer_of_takes_the_longest_prefix():
+    assert layer_of("enot_nb._state.apply") == 4
+    assert layer_of("enot_nb.magic") == 7 and layer_of("enot_nb.errors") == 0
+
+
 def test_no_import_cycles():
     assert find_cycle(import_graph()) is None
 
 
+def test_the_layers_form_one_stack():
+    """Nothing imports from a layer above its own (a worker never imports the launcher's side)."""
+    upward = [
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+        for module, targets in sorted(import_graph().items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(module)
+    ]
+    assert not upward
+
+
 def test_no_class_over_about_150_lines():
     long = []
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 160:
-                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+                long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long

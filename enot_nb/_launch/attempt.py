@@ -6,7 +6,7 @@ the first failure stops every other worker; an interrupt first asks each rank fo
 then lets the master alone save its state. Whatever happens, ``close`` kills and reaps every
 worker before the attempt returns or raises: the start is a transaction.
 
-One routine stops workers (``_stop``): each signal of an escalation (SIGINT, SIGTERM, SIGKILL)
+One routine stops workers (``Stopper.stop``): each signal of an escalation (SIGINT, SIGTERM, SIGKILL)
 goes to the running workers, which then get ``STOP_GRACE`` seconds before the next.
 """
 
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from enot_nb._launch import relay
 from enot_nb._launch.ranks import Rank, RankIO, close_pipes, make_ranks
+from enot_nb._log import log
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes import spawn
 from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
@@ -94,81 +95,93 @@ class Outcome:
     user's ran anywhere): the launch may simply start again."""
 
 
-class _Stopping:
+class Stopper:
     """How an attempt stops its workers: the one escalation, and the interrupt (stack dumps,
-    the master alone saving its state, then everyone stopped). Part of Attempt."""
+    the master alone saving its state, then everyone stopped). Owned by its Attempt, whose
+    group it signals whose events it handles while it waits (``wait``)."""
 
-    ranks: list[Rank]
-    group: WorkerGroup | None
-    io: RankIO | None
-    stopping: bool
+    def __init__(self, attempt: Attempt) -> None:
+        self.attempt = attempt
+        self.stopping = False
+        """Deaths from here on are our doing (after the first failure, or an interrupt)."""
 
-    def _signal_running(self, signum: int, ranks: list[Rank] | None = None) -> None:
-        assert self.group is not None
-        for r in ranks if ranks is not None else self.ranks:
+    def signal_running(self, signum: int, ranks: list[Rank] | None = None) -> None:
+        group = self.attempt.group
+        assert group is not None
+        for r in ranks if ranks is not None else self.attempt.ranks:
             if r.running:
                 if signum != signal.SIGUSR1:  # a stack dump stops nothing
                     r.stop_signals.add(signum)
-                self.group.signal(r.rank, signum)
+                group.signal(r.rank, signum)
 
-    def _stop(self, ranks: list[Rank], signals: tuple[int, ...] = _ESCALATION) -> None:
+    def after_failure(self) -> None:
+        """The first failure stops everyone else: SIGTERM, then SIGKILL."""
+        self.stopping = True
+        first = self.attempt.failures[0]
+        log.debug("attempt %d: first failure, rank %d (exit code %s)", self.attempt.attempt, first.rank, first.exitcode)
+        self.stop([r for r in self.attempt.ranks if r.running], _ESCALATION[1:])
+
+    def stop(self, ranks: list[Rank], signals: tuple[int, ...] = _ESCALATION) -> None:
         """The one escalation (after a failure, SIGTERM then SIGKILL; after an interrupt, SIGINT
         first): each signal to the ranks still running, then STOP_GRACE seconds at most."""
         for signum in signals:
             if not any(r.running for r in ranks):
                 return
-            self._signal_running(signum, ranks)
-            self._pump(STOP_GRACE, force_show=False, until=lambda: not any(r.running for r in ranks))
+            log.debug(
+                "attempt %d: %s to ranks %s",
+                self.attempt.attempt,
+                signal.Signals(signum).name,
+                [r.rank for r in ranks if r.running],
+            )
+            self.signal_running(signum, ranks)
+            self.wait(STOP_GRACE, force_show=False, until=lambda: not any(r.running for r in ranks))
 
-    def _interrupt(self) -> None:
+    def interrupt(self) -> None:
         """Show where every rank is; let the master, alone, send the state it reached; then stop
         everyone."""
-        self.stopping = True  # deaths from here on are our doing
-        running = [r for r in self.ranks if r.running]
-        if running and self.io is not None:
+        self.stopping = True
+        attempt = self.attempt
+        log.debug("attempt %d: interrupted", attempt.attempt)
+        running = [r for r in attempt.ranks if r.running]
+        if running and attempt.io is not None:
             print(
                 f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:",
                 file=sys.stderr,
                 flush=True,
             )
-            self._signal_running(signal.SIGUSR1, running)
-            self.io.capturing_stacks = True
-            self._pump(STACK_DUMP_WAIT, force_show=True)
-            self.io.capturing_stacks = False
+            self.signal_running(signal.SIGUSR1, running)
+            attempt.io.capturing_stacks = True
+            self.wait(STACK_DUMP_WAIT, force_show=True)
+            attempt.io.capturing_stacks = False
             for r in running:
                 print(stack_report(r.rank, r.stack_text), file=sys.stderr, flush=True)
-        master = next((r for r in self.ranks if r.rank == 0 and r.running), None)
-        if master is not None and self.group is not None:
-            self._signal_running(signal.SIGINT, [master])
-            self._pump(
+        master = next((r for r in attempt.ranks if r.rank == 0 and r.running), None)
+        if master is not None and attempt.group is not None:
+            self.signal_running(signal.SIGINT, [master])
+            self.wait(
                 INTERRUPT_SAVE_WAIT, force_show=False, until=lambda: master.partial is not None or not master.running
             )
-        self._stop(self.ranks)
+        self.stop(attempt.ranks)
 
-    def _pump(self, seconds: float, force_show: bool, until: Callable[[], bool] | None = None) -> None:
+    def wait(self, seconds: float, force_show: bool, until: Callable[[], bool] | None = None) -> None:
         """Read output and exits for up to ``seconds``, or until all is quiet (``force_show``),
-        or until ``until()`` holds."""
+        or until ``until()`` holds (the events of a stop)."""
         deadline = time.monotonic() + seconds
         quiet_after_output = 0.2
-        while self.group is not None and any(r.running for r in self.ranks):
+        attempt = self.attempt
+        while attempt.group is not None and any(r.running for r in attempt.ranks):
             if until is not None and until():
                 return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            events = self._select(min(left, quiet_after_output) if force_show else left)
+            events = attempt.select(min(left, quiet_after_output) if force_show else left)
             if not events and force_show:
                 return
-            self._handle(events, force_show)
-
-    def _select(self, timeout: float | None) -> list:
-        raise NotImplementedError
-
-    def _handle(self, events: list, force_show: bool = False) -> None:
-        raise NotImplementedError
+            attempt.handle(events, force_show)
 
 
-class Attempt(_Stopping):
+class Attempt:
     """One start of the whole group: start -> supervise -> collect -> close."""
 
     def __init__(
@@ -187,7 +200,7 @@ class Attempt(_Stopping):
         self.failures: list[WorkerFailure] = []
         self.result_fd: int | None = None
         self.rendezvous_dir: str | None = None
-        self.stopping = False
+        self.stopper = Stopper(self)
 
     def run(self) -> Outcome:
         try:
@@ -195,7 +208,7 @@ class Attempt(_Stopping):
             self._supervise()
             return self._collect()
         except KeyboardInterrupt:
-            self._interrupt()
+            self.stopper.interrupt()
             raise LaunchInterrupted(self._partial()) from None
         finally:
             try:
@@ -230,8 +243,10 @@ class Attempt(_Stopping):
             self.group = make_group(
                 self.plan, self.job, self.shipped, self.ranks, self.attempt, self.result_fd, self.rendezvous_dir
             )
+            log.debug("attempt %d: starting %d rank(s) by %s", self.attempt, self.plan.nprocs, self.plan.start_method)
             for rank, pid in self.group.start().items():
                 self._rank(rank).pid = pid
+            log.debug("attempt %d: started, pids %s", self.attempt, {r.rank: r.pid for r in self.ranks})
         finally:
             if self.group is not None:
                 self.group.settle()  # no fork in flight may inherit a descriptor closed here
@@ -246,13 +261,12 @@ class Attempt(_Stopping):
 
     def _supervise(self) -> None:
         while any(r.exitcode is None for r in self.ranks):
-            if self.failures and not self.stopping:  # the first failure stops everyone else
-                self.stopping = True
-                self._stop([r for r in self.ranks if r.running], _ESCALATION[1:])
+            if self.failures and not self.stopper.stopping:
+                self.stopper.after_failure()
                 continue
-            self._handle(self._select(None))
+            self.handle(self.select(None))
 
-    def _select(self, timeout: float | None) -> list:
+    def select(self, timeout: float | None) -> list:
         """Wait for events; exits the group already holds are handled first, without waiting."""
         assert self.group is not None and self.io is not None
         if self.group.pending():
@@ -268,7 +282,7 @@ class Attempt(_Stopping):
         )
         return self.io.selector.select(timeout)
 
-    def _handle(self, events: list, force_show: bool = False) -> None:
+    def handle(self, events: list, force_show: bool = False) -> None:
         assert self.group is not None and self.io is not None
         for key, _ in events:
             if key.data is None:
@@ -298,18 +312,7 @@ class Attempt(_Stopping):
     # ------------------------------------------------------------------------- collect, close
 
     def _collect(self) -> Outcome:
-        if self.failures:
-            self.failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
-            reconnectable = (
-                self.plan.nnodes == 1
-                and all(f.connecting for f in self.failures)
-                and not any(r.connected for r in self.ranks)
-            )
-            return Outcome(ok=False, failures=self.failures, partial=self._partial(), reconnectable=reconnectable)
-        master = next((r for r in self.ranks if r.rank == 0), None)
-        if master is None:
-            return Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
-        return Outcome(ok=True, result=load_payload(self.result_fd, master.payload))
+        return collect(self.plan, self.ranks, self.failures, self.result_fd)
 
     def _partial(self) -> Any:
         return partial_state(self.ranks, self.result_fd)
@@ -317,22 +320,49 @@ class Attempt(_Stopping):
     def _close(self) -> None:
         """Everything the attempt holds, released: each once, however often this runs (see
         run), and all of them even if one fails (the first error is raised after)."""
-        errors = []
-        for name, release in (
-            ("group", lambda group: group.close()),  # killed and reaped
-            ("io", lambda io: io.close()),
-            ("result_fd", os.close),  # a loaded result keeps its pages mapped
-            ("rendezvous_dir", remove_rendezvous_folder),
-        ):
-            held = getattr(self, name)
-            if held is not None:
-                setattr(self, name, None)
-                try:
-                    release(held)
-                except Exception as err:  # noqa: BLE001 - raised below, after the others
-                    errors.append(err)
+        released, errors = release_each(
+            self,
+            group=lambda group: group.close(),  # killed and reaped
+            io=lambda io: io.close(),
+            result_fd=os.close,  # a loaded result keeps its pages mapped
+            rendezvous_dir=remove_rendezvous_folder,
+        )
+        if released:
+            log.debug("attempt %d: closed, exit codes %s", self.attempt, {r.rank: r.exitcode for r in self.ranks})
         if errors:
             raise errors[0]
+
+
+def release_each(holder: object, **releases: Callable[[Any], object]) -> tuple[bool, list[Exception]]:
+    """Release each attribute of ``holder`` that is not None with its function, after setting it
+    to None (so a second run releases nothing twice); every one is tried. Returns whether
+    anything was held, and the errors."""
+    released, errors = False, []
+    for name, release in releases.items():
+        held = getattr(holder, name)
+        if held is not None:
+            setattr(holder, name, None)
+            released = True
+            try:
+                release(held)
+            except Exception as err:  # noqa: BLE001 - returned, after the others were released
+                errors.append(err)
+    return released, errors
+
+
+def collect(plan: LaunchPlan, ranks: list[Rank], failures: list[WorkerFailure], result_fd: int | None) -> Outcome:
+    """The attempt's outcome once every rank has ended: the failures, root cause first, or rank
+    0's result (from the result memfd or its message)."""
+    if failures:
+        failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
+        reconnectable = plan.nnodes == 1 and all(f.connecting for f in failures) and not any(r.connected for r in ranks)
+        return Outcome(
+            ok=False, failures=failures, partial=partial_state(ranks, result_fd), reconnectable=reconnectable
+        )
+    master = next((r for r in ranks if r.rank == 0), None)
+    if master is None:
+        return Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
+    return Outcome(ok=True, result=load_payload(result_fd, master.payload))
 
 
 def rendezvous_folder(plan: LaunchPlan) -> str | None:

@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb.errors import LaunchConfigError
 
 OUTPUT_MODES = ("master", "all", "none")
 START_METHODS = (None, "fork", "spawn")
 MAX_TIMEOUT_S = 365 * 24 * 3600
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 class ConflictingFlagsError(LaunchConfigError, RuntimeError):

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from enot_nb._defaults import DEFAULT_TIMEOUT
+
 SCHEME = "enot-tcp"
 _LISTENING: list[socket.socket] = []
 LOOPBACK_INTERFACE = "lo"
@@ -71,7 +73,7 @@ def free_port(address: str) -> int:
 
 
 def _handler(
-    address_url: str, timeout: datetime.timedelta = datetime.timedelta(seconds=1800), **_: Any
+    address_url: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT, **_: Any
 ) -> Iterator[tuple[Any, int, int]]:
     from torch.distributed import TCPStore
 
