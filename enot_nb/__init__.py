@@ -8,7 +8,7 @@ Public surface:
 """
 
 from enot_nb import distributed
-from enot_nb._version import __version__
+from enot_nb._version import __version__ as __version__  # re-exported
 from enot_nb.errors import (
     DistributedRuntimeException,
     EnotNbError,

@@ -28,7 +28,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
@@ -257,7 +257,11 @@ def plan_launch(options: LaunchOptions) -> LaunchPlan:
             f"enot_nb-{master_addr}-{options.master_port}" if options.nnodes > 1 else f"enot_nb-{uuid.uuid4().hex[:12]}"
         ),
         init_kwargs=bootstrap.init_kwargs(
-            options.seed, options.cuda_optimize_for_speed, options.cuda_reproducible, backend, options.timeout
+            options.seed,
+            options.cuda_optimize_for_speed,
+            options.cuda_reproducible,
+            backend,
+            cast(datetime.timedelta, options.timeout),  # a timedelta once checked (LaunchOptions)
         ),
     )
 

@@ -13,9 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
@@ -168,15 +169,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
     _check_sync(shell.user_ns, options.sync)
     namespace = shell.user_ns
-    if plan.start_method == "fork":
-        # The workers inherit these objects at the same addresses: index i names one object on
-        # both sides, so only what changed needs to come back.
-        registry = Registry.of_user_variables(namespace, shell.user_ns_hidden)
-        job = bootstrap.Job(_cell.run_cell, (code, namespace, options, registry))
-    else:
-        values, left_out, registry = objgraph.shippable_namespace(namespace, code)
-        objects = objgraph.shippable_objects(registry, namespace)
-        job = bootstrap.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options))
+    job, registry = _cell_job(shell, code, options, plan.start_method)
     failure: BaseException | None = None
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace, on_message=relay.show)
@@ -189,7 +182,7 @@ def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | No
     if failure is not None:
         # IPython keeps the traceback (sys.last_traceback) until the next error: it must not
         # keep the notebook's objects alive, so neither may this frame.
-        job = registry = values = objects = None
+        del job, registry
         raise failure
     if outcome is None:  # this node has no global rank 0
         return None
@@ -265,6 +258,20 @@ def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions, p
         )
 
 
+def _cell_job(shell: Any, code: str, options: _cell.CellOptions, start_method: str) -> tuple[bootstrap.Job, Registry]:
+    """The job that runs the cell in each worker, and the registry of the notebook's objects it
+    may change."""
+    namespace = shell.user_ns
+    if start_method == "fork":
+        # The workers inherit these objects at the same addresses: index i names one object on
+        # both sides, so only what changed needs to come back.
+        registry = Registry.of_user_variables(namespace, shell.user_ns_hidden)
+        return bootstrap.Job(_cell.run_cell, (code, namespace, options, registry)), registry
+    values, left_out, registry = objgraph.shippable_namespace(namespace, code)
+    objects = objgraph.shippable_objects(registry, namespace)
+    return bootstrap.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options)), registry
+
+
 def _export(shell: Any, code: str, args: Any) -> None:
     from enot_nb.export import export_cell
 
@@ -272,7 +279,7 @@ def _export(shell: Any, code: str, args: Any) -> None:
     exported_options = {
         k: v for k, v in vars(options).items() if k not in ("start_method", "node_rank", "max_restarts")
     }
-    exported_options["timeout"] = options.timeout.total_seconds()
+    exported_options["timeout"] = cast(datetime.timedelta, options.timeout).total_seconds()  # see LaunchOptions
     try:
         exported = export_cell(
             code,
@@ -354,7 +361,7 @@ def check_cell_syntax(lines: list[str]) -> list[str]:
     except SyntaxError as err:
         if err.lineno is not None:
             err.lineno += 1  # the %%enot_distributed line
-        if isinstance(getattr(err, "end_lineno", None), int):
+        if err.end_lineno is not None:
             err.end_lineno += 1
         err.filename = shell.compile.cache("".join(lines), shell.execution_count, raw_code="".join(lines))
         raise

@@ -12,6 +12,7 @@ goes to the running workers, which then get ``STOP_GRACE`` seconds before the ne
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import selectors
@@ -437,7 +438,7 @@ def make_group(
         for r in ranks
     ]
     if fork:
-        return ForkedGroup([(s.rank, lambda s=s: bootstrap.run(s, lambda: job)) for s in specs])
+        return ForkedGroup([(s.rank, functools.partial(bootstrap.run, s, lambda: job)) for s in specs])
     job_bytes, shared = shipped or (b"", [])
     result = [result_fd] if result_fd is not None else []
     layout = LaunchFds(ranks=len(specs), results=len(result), shared=len(shared))

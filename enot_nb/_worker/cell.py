@@ -81,7 +81,8 @@ def split_cell(code: str, first_line: int) -> tuple[ast.Module, ast.Expression |
     ast.increment_lineno(tree, first_line - 1)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
     suppressed = code.rstrip().endswith(";")
     return tree, last, suppressed
 

@@ -140,7 +140,7 @@ class NoProcessGroup:
 def _refuse_nested_starts(after_import: dict[str, Callable[[Any], None]]) -> None:
     import torch.multiprocessing as mp
 
-    spawn_module = sys.modules["torch.multiprocessing.spawn"]
+    spawn_module: Any = sys.modules["torch.multiprocessing.spawn"]  # a module we patch
     start = spawn_module.start_processes
 
     def start_processes(fn: Any, *args: Any, **kwargs: Any) -> Any:

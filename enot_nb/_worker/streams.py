@@ -18,7 +18,7 @@ import logging
 import pickle
 import sys
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 
 class OutputSetup(NamedTuple):
@@ -99,7 +99,7 @@ def redirect_inherited(old_out: Any, old_err: Any) -> None:
         for h in lg.handlers:
             new = pairs.get(id(getattr(h, "stream", None)))
             if new is not None:
-                h.stream = new  # not setStream: it would flush the old stream to its sockets
+                cast(Any, h).stream = new  # not setStream: it would flush the old stream to its sockets
     for old, new in ((old_out, sys.stdout), (old_err, sys.stderr)):
         if old is not new and old not in (sys.__stdout__, sys.__stderr__) and hasattr(old, "__dict__"):
             # ipykernel's OutStream, captured by print(file=...), tqdm, a library's handler
