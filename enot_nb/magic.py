@@ -13,10 +13,11 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import sys
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
@@ -31,6 +32,9 @@ from enot_nb._worker import bootstrap
 from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchInterrupted, WorkerFailedError
 from enot_nb.launcher import LaunchConfigError, LaunchPlan, launch_job, plan_launch
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -121,7 +125,7 @@ class _Bundle:
         return self.data, self.metadata
 
 
-def parse_options(line: str) -> tuple[Any, LaunchPlan | None]:
+def parse_options(line: str) -> tuple[argparse.Namespace, LaunchPlan | None]:
     """The magic's options and the launch they describe (None with --export); UsageError
     (no traceback) if bad."""
     args = parse_argstring(EnotMagics.enot_distributed, line)
@@ -141,13 +145,15 @@ def parse_options(line: str) -> tuple[Any, LaunchPlan | None]:
     return args, plan
 
 
-def launch_options(args: Any) -> LaunchOptions:
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The magic's parsed flags as LaunchOptions (the field each flag sets: LaunchOptions.FLAGS)."""
     dests = {"cuda_optimize_for_speed": "speed", "cuda_reproducible": "reproducible"}
     return LaunchOptions(**{name: getattr(args, dests.get(name, name)) for name in LaunchOptions.names()})
 
 
-def run_distributed_cell(shell: Any, cell: str, args: Any, plan: LaunchPlan | None, line: str = "") -> Any:
+def run_distributed_cell(
+    shell: InteractiveShell | None, cell: str, args: argparse.Namespace, plan: LaunchPlan | None, line: str = ""
+) -> Any:
     """Run ``cell`` as ``args``/``plan`` ask; make the notebook hold what the master holds."""
     if shell is None:
         raise UsageError(
@@ -219,7 +225,7 @@ class CellInterrupted(KeyboardInterrupt):
 CellInterrupted.__name__ = CellInterrupted.__qualname__ = "KeyboardInterrupt"  # as a local cell
 
 
-def _after_interrupt(shell: Any, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
+def _after_interrupt(shell: InteractiveShell, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
     if options.no_return:
         return
     if isinstance(partial, _cell.CellOutcome):
@@ -236,7 +242,7 @@ def _after_interrupt(shell: Any, registry: Registry, options: _cell.CellOptions,
         )
 
 
-def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
+def _after_failure(shell: InteractiveShell, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
     if options.keep_on_error and isinstance(partial, _cell.CellOutcome):
         _bring_back(shell, registry, partial, options, show_value=False)
         print(
@@ -258,7 +264,9 @@ def _after_failure(shell: Any, registry: Registry, options: _cell.CellOptions, p
         )
 
 
-def _cell_job(shell: Any, code: str, options: _cell.CellOptions, start_method: str) -> tuple[bootstrap.Job, Registry]:
+def _cell_job(
+    shell: InteractiveShell, code: str, options: _cell.CellOptions, start_method: str
+) -> tuple[bootstrap.Job, Registry]:
     """The job that runs the cell in each worker, and the registry of the notebook's objects it
     may change."""
     namespace = shell.user_ns
@@ -272,7 +280,7 @@ def _cell_job(shell: Any, code: str, options: _cell.CellOptions, start_method: s
     return bootstrap.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options)), registry
 
 
-def _export(shell: Any, code: str, args: Any) -> None:
+def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> None:
     from enot_nb.export import export_cell
 
     options = launch_options(args)  # every launch option, as the exported script takes it
@@ -303,7 +311,11 @@ def _export(shell: Any, code: str, args: Any) -> None:
 
 
 def _bring_back(
-    shell: Any, registry: Registry, outcome: _cell.CellOutcome, options: _cell.CellOptions, show_value: bool = True
+    shell: InteractiveShell,
+    registry: Registry,
+    outcome: _cell.CellOutcome,
+    options: _cell.CellOptions,
+    show_value: bool = True,
 ) -> Any:
     """Apply the master's changes to the notebook, in place; say what could not come back."""
     changes = apply.load(outcome.state, registry) if outcome.state is not None else None
@@ -368,7 +380,7 @@ def check_cell_syntax(lines: list[str]) -> list[str]:
     return lines
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext enot_nb``: register ``%%enot_distributed``."""
     if ipython is None:
         raise UsageError("enot_nb's magic needs IPython: run `%load_ext enot_nb` in a notebook")
