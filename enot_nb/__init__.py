@@ -7,6 +7,10 @@ Public surface:
 * :mod:`enot_nb.distributed`: the functional API, also usable under torchrun.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from enot_nb import distributed
 from enot_nb._version import __version__ as __version__  # re-exported
 from enot_nb.errors import (
@@ -19,6 +23,9 @@ from enot_nb.errors import (
 )
 from enot_nb.export import export_cell, load_results
 from enot_nb.launcher import notebook_launcher
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 __all__ = [
     "DistributedRuntimeException",
@@ -34,7 +41,7 @@ __all__ = [
 ]
 
 
-def load_ipython_extension(ipython: object) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext enot_nb`` registers the ``%%enot_distributed`` cell magic."""
     from enot_nb.magic import load_ipython_extension as load
 

@@ -14,7 +14,6 @@ The master (global rank 0) saves what the magic would have brought back into
 from __future__ import annotations
 
 import os
-import pickle
 import platform
 import shlex
 import sys
@@ -132,7 +131,7 @@ def export_cell(
         print(exported.command)
     """
     from enot_nb._launch.options import LaunchOptions
-    from enot_nb._state import objgraph
+    from enot_nb._state import reach
     from enot_nb._worker import cell as _cell
 
     # Checked as a launch checks them; the GPUs and backends of the cluster are not known here.
@@ -154,7 +153,7 @@ def export_cell(
     for target in (script, namespace_file, _beside(script, "results.pkl")):
         refuse_links(target)
     script.parent.mkdir(parents=True, exist_ok=True)
-    values, left_out, _ = objgraph.shippable_namespace(namespace or {}, code)
+    values, left_out, _ = reach.shippable_namespace(namespace or {}, code)
     write_atomically(namespace_file, cloudpickle.dumps({"values": values, "left_out": left_out}, protocol=5))
     import torch
 
@@ -231,8 +230,10 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
             f"{results} does not exist: run the exported script with torchrun "
             "first (the master writes it when the cell succeeds)"
         )
+    from enot_nb._serialize import renamed
+
     with open(results, "rb") as f:
-        return pickle.load(f)
+        return renamed.load(f)  # saved by an older enot_nb too
 
 
 # ----------------------------------------------------------------------------- in the script
@@ -240,6 +241,7 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
 
 def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
     """Run an exported cell as this torchrun process, then leave as enot_nb's workers do."""
+    from enot_nb._serialize import renamed
     from enot_nb._worker import bootstrap
     from enot_nb._worker import cell as _cell
     from enot_nb.distributed import get_rank, init_torch
@@ -257,7 +259,7 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
     try:
         path = Path(script).resolve()
         with open(_beside(path, "namespace.pkl"), "rb") as f:
-            shipped = pickle.load(f)
+            shipped = renamed.load(f)
         backend = options["backend"] or _default_backend()
         init_torch(
             seed=options["seed"],
@@ -307,11 +309,11 @@ def _silence_stdout() -> None:
 
 
 def _save_results(script: Path, outcome: Any, namespace: dict[str, Any]) -> None:
-    from enot_nb._serialize import pickling
+    from enot_nb._serialize import result_file
 
     values = {n: namespace[n] for n in outcome.changed_names if n in namespace and n not in outcome.not_returned}
     for name, reason in outcome.not_returned.items():
         print(f"enot_nb: {name!r} was not saved: {reason}", file=sys.stderr)
     target = _beside(script, "results.pkl")
-    write_atomically(target, pickling.dump_inline(values))
+    write_atomically(target, result_file.dump_inline(values))
     print(f"enot_nb: saved {', '.join(sorted(values)) or 'nothing'} to {target}", file=sys.stderr)

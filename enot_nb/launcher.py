@@ -37,8 +37,9 @@ from enot_nb._launch.options import ConflictingFlagsError, LaunchOptions
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.interrupts import finish, interrupts_deferred
+from enot_nb._processes.protocol import FrontEndMessage
 from enot_nb._runtime.devices import default_backend
-from enot_nb._serialize import pickling
+from enot_nb._serialize import picklers, shm
 from enot_nb._worker import bootstrap
 from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError, WorkerFailure
 
@@ -149,16 +150,16 @@ def launch_job(
     plan: LaunchPlan,
     job: bootstrap.Job,
     namespace: dict | None = None,
-    on_message: Callable[[str, Any], None] | None = None,
+    on_message: Callable[[FrontEndMessage], None] | None = None,
 ) -> Any:
     """Run a job under a validated plan, one launch at a time per process. ``namespace``: the
     notebook's globals, which spawned copies of its functions keep sharing. ``on_message``:
-    called with the other messages ("display", ...) of the ranks whose output is shown."""
+    called with the front-end messages (Display, ...) of the ranks whose output is shown."""
     with _single_launch():
         shared: list[int] = []  # the shipped tensors' memfd, recorded the moment it is made
 
         def release() -> None:  # once, however often it runs
-            pickling.release_later([shared.pop() for _ in range(len(shared))])
+            shm.release_later([shared.pop() for _ in range(len(shared))])
 
         try:
             shipped = None
@@ -180,7 +181,7 @@ def run_plan(
     plan: LaunchPlan,
     job: bootstrap.Job,
     shipped: tuple[bytes, list[int]] | None,
-    on_message: Callable[[str, Any], None] | None = None,
+    on_message: Callable[[FrontEndMessage], None] | None = None,
 ) -> Any:
     """Run every attempt of a validated plan; return rank 0's result or raise the last failure."""
     root_causes: list[WorkerFailure] = []
@@ -382,14 +383,14 @@ def _pickle_job(job: bootstrap.Job, owned: list[int], namespace: dict | None = N
     """Pickle the job for spawned workers, naming the first piece that cannot be pickled."""
     pieces = {"fn": job.fn} | {f"args[{i}]": a for i, a in enumerate(job.args)}
     pieces |= {f"kwargs[{k!r}]": v for k, v in job.kwargs.items()}
-    ship = {"namespace": namespace, "pickler_class": pickling.ShipPickler}
-    for name, reason in pickling.unpicklable(pieces, **ship).items():
+    ship = {"namespace": namespace, "pickler_class": picklers.ShipPickler}
+    for name, reason in picklers.unpicklable(pieces, **ship).items():
         raise LaunchConfigError(
             f"{name}: {reason}, but spawned workers need it pickled. Create it "
             "inside fn instead, or use start_method='fork'"
         )
     try:
-        return pickling.dumps(job, owned, namespace)
+        return picklers.dumps(job, owned, namespace)
     except Exception as err:  # noqa: BLE001 - e.g. a tensor that failed to copy
         raise LaunchConfigError(f"the job cannot be pickled: {err}") from err
 

@@ -26,8 +26,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
 from enot_nb._launch.options import LaunchOptions
-from enot_nb._state import apply, objgraph
-from enot_nb._state.objgraph import Registry
+from enot_nb._state import apply, reach
+from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap
 from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchInterrupted, WorkerFailedError
@@ -275,8 +275,8 @@ def _cell_job(
         # both sides, so only what changed needs to come back.
         registry = Registry.of_user_variables(namespace, shell.user_ns_hidden)
         return bootstrap.Job(_cell.run_cell, (code, namespace, options, registry)), registry
-    values, left_out, registry = objgraph.shippable_namespace(namespace, code)
-    objects = objgraph.shippable_objects(registry, namespace)
+    values, left_out, registry = reach.shippable_namespace(namespace, code)
+    objects = reach.shippable_objects(registry, namespace)
     return bootstrap.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options)), registry
 
 

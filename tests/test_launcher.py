@@ -422,5 +422,6 @@ def test_the_debug_log_is_silent_unless_asked_for(debug):
         text = "\n".join(ours)
         assert "attempt 0: starting 2 rank(s) by fork" in text
         assert "attempt 0: started, pids" in text
+        assert "rank 0: connected" in text and "rank 1: connected" in text
         assert "attempt 0: first failure, rank 1 (exit code 1)" in text
         assert "attempt 0: closed, exit codes" in text

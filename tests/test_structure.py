@@ -48,9 +48,7 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     modules = all_modules()
-    return {
-        name: {m for m in _imports(path, modules) if m in modules and m != name} for name, path in modules.items()
-    }
+    return {name: {m for m in _imports(path, modules) if m in modules and m != name} for name, path in modules.items()}
 
 
 def layer_of(module: str) -> int:

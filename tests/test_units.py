@@ -8,6 +8,7 @@ import os
 import pickle
 import socket
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,17 +18,19 @@ import enot_nb
 from enot_nb._launch.options import LaunchOptions
 from enot_nb._launch.output import StreamSink
 from enot_nb._launch.ranks import STREAMS, RankIO, make_ranks
-from enot_nb._processes import protocol
+from enot_nb._processes import framing
 from enot_nb._runtime.sync import _plan
-from enot_nb._serialize import pickling
-from enot_nb._state import collect, objgraph
+from enot_nb._serialize import result_file
+from enot_nb._state import collect
+from enot_nb._state.registry import Registry
+from enot_nb._state.snapshot import Snapshot
 from enot_nb.errors import LaunchConfigError, WorkerFailedError, WorkerFailure
 from tests._util import press_before_line
 
 
 def test_framing_reassembles_messages_split_anywhere():
-    data = protocol.encode(("a", 1)) + protocol.encode({"b": [2, 3]})
-    reader = protocol.MessageReader()
+    data = framing.encode(("a", 1)) + framing.encode({"b": [2, 3]})
+    reader = framing.MessageReader()
     messages = []
     for i in range(len(data)):
         messages += reader.feed(data[i : i + 1])
@@ -38,10 +41,10 @@ def test_more_than_253_descriptors_travel_in_batches():
     ours, theirs = socket.socketpair()
     pipes = [os.pipe() for _ in range(300)]
     try:
-        protocol.send_message(ours, ("launch", 1), [w for _, w in pipes])
-        reader = protocol.MessageReader()
-        assert protocol.recv_message(theirs, reader) == ("launch", 1)
-        received = protocol.recv_fds(theirs, reader, 300)
+        framing.send_message(ours, ("launch", 1), [w for _, w in pipes])
+        reader = framing.MessageReader()
+        assert framing.recv_message(theirs, reader) == ("launch", 1)
+        received = framing.recv_fds(theirs, reader, 300)
         assert len(received) == 300 and not reader.pending
         os.write(received[299], b"x")
         assert os.read(pipes[299][0], 1) == b"x"  # the order is kept
@@ -60,9 +63,9 @@ def test_result_layout_round_trip_keeps_aliasing_and_holds_no_descriptor():
     value = {"base": base, "view": base[2:5], "param": torch.nn.Parameter(torch.ones(3))}
     fd = os.memfd_create("test")
     try:
-        size = pickling.write_result(fd, *pickling.dump_result(value))
+        size = result_file.write_result(fd, *result_file.dump_result(value))
         before = len(os.listdir("/proc/self/fd"))
-        loaded = pickling.read_result(fd, size)
+        loaded = result_file.read_result(fd, size)
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         os.close(fd)
@@ -81,12 +84,12 @@ def test_prefixing_keeps_carriage_returns(capsys):
 
 def _changes(namespace: dict, cell: str) -> tuple[list[str], list[str], int]:
     """What a forked worker would report for ``cell`` (pages are told apart after a fork)."""
-    registry = objgraph.Registry.of_namespace(namespace, list(namespace))
+    registry = Registry.of_namespace(namespace, list(namespace))
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the worker's side
         try:
-            snapshot = objgraph.Snapshot.take(registry)
+            snapshot = Snapshot.take(registry)
             before = dict(namespace)
             exec(cell, namespace)
             changes, changed = collect.collect(registry, snapshot, before, namespace)
@@ -224,15 +227,51 @@ def test_numpy_and_torch_memory_stays_shared_through_a_round_trip():
     x = np.arange(6.0)
     u = torch.arange(6.0)
     sent = (x, torch.from_numpy(x), torch.from_numpy(x[2:]), u, u.numpy(), u.view(2, 3).T.numpy())
-    data, buffers = pickling.dump_result(sent)
+    data, buffers = result_file.dump_result(sent)
     x2, t2, tail2, u2, a2, c2 = pickle.loads(data, buffers=buffers)
     t2.add_(1)
     assert x2.tolist() == [1, 2, 3, 4, 5, 6] and tail2.tolist() == [3, 4, 5, 6]
     u2.mul_(10)
     assert a2.tolist() == [0, 10, 20, 30, 40, 50] and c2.tolist() == [[0, 30], [10, 40], [20, 50]]
-    data, buffers = pickling.dump_result(torch.from_numpy(np.ones(2)))
+    data, buffers = result_file.dump_result(torch.from_numpy(np.ones(2)))
     alone = pickle.loads(data, buffers=buffers)
     assert alone.tolist() == [1, 1]  # its array did not travel: the tensor comes by value
+
+
+def test_a_results_file_saved_before_the_modules_moved_still_loads(tmp_path):
+    """tests/data/results_9af6e15.pkl was written by commit 9af6e15's --export code (its rebuild
+    functions named ``enot_nb._pickling.*``; see tests/data/make_results_9af6e15.py)."""
+    data = Path(__file__).with_name("data") / "results_9af6e15.pkl"
+    assert b"enot_nb._pickling" in data.read_bytes()
+    (tmp_path / "train.results.pkl").write_bytes(data.read_bytes())
+    loaded = enot_nb.load_results(tmp_path / "train.py")
+    base, view, weight, tagged = loaded["base"], loaded["view"], loaded["weight"], loaded["tagged"]
+    assert base.dtype == torch.float64
+    assert base.tolist() == [[0.25, 1.75, 3.25, 4.75], [6.25, 7.75, 9.25, 10.75], [12.25, 13.75, 15.25, 16.75]]
+    assert view.tolist() == [[6.25, 9.25], [12.25, 15.25]] and view.stride() == (4, 2)
+    base[1, 2] = -1.0  # the view is still a view of base's storage
+    assert view[0, 1].item() == -1.0 and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert type(weight) is torch.nn.Parameter and weight.requires_grad and weight.tolist() == [3.5, -2.25, 7.0]
+    assert weight.grad.tolist() == [0.5, -0.125, 1.0]
+    assert type(tagged).__name__ == "Tagged" and isinstance(tagged, torch.Tensor) and tagged.note == "kept"
+    assert tagged.dtype == torch.int32 and tagged.tolist() == [10, 20, 30]
+    array, from_numpy, tail = loaded["array"], loaded["from_numpy"], loaded["array_tail"]
+    assert array.dtype == np.float32 and array.tolist() == [-1, 2, 5, 8, 11, 14]
+    from_numpy.add_(1)  # still one memory with the array, and with its view
+    assert array.tolist() == [0, 3, 6, 9, 12, 15] and tail.tolist() == [6, 9, 12, 15]
+    counts, counts_numpy = loaded["counts"], loaded["counts_numpy"]
+    counts.mul_(2)
+    assert counts_numpy.dtype == np.int64 and counts_numpy.tolist() == [14, 16, 18, 20]
+    assert loaded["ref"]() is base and loaded["plain"] == {"lr": 0.125, "steps": [1, 2, 3]}
+
+
+def test_every_moved_name_is_where_the_table_says():
+    import importlib
+
+    from enot_nb._serialize import renamed
+
+    for (old, name), new in renamed.MOVED.items():
+        assert old.startswith("enot_nb.") and hasattr(importlib.import_module(new), name), (old, name, new)
 
 
 def test_a_stop_press_anywhere_in_reading_a_pipe_end_leaves_it_readable_again():

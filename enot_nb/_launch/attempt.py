@@ -24,15 +24,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import assert_never
+
 from enot_nb._launch import relay
 from enot_nb._launch.ranks import Rank, RankIO, close_pipes, make_ranks
 from enot_nb._log import log
 from enot_nb._processes import rendezvous as _rendezvous
-from enot_nb._processes import spawn
+from enot_nb._processes import watchdog_client
+from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
 from enot_nb._processes.interrupts import finish, interrupts_deferred
-from enot_nb._processes.protocol import Kind, LaunchFds
-from enot_nb._serialize import pickling
+from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, InMemfd, MessageKind, Payload
+from enot_nb._processes.starts import start_error
+from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap, streams
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
@@ -191,7 +195,7 @@ class Attempt:
         job: bootstrap.Job,
         shipped: tuple[bytes, list[int]] | None,
         attempt: int,
-        on_message: Callable[[str, Any], None] | None = None,
+        on_message: Callable[[FrontEndMessage], None] | None = None,
     ):
         self.plan, self.job, self.shipped, self.attempt = plan, job, shipped, attempt
         self.on_message = on_message
@@ -223,7 +227,7 @@ class Attempt:
         try:
             self._start_now()
         except OSError as err:  # EMFILE, EAGAIN, ENOMEM: one clear error (close cleans up)
-            raise spawn.start_error(err, "the launch could not start") from err
+            raise start_error(err, "the launch could not start") from err
 
     def _start_now(self) -> None:
         # A stop press may land between any two lines: each resource is made and recorded here
@@ -239,7 +243,7 @@ class Attempt:
         try:
             with interrupts_deferred():
                 if self.plan.node_rank == 0:  # global rank 0 runs here
-                    self.result_fd = pickling.result_fd()
+                    self.result_fd = result_file.result_fd()
                 self.rendezvous_dir = rendezvous_folder(self.plan)
             self.group = make_group(
                 self.plan, self.job, self.shipped, self.ranks, self.attempt, self.result_fd, self.rendezvous_dir
@@ -307,7 +311,7 @@ class Attempt:
                 continue  # stopped by us after another rank failed, or interrupted
             self.failures.append(WorkerFailure.died(r.rank, exitcode, self.attempt, r.sinks["err"].tail()))
 
-    def _record_error(self, r: Rank, info: dict[str, Any]) -> None:
+    def _record_error(self, r: Rank, info: ErrorReport) -> None:
         self.failures.append(WorkerFailure.raised(r.rank, info, self.attempt, r.sinks["err"].tail()))
 
     # ------------------------------------------------------------------------- collect, close
@@ -363,6 +367,7 @@ def collect(plan: LaunchPlan, ranks: list[Rank], failures: list[WorkerFailure], 
     master = next((r for r in ranks if r.rank == 0), None)
     if master is None:
         return Outcome(ok=True, result=None)  # not node 0: rank 0 runs elsewhere
+    assert master.payload is not None  # no failure: rank 0 sent its Result
     return Outcome(ok=True, result=load_payload(result_fd, master.payload))
 
 
@@ -370,7 +375,7 @@ def rendezvous_folder(plan: LaunchPlan) -> str | None:
     """The folder (mode 0700) one node's ranks meet through, or None if they meet over TCP."""
     if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
         folder = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")
-        spawn.watchdog().tell(f"folder {folder}")
+        watchdog_client.folder(folder)
         return folder
     return None
 
@@ -381,7 +386,7 @@ def partial_state(ranks: list[Rank], result_fd: int | None) -> Any:
     if master is None:
         return None
     # A master that finished (it caught the interrupt, or was done first) sent all it had.
-    payload = master.payload if master.outcome == Kind.RESULT else master.partial
+    payload = master.payload if master.outcome == MessageKind.RESULT else master.partial
     if payload is None:
         return None
     try:
@@ -393,7 +398,7 @@ def partial_state(ranks: list[Rank], result_fd: int | None) -> Any:
 
 def remove_rendezvous_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
-    spawn.watchdog().tell(f"unfolder {folder}")
+    watchdog_client.unfolder(folder)
 
 
 def make_group(
@@ -450,16 +455,20 @@ def _not_for(r: Rank, ranks: list[Rank]) -> list[int]:
     """What a forked worker inherits but must close: every read end, the other ranks' write
     ends (or EOF would never come), the watchdog's pipe."""
     fds = [fd for o in ranks for pair in o.pipes.values() for fd in (pair[:1] if o is r else pair)]
-    return fds + [spawn.watchdog().fd]
+    return fds + [watchdog_client.command_fd()]
 
 
-def load_payload(result_fd: int | None, payload: tuple[str, Any]) -> Any:
+def load_payload(result_fd: int | None, payload: Payload) -> Any:
     """Rank 0's result (or partial state), from the result memfd or the message itself."""
-    kind, data = payload
     try:
-        if kind == Kind.MEMFD:
-            return pickling.read_result(result_fd, data)
-        return pickle.loads(data)
+        match payload:
+            case InMemfd(size):
+                assert result_fd is not None  # the worker wrote into it
+                return result_file.read_result(result_fd, size)
+            case Inline(data):
+                return pickle.loads(data)
+            case _:
+                assert_never(payload)
     except Exception as err:
         raise LaunchError(
             f"rank 0's result could not be loaded in this process "

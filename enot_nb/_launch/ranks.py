@@ -2,7 +2,7 @@
 
 Each rank has three pipes (stdout, stderr, messages). ``RankIO`` reads whichever is ready,
 forwards output to the sinks (shown or not by the output mode), and keeps the rank's outcome
-("result", "done" or "error"), its partial state ("partial") and any other message, which goes
+(Result, Done or ErrorReport), its partial state (Partial) and any other message, which goes
 to ``on_message`` (display data, ...) exactly between the output written before and after it
 (the worker fences its streams, see output.Fenced).
 """
@@ -14,11 +14,28 @@ import selectors
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from typing_extensions import assert_never
 
 from enot_nb._launch.output import Fenced, StreamSink
-from enot_nb._processes import protocol, spawn
-from enot_nb._processes.protocol import Kind
+from enot_nb._log import log
+from enot_nb._processes import starts
+from enot_nb._processes.framing import MessageReader
+from enot_nb._processes.protocol import (
+    ClearOutput,
+    CommMessage,
+    Connected,
+    Display,
+    Done,
+    ErrorReport,
+    FencedMessage,
+    FrontEndMessage,
+    MessageKind,
+    Partial,
+    Payload,
+    Result,
+    WorkerMessage,
+)
 
 STREAMS = ("out", "err", "msg")
 
@@ -31,15 +48,15 @@ class Rank:
     local_rank: int
     pipes: dict[str, tuple[int, int]]  # "out"/"err"/"msg" -> (read end, write end)
     sinks: dict[str, StreamSink]
-    messages: protocol.MessageReader = field(default_factory=protocol.MessageReader)
+    messages: MessageReader[WorkerMessage] = field(default_factory=MessageReader)
     pid: int | None = None
     exitcode: int | None = None
-    outcome: str | None = None  # "result", "done" or "error"
-    payload: Any = None
-    partial: Any = None  # rank 0's state at an interrupt or failure ("partial" message)
+    outcome: MessageKind | None = None  # RESULT, DONE or ERROR
+    payload: Payload | None = None  # rank 0's result (its Result message)
+    partial: Payload | None = None  # rank 0's state at an interrupt or failure (Partial)
     stack_text: str = ""
     stop_signals: set[int] = field(default_factory=set)  # the stop signals we sent it
-    connected: bool = False  # it got past init_process_group ("connected" message)
+    connected: bool = False  # it got past init_process_group (Connected)
     fenced: dict[str, Fenced] = field(default_factory=lambda: {"out": Fenced(), "err": Fenced()})
     handled: int = 0  # messages handled that the worker fenced its output for (all but outcomes)
     open_reads: set[str] = field(default_factory=lambda: set(STREAMS))
@@ -76,7 +93,7 @@ def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:
                 ranks[-1].pipes[name] = os.pipe()
     except OSError as err:
         close_pipes(ranks)
-        raise spawn.start_error(err, f"the pipes of {nprocs} workers could not be made") from err
+        raise starts.start_error(err, f"the pipes of {nprocs} workers could not be made") from err
     return ranks
 
 
@@ -92,7 +109,10 @@ class RankIO:
     """Reads every rank's pipes through one selector (which also watches the group's exits)."""
 
     def __init__(
-        self, ranks: list[Rank], on_message: Callable[[str, Any], None] | None, on_error: Callable[[Rank, dict], None]
+        self,
+        ranks: list[Rank],
+        on_message: Callable[[FrontEndMessage], None] | None,
+        on_error: Callable[[Rank, ErrorReport], None],
     ) -> None:
         self.ranks, self.on_message, self.on_error = ranks, on_message, on_error
         self.selector = selectors.DefaultSelector()
@@ -131,8 +151,8 @@ class RankIO:
             r.open_reads.discard(name)
             return False
         if name == "msg":
-            for kind, payload in r.messages.feed(data):
-                self._message(r, kind, payload)
+            for message in r.messages.feed(data):
+                self._message(r, message)
         else:
             r.fenced[name].add(data)
             self._show(r, name, force_show)
@@ -147,22 +167,36 @@ class RankIO:
         else:
             r.sinks[name].feed(data, force_show=force_show)
 
-    def _message(self, r: Rank, kind: str, payload: Any) -> None:
-        if kind in Kind.OUTCOMES:
-            r.outcome, r.payload = kind, payload
-            if kind == Kind.ERROR:
-                self.on_error(r, payload)
-            return
-        # The worker fenced its output before this message: show what came before it first.
+    def _message(self, r: Rank, message: WorkerMessage) -> None:
+        match message:
+            case Result(payload):
+                r.outcome, r.payload = message.kind, payload
+            case Done():
+                r.outcome = message.kind
+            case ErrorReport():
+                r.outcome = message.kind
+                self.on_error(r, message)
+            case Connected() | Partial() | Display() | ClearOutput() | CommMessage():
+                self._fenced_message(r, message)
+            case _:
+                assert_never(message)
+
+    def _fenced_message(self, r: Rank, message: FencedMessage) -> None:
+        """A message the worker fenced its output for: shown after what came before it."""
         for name in ("out", "err"):
             while name in r.open_reads and r.fenced[name].fences <= r.handled and self.read(r, name):
                 pass
-        if kind == Kind.CONNECTED:
-            r.connected = True
-        elif kind == Kind.PARTIAL:
-            r.partial = payload
-        elif self.on_message and r.sinks["out"].show:
-            self.on_message(kind, payload)
+        match message:
+            case Connected():
+                r.connected = True
+                log.debug("rank %d: connected (past init_process_group)", r.rank)
+            case Partial(payload):
+                r.partial = payload
+            case Display() | ClearOutput() | CommMessage():
+                if self.on_message and r.sinks["out"].show:
+                    self.on_message(message)
+            case _:
+                assert_never(message)
         r.handled += 1
         for name in ("out", "err"):
             self._show(r, name)

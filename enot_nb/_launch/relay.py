@@ -1,12 +1,18 @@
 """The kernel's side of the workers' front end (see :mod:`enot_nb._worker.frontend`): what the shown
-ranks display, clear and open as widgets is published by this kernel, under the cell it runs."""
+ranks display, clear and open as widgets is published by this kernel, under the cell it runs.
+
+A widget that comes back with a cell's state is adopted by the kernel's comm manager through
+``frontend.adopt_comm``, defined next to the reduce that names it (a worker never imports this
+layer)."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from enot_nb._processes.protocol import Kind
+from typing_extensions import assert_never
+
+from enot_nb._processes.protocol import ClearOutput, CommMessage, Display, FrontEndMessage
 
 
 def _shell() -> Any:
@@ -38,19 +44,22 @@ def kernel_parent() -> dict | None:
     return {"header": dict(header)} if header else {}  # the header is what widgets read
 
 
-def show(kind: str, payload: Any) -> None:
+def show(message: FrontEndMessage) -> None:
     """Publish one worker message in the notebook, as the worker's own code asked."""
     from IPython.display import clear_output, publish_display_data
 
-    if kind == Kind.DISPLAY:
-        publish_display_data(payload.data, payload.metadata, transient=payload.transient, update=payload.update)
-    elif kind == Kind.CLEAR_OUTPUT:
-        clear_output(wait=payload)
-    elif kind == Kind.COMM:
-        _publish_comm(payload)
+    match message:
+        case Display(data, metadata, transient, update):
+            publish_display_data(data, metadata, transient=transient, update=update)
+        case ClearOutput(wait):
+            clear_output(wait=wait)
+        case CommMessage():
+            _publish_comm(message)
+        case _:
+            assert_never(message)
 
 
-def _publish_comm(message: Any) -> None:
+def _publish_comm(message: CommMessage) -> None:
     kernel = _kernel()
     if kernel is None:  # a terminal IPython: no front end can show a widget
         return
@@ -63,16 +72,3 @@ def _publish_comm(message: Any) -> None:
         ident=message.topic,
         buffers=message.buffers,
     )
-
-
-def adopt_comm(comm_id: str, target_name: str) -> Any:
-    """The kernel's comm for one a worker opened (its model exists in the front end already):
-    registered without a new comm_open, so the object that came back keeps working, both ways."""
-    import comm
-
-    adopted = comm.create_comm(comm_id=comm_id, target_name=target_name, primary=False)
-    comm.get_comm_manager().register_comm(adopted)
-    kernel = _kernel()
-    if kernel is not None and hasattr(adopted, "kernel"):
-        adopted.kernel = kernel  # ipywidgets syncs a widget's changes only through a comm with a kernel
-    return adopted

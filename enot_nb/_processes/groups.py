@@ -17,6 +17,7 @@ server. Both keep the same rules, which is what makes stopping them safe:
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import os
 import signal
 import socket
@@ -24,9 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from enot_nb._processes import spawn
+from enot_nb._processes import clean_thread, forkserver_client, watchdog_client
+from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.interrupts import interrupts_deferred
-from enot_nb._processes.protocol import Exit, LaunchFds
+from enot_nb._processes.protocol import Exit
+from enot_nb._processes.starts import hook, start_error
 from enot_nb.errors import LaunchError
 
 
@@ -86,18 +89,18 @@ class ForkedGroup:
     def __init__(self, children: list[tuple[int, Callable[[], Any]]]) -> None:
         self._children = children
         self._started: list[tuple[int, int, int]] = []  # (rank, pid, pidfd), filled as forked
-        self._future: concurrent.futures.Future | None = None
+        self._future: concurrent.futures.Future[None] | None = None
         self.exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
         with interrupts_deferred():  # the forks are known (settle) once they are asked for
-            self._future = spawn.fork_all(self._children, self._started)
+            self._future = clean_thread.fork_all(self._children, self._started)
         try:
             self._future.result()
         except OSError as err:
-            raise spawn.start_error(err, f"rank {len(self._started)} could not be started") from err
+            raise start_error(err, f"rank {len(self._started)} could not be started") from err
         finally:
-            spawn.watchdog().tell(*(f"watch {pid}" for _, pid, _ in self._started))
+            watchdog_client.watch(*(pid for _, pid, _ in self._started))
         return {rank: pid for rank, pid, _ in self._started}
 
     def sources(self) -> list[int]:
@@ -120,7 +123,7 @@ class ForkedGroup:
             except ChildProcessError:  # reaped by the system: the cell set SIGCHLD to SIG_IGN
                 code = -signal.SIGKILL
             self.exited[rank] = code
-            spawn.watchdog().tell(f"forget {pid}")
+            watchdog_client.forget(pid)
             os.close(pidfd)
         return rank, code
 
@@ -130,7 +133,7 @@ class ForkedGroup:
                 _pidfd_signal(pidfd, signum)
 
     def settle(self) -> None:
-        spawn.settle(self._future)
+        clean_thread.settle(self._future)
 
     def close(self) -> None:
         self.settle()  # forks still in flight: know them all first
@@ -140,38 +143,55 @@ class ForkedGroup:
                 self._reap(entry)
 
 
+class LaunchPhase(enum.Enum):
+    """Where a ServerGroup's launch stands::
+
+        UNSENT --launch id taken--> ASKED --Started, pidfds recorded--> RUNNING
+                                    ASKED --StartFailed--------------> REFUSED
+
+    ``close`` does what each needs: nothing (UNSENT); read the answer first (ASKED: a stop press
+    came between the request and its answer); then kill what runs and read each worker's exit,
+    which keeps the session in step for the next launch (RUNNING; REFUSED left nothing)."""
+
+    UNSENT = "unsent"
+    ASKED = "asked"
+    RUNNING = "running"
+    REFUSED = "refused"
+
+
 class ServerGroup:
     """Workers forked by the fork server; exits arrive as its messages."""
 
     def __init__(self, specs: list[Any], fds: list[int], job_bytes: bytes, layout: LaunchFds) -> None:
         self._request = (specs, fds, job_bytes, layout)
-        self.server: spawn.ForkServer | None = None
-        self.launch_id: int | None = None
-        self.pids: dict[int, int] | None = None
+        self.phase = LaunchPhase.UNSENT
+        self.server: forkserver_client.ForkServer | None = None
+        self.launch_id = 0
+        self.pids: dict[int, int] = {}  # known once RUNNING
         self.pidfds: dict[int, int] = {}
         self.exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
-        self.server = spawn.fork_server()
-        spawn.hook("before_launch")
-        self.launch_id = self.server.next_launch_id()  # known before a byte is sent
-        self.server.send_launch(self.launch_id, *self._request)
-        spawn.hook("launch_sent")
+        self.server = server = forkserver_client.fork_server()
+        hook("before_launch")
+        self.launch_id, self.phase = server.next_launch_id(), LaunchPhase.ASKED  # before a byte is sent
+        server.send_launch(self.launch_id, *self._request)
+        hook("launch_sent")
         try:
-            pids = self.server.wait_started(self.launch_id)  # a press after this: server broken
-        except spawn.StartRefused:
-            self.pids = {}  # the server left nothing running, and is in step
+            pids = server.wait_started(self.launch_id)  # a press after this: the session is out of step
+        except forkserver_client.StartRefused:
+            self.phase = LaunchPhase.REFUSED  # the server left nothing running, and is in step
             raise
         self._started(pids)
-        spawn.hook("started")
+        hook("started")
         return pids
 
     def _started(self, pids: dict[int, int]) -> None:
         assert self.server is not None
         with interrupts_deferred():  # the workers' pidfds are received and recorded as one step
             self.pidfds = self.server.take_pidfds(pids)
-            self.pids = pids
-            spawn.watchdog().tell(*(f"watch {pid}" for pid in pids.values()))
+            self.pids, self.phase = pids, LaunchPhase.RUNNING
+            watchdog_client.watch(*pids.values())
 
     def sources(self) -> list[socket.socket]:
         return [self.server.sock] if self.server is not None else []
@@ -189,14 +209,14 @@ class ServerGroup:
         ended = []
         with interrupts_deferred():  # each exit taken off the queue is recorded
             while reader.pending:
-                message = reader.pending.popleft()
-                if isinstance(message, Exit) and message.launch_id == self.launch_id:
-                    rank, code = message.rank, message.exitcode
-                    self.exited[rank] = code
-                    os.close(self.pidfds.pop(rank))
-                    if self.pids is not None:
-                        spawn.watchdog().tell(f"forget {self.pids[rank]}")
-                    ended.append((rank, code))
+                match reader.pending.popleft():
+                    case Exit(launch_id=launch_id, rank=rank, exitcode=code) if launch_id == self.launch_id:
+                        self.exited[rank] = code
+                        os.close(self.pidfds.pop(rank))
+                        watchdog_client.forget(self.pids[rank])
+                        ended.append((rank, code))
+                    case _:  # an earlier launch's late message
+                        pass
         return ended
 
     def settle(self) -> None:
@@ -209,23 +229,24 @@ class ServerGroup:
             _pidfd_signal(self.pidfds[rank], signum)
 
     def close(self) -> None:
-        if self.server is None or self.launch_id is None:
+        if self.phase is LaunchPhase.UNSENT:
             return
-        deadline = time.monotonic() + spawn.SERVER_RECOVERY_TIMEOUT
+        assert self.server is not None
+        deadline = time.monotonic() + forkserver_client.SERVER_RECOVERY_TIMEOUT
         try:
-            if self.server.broken:
+            if not self.server.state.is_usable():
                 raise LaunchError("the request to the fork server was cut short")
-            if self.pids is None:  # interrupted between the request and the answer
-                self._started(self.server.wait_started(self.launch_id, spawn.SERVER_RECOVERY_TIMEOUT))
+            if self.phase is LaunchPhase.ASKED:  # interrupted between the request and the answer
+                self._started(self.server.wait_started(self.launch_id, forkserver_client.SERVER_RECOVERY_TIMEOUT))
             for pidfd in self.pidfds.values():
                 _pidfd_signal(pidfd, signal.SIGKILL)
-            while self.pids is not None and len(self.exited) < len(self.pids):
+            while len(self.exited) < len(self.pids):
                 self.exits(None, deadline)  # keep the protocol in step for the next launch
         except (LaunchError, OSError):
-            spawn.shutdown_server()  # its workers die with it (parent-death signal)
+            forkserver_client.shutdown_server()  # its workers die with it (parent-death signal)
         finally:
             for pidfd in self.pidfds.values():
                 os.close(pidfd)
             self.pidfds = {}
             if self.pids:  # those whose exit was not seen (exits forgot the others)
-                spawn.watchdog().tell(*(f"forget {pid}" for rank, pid in self.pids.items() if rank not in self.exited))
+                watchdog_client.forget(*(pid for rank, pid in self.pids.items() if rank not in self.exited))

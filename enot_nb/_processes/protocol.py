@@ -1,45 +1,48 @@
-"""Length-prefixed pickle messages over pipes and sockets between the launcher and its workers.
+"""What the launcher, its workers and its fork server say to each other: one record per message.
 
-Only processes that inherited the descriptors can write to them, so everything unpickled here
-comes from the launcher's own workers or fork server, never from a network socket.
+How the records travel (framed pickles, descriptors in batches) is
+:mod:`enot_nb._processes.framing`. Each message is a NamedTuple, read with ``match`` on its
+class: a kind and its fields cannot disagree, and a reader that forgets a kind fails the type
+check (``assert_never``), not a notebook.
+
+worker -> launcher, on one message pipe per rank (MessageKind draws the order)::
+
+    Connected()                       past init_process_group and the first barrier
+    Display(data, metadata, ...)      \\
+    ClearOutput(wait)                  > what its front end publishes (see frontend, relay)
+    CommMessage(msg_type, ...)        /
+    Partial(payload)                  rank 0's state at an interrupt or failure
+    then exactly one of Result(payload) (rank 0), Done(), ErrorReport(...)
+
+A payload is InMemfd(size) (written into the result memfd) or Inline(data) (pickle bytes).
+launcher <-> fork server, on its Unix socket: Ready, Launch (+ descriptors laid out by
+LaunchFds), Started (+ a pidfd per rank) or StartFailed, Exit (see forkserver).
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import select
-import socket
-import struct
-from collections import deque
-from typing import Any, NamedTuple
+import enum
+from typing import NamedTuple, TypeAlias
 
-from enot_nb._processes.interrupts import interrupts_deferred
-
-_HEADER = struct.Struct("<Q")
+from enot_nb._processes.framing import LaunchFds
 
 
-class Kind:
-    """Every message kind, defined once.
+class MessageKind(enum.Enum):
+    """Every kind of worker message, in the order a worker sends them::
 
-    worker -> launcher, ``(kind, payload)`` on one message pipe per rank: CONNECTED (past
-    init_process_group), DISPLAY, CLEAR_OUTPUT, COMM, PARTIAL, then one of RESULT (rank 0),
-    DONE, ERROR (an ErrorReport). A RESULT or PARTIAL payload is (MEMFD, size) or (INLINE,
-    pickle bytes). The fork server's messages are the
-    NamedTuples below (Ready, Launch, Started, StartFailed, Exit).
-    """
+        CONNECTED -> (DISPLAY | CLEAR_OUTPUT | COMM | PARTIAL)* -> RESULT | DONE | ERROR
 
+    The last three are a rank's outcome (``Rank.outcome``); a worker fences its output before
+    each of the others (see OUTPUT_FENCE)."""
+
+    CONNECTED = "connected"
     DISPLAY = "display"
     CLEAR_OUTPUT = "clear_output"
     COMM = "comm"
-    CONNECTED = "connected"
     PARTIAL = "partial"
     RESULT = "result"
     DONE = "done"
     ERROR = "error"
-    MEMFD = "memfd"
-    INLINE = "inline"
-    OUTCOMES = (RESULT, DONE, ERROR)
 
 
 # Written by a worker into its stdout and stderr pipes just before each message that is not an
@@ -49,24 +52,60 @@ class Kind:
 OUTPUT_FENCE = b"\x1b_enot_nb\x1b\\"
 
 
-class WorkerMessage(NamedTuple):
-    """worker -> launcher, on the rank's message pipe: a Kind and its payload."""
+# ----------------------------------------------------------------------------- payloads
 
-    kind: str
-    payload: Any
+
+class InMemfd(NamedTuple):
+    """A result laid out in the launch's result memfd (result_file.write_result)."""
+
+    size: int
+
+
+class Inline(NamedTuple):
+    """A result pickled into the message itself, where no memfd exists (result_file.dump_inline)."""
+
+    data: bytes
+
+
+Payload: TypeAlias = InMemfd | Inline
+
+
+# ----------------------------------------------------------------------------- worker -> launcher
+
+
+class Connected(NamedTuple):
+    """The rank got past init_process_group and the first barrier: user code may run."""
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.CONNECTED
 
 
 class Display(NamedTuple):
-    """A DISPLAY message's payload: what IPython's display publisher was given in the worker."""
+    """What IPython's display publisher was given in the worker."""
 
     data: dict
     metadata: dict
     transient: dict
     update: bool
 
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.DISPLAY
+
+
+class ClearOutput(NamedTuple):
+    """``IPython.display.clear_output(wait)`` in the worker."""
+
+    wait: bool
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.CLEAR_OUTPUT
+
 
 class CommMessage(NamedTuple):
-    """A COMM message's payload: what a worker's comm (a widget) would publish on iopub."""
+    """What a worker's comm (a widget) would publish on iopub."""
 
     msg_type: str
     """comm_open, comm_msg or comm_close."""
@@ -75,9 +114,42 @@ class CommMessage(NamedTuple):
     buffers: list[bytes]
     topic: bytes
 
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.COMM
+
+
+class Partial(NamedTuple):
+    """Rank 0's state at an interrupt or failure, sent before its error (a stopped cell keeps
+    what it reached)."""
+
+    payload: Payload
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.PARTIAL
+
+
+class Result(NamedTuple):
+    """Rank 0's outcome: what the function returned (or the cell's changes)."""
+
+    payload: Payload
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.RESULT
+
+
+class Done(NamedTuple):
+    """The outcome of a rank other than 0 that finished."""
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.DONE
+
 
 class ErrorReport(NamedTuple):
-    """What a worker that raised tells the launcher (its ERROR message's payload)."""
+    """The outcome of a rank that raised (or called sys.exit)."""
 
     type: str | None
     """The exception's class name; None for sys.exit."""
@@ -87,6 +159,20 @@ class ErrorReport(NamedTuple):
     connecting: bool = False
     """It failed while the ranks were connecting (gloo's connectFullMesh), before any user code
     ran: the launcher starts the attempt again (see launcher.run_plan)."""
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.ERROR
+
+
+FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage
+"""What the kernel publishes for the ranks whose output is shown (relay.show)."""
+FencedMessage: TypeAlias = Connected | Partial | FrontEndMessage
+"""What a worker fences its output for: shown between what it printed before and after."""
+WorkerMessage: TypeAlias = FencedMessage | Result | Done | ErrorReport
+
+
+# ----------------------------------------------------------------------------- fork server
 
 
 class Ready(NamedTuple):
@@ -127,141 +213,5 @@ class Exit(NamedTuple):
     exitcode: int
 
 
-class FdsBatch(NamedTuple):
-    """Carries up to MAXFDS_PER_SEND descriptors of the message before it."""
-
-    count: int
-
-
-# One sendmsg carries at most SCM_MAX_FD (253) descriptors: more travel in batches, each
-# attached to an FdsBatch message that follows the message they belong to.
-MAXFDS_PER_SEND = 250
-
-
-def encode(message: Any) -> bytes:
-    """Frame ``message`` (pickled with protocol 5) with its length."""
-    body = pickle.dumps(message, protocol=5)
-    return _HEADER.pack(len(body)) + body
-
-
-def write_message(fd: int, message: Any) -> None:
-    """Write one framed message to a blocking file descriptor, all of it."""
-    data = memoryview(encode(message))
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-def send_message(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
-    """Send one framed message on a Unix socket, then ``fds`` in batches (see recv_fds)."""
-    sock.sendall(encode(message))
-    fds = list(fds or [])
-    for start in range(0, len(fds), MAXFDS_PER_SEND):
-        batch = fds[start : start + MAXFDS_PER_SEND]
-        data = encode(FdsBatch(len(batch)))
-        sent = socket.send_fds(sock, [data[:1]], batch)
-        sock.sendall(data[sent:])
-
-
-class MessageReader:
-    """Reassembles framed messages from the chunks read off a non-blocking descriptor."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self.pending: deque[Any] = deque()  # complete messages not yet taken by recv_message
-        self.fds: list[int] = []  # descriptors received and not yet taken by recv_fds
-
-    def feed(self, chunk: bytes) -> list[Any]:
-        """Add bytes just read; return every message now complete."""
-        self._buffer += chunk
-        messages = []
-        while len(self._buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buffer)
-            end = _HEADER.size + length
-            if len(self._buffer) < end:
-                break
-            messages.append(pickle.loads(memoryview(self._buffer)[_HEADER.size : end]))
-            del self._buffer[:end]
-        return messages
-
-
-def _read_some(sock: socket.socket, reader: MessageReader) -> None:
-    """Wait for data (a stop press may end the wait), then read it and record what it carries
-    with presses held: a press between receiving descriptors and recording them would leak
-    them, and one inside feed() would lose messages and put the protocol out of step."""
-    _wait_readable(sock)
-    with interrupts_deferred():
-        # Always ready for descriptors: bytes read without them would close the ones they carry.
-        chunk, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAXFDS_PER_SEND + 3)
-        reader.fds += fds
-        if chunk:
-            reader.pending.extend(reader.feed(chunk))
-    if not chunk:
-        raise EOFError("the peer closed the connection")
-
-
-def _wait_readable(sock: socket.socket) -> None:
-    """Block until ``sock`` is readable, or raise TimeoutError after its timeout."""
-    timeout = sock.gettimeout()
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    if not poller.poll(None if timeout is None else timeout * 1000):
-        raise TimeoutError("timed out")
-
-
-def recv_message(sock: socket.socket, reader: MessageReader) -> Any:
-    """Block until one whole message (not a descriptor batch) is available on ``sock``.
-
-    Raises:
-        EOFError: the peer closed the socket.
-    """
-    while True:
-        fill(sock, reader)
-        message = reader.pending.popleft()
-        if not _is_batch(message):
-            return message
-
-
-def fill(sock: socket.socket, reader: MessageReader) -> None:
-    """Block until a message waits in ``reader.pending``, for the caller to take."""
-    while not reader.pending:
-        _read_some(sock, reader)
-
-
-def _is_batch(message: Any) -> bool:
-    return isinstance(message, FdsBatch)
-
-
-def recv_fds(sock: socket.socket, reader: MessageReader, count: int) -> list[int]:
-    """The ``count`` descriptors sent with the message just received, in order: the batches
-    that carry them are read whole, so nothing of them is left for the next reader."""
-    batches = -(-count // MAXFDS_PER_SEND)
-    while batches:
-        while not reader.pending:
-            _read_some(sock, reader)
-        message = reader.pending.popleft()
-        if not _is_batch(message):
-            raise EOFError(f"expected {count} descriptors, got the message {message[:1]!r}")
-        batches -= 1
-    taken, reader.fds = reader.fds[:count], reader.fds[count:]
-    return taken
-
-
-class LaunchFds(NamedTuple):
-    """How the descriptors of a spawned launch are laid out: 3 per rank (stdout, stderr,
-    messages), then ``results`` (0 or 1) result memfd, then ``shared`` (0 or 1) memfd of the
-    shipped tensors. Defined once, for both ends (attempt and forkserver)."""
-
-    ranks: int
-    results: int
-    shared: int
-
-    @property
-    def count(self) -> int:
-        return 3 * self.ranks + self.results + self.shared
-
-    def split(self, fds: list[int]) -> tuple[list[list[int]], int | None, int | None]:
-        pipes = [fds[3 * i : 3 * i + 3] for i in range(self.ranks)]
-        rest = fds[3 * self.ranks :]
-        result = rest[0] if self.results else None
-        shared = rest[self.results] if self.shared else None
-        return pipes, result, shared
+ServerMessage: TypeAlias = Ready | Started | StartFailed | Exit
+"""What the fork server sends."""

@@ -35,7 +35,7 @@ def resolve(address: str) -> str:
     except ValueError:
         pass
     infos = socket.getaddrinfo(address, None, proto=socket.IPPROTO_TCP)
-    return infos[0][4][0]
+    return str(infos[0][4][0])  # an IPv4 or IPv6 sockaddr's host: already a str
 
 
 def is_loopback(address: str) -> bool:

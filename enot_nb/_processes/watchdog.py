@@ -4,9 +4,14 @@ A worker dies with the kernel (Linux's parent-death signal), but its own childre
 DataLoader workers, a ``subprocess.Popen``, processes a framework forks would be adopted by
 init and live on, holding GPU memory. So one small process per launching process (stdlib only,
 started once, ~20 ms) watches the kernel through a pidfd. The launcher tells it, on its stdin,
-which process groups (one per worker) and folders belong to running launches::
+which process groups (one per worker) and folders belong to running launches, one command a
+line::
 
     watch PGID     forget PGID     folder PATH     unfolder PATH
+
+The command words are the constants below, defined here only: this file runs as
+``python -I <file>`` (no site, no package), and the kernel's one sender of them,
+``watchdog_client.WatchdogClient``, imports this module to read them.
 
 When the kernel's pidfd fires (the kernel exited, was SIGKILLed or restarted), the watchdog
 SIGKILLs every group it still watches, removes the folders, and exits. It lives in a session of
@@ -21,6 +26,15 @@ import select
 import shutil
 import signal
 import sys
+
+WATCH = "watch"
+"""``watch PGID``: a running worker's process group, to kill if the kernel dies."""
+FORGET = "forget"
+"""``forget PGID``: that worker was reaped (its group id may be reused)."""
+FOLDER = "folder"
+"""``folder PATH``: a launch's rendezvous folder, to remove if the kernel dies."""
+UNFOLDER = "unfolder"
+"""``unfolder PATH``: that folder was removed."""
 
 
 def main() -> None:
@@ -72,13 +86,13 @@ class _Watched:
 
     def _take(self, line: str) -> None:
         verb, _, argument = line.partition(" ")
-        if verb == "watch":
+        if verb == WATCH:
             self.groups.add(int(argument))
-        elif verb == "forget":
+        elif verb == FORGET:
             self.groups.discard(int(argument))
-        elif verb == "folder":
+        elif verb == FOLDER:
             self.folders.add(argument)
-        elif verb == "unfolder":
+        elif verb == UNFOLDER:
             self.folders.discard(argument)
 
 

@@ -24,19 +24,13 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._serialize import pickling
-from enot_nb._state import objgraph
-from enot_nb._state.objgraph import Registry
-
-
-class _Keep:
-    """Stands for an attribute or item that could not come back: the notebook keeps its own."""
-
-    def __reduce__(self) -> str:
-        return "KEEP"
-
-
-KEEP = _Keep()
+from enot_nb._serialize import picklers
+from enot_nb._serialize.picklers import ResultPickler
+from enot_nb._serialize.tensors import array_owner, storage_array
+from enot_nb._state.kinds import OPS, Kind
+from enot_nb._state.registry import Registry, user_variables
+from enot_nb._state.snapshot import Snapshot
+from enot_nb._state.states import ATOMS
 
 
 @dataclass
@@ -55,7 +49,7 @@ class Changes:
 
 @dataclass
 class PickledState:
-    """Changes pickled against a registry; the buffers travel out of band (see pickling)."""
+    """Changes pickled against a registry; the buffers travel out of band (see picklers)."""
 
     main: bytes
     buffers: list[Any]
@@ -66,22 +60,23 @@ class PickledState:
 
 def collect(
     registry: Registry,
-    snapshot: objgraph.Snapshot,
+    snapshot: Snapshot,
     names_before: dict[str, Any],
     namespace: dict[str, Any],
     hidden: Any = (),
 ) -> tuple[Changes, list[int]]:
     """The changes the cell made; also the indices of the changed objects (for their names)."""
     changes = Changes()
-    now = objgraph.user_variables(namespace, hidden)
+    now = user_variables(namespace, hidden)
     changes.bound = {n: v for n, v in now.items() if names_before.get(n, _MISSING) is not v}
     changes.deleted = [n for n in names_before if n not in now]
     changed = snapshot.changed_objects(registry)
     for i in changed:
-        changes.objects.append((i, _new_state(registry.objects[i], registry.kinds[i])))
+        changes.objects.append((i, OPS[registry.kinds[i]].new_state(registry.objects[i])))
     # By value, as a buffer: the storage itself would travel as a reference to the notebook's.
+    # (numpy declares the buffer protocol to type checkers for Python 3.12+ only.)
     changes.storages = [
-        (j, pickle.PickleBuffer(pickling.storage_array(registry.storages[j])))
+        (j, pickle.PickleBuffer(storage_array(registry.storages[j])))  # type: ignore[arg-type]
         for j in snapshot.changed_storages(registry)
     ]
     return changes, changed
@@ -90,35 +85,23 @@ def collect(
 _MISSING = object()
 
 
-def _new_state(obj: Any, kind: str) -> Any:
-    if kind == "ndarray":
-        return obj.copy()  # by value: the object itself would travel as a reference
-    if kind == "bytearray":
-        return bytes(obj)
-    if kind == "array":  # array.array
-        return obj.tobytes()
-    if kind == "rng":
-        return objgraph.rng_state(obj)
-    return objgraph.shallow_state(obj, kind)
-
-
-class StatePickler(pickling.TensorPickler):
+class StatePickler(ResultPickler):
     """Pickles Changes: registered objects and storages by reference (their index)."""
 
-    def __init__(self, file: Any, mode: str, buffer_callback: Any = None, *, registry: Registry) -> None:
-        super().__init__(file, mode, buffer_callback=buffer_callback, namespace=registry.objects[0])
+    def __init__(self, file: Any, buffer_callback: Any = None, *, registry: Registry) -> None:
+        super().__init__(file, buffer_callback=buffer_callback, namespace=registry.objects[0])
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
 
     def known_arrays(self) -> list[Any]:
-        return [obj for obj, kind in zip(self.registry.objects, self.registry.kinds) if kind == "ndarray"]
+        return [obj for obj, kind in zip(self.registry.objects, self.registry.kinds) if kind is Kind.NDARRAY]
 
     def is_known(self, array: Any, root: Any) -> Any:
         if self._arrays is None:
             self._arrays = {}
             for obj in self.known_arrays():
                 if obj.flags.c_contiguous:
-                    self._arrays.setdefault(id(pickling.array_owner(obj)), []).append(obj)
+                    self._arrays.setdefault(id(array_owner(obj)), []).append(obj)
         start, end = _extent(array)
         for known in self._arrays.get(id(root), ()):
             known_start, known_end = _extent(known)
@@ -127,7 +110,7 @@ class StatePickler(pickling.TensorPickler):
         return None
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) in objgraph._ATOMS:  # never registered: skip the lookups
+        if type(obj) in ATOMS:  # never registered: skip the lookups
             return None
         i = self.registry.find(obj)
         if i is not None:
@@ -158,19 +141,19 @@ def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> 
         off_cpu = _dry(changes, registry)
     buffers: list[Any] = []
     stream = io.BytesIO()
-    StatePickler(stream, "result", buffer_callback=buffers.append, registry=registry).dump(changes)
+    StatePickler(stream, buffer_callback=buffers.append, registry=registry).dump(changes)
     return PickledState(stream.getvalue(), buffers), off_cpu
 
 
 def _dry(obj: Any, registry: Registry) -> int:
-    return pickling.dry_run(obj, pickler_class=StatePickler, registry=registry)
+    return picklers.dry_run(obj, pickler_class=StatePickler, registry=registry)
 
 
-def _reason(value: Any, registry: Registry) -> str | None:
+def _reason(value: Any, registry: Registry, shown_as: str | None = None) -> str | None:
     try:
         _dry(value, registry)
     except Exception as err:  # noqa: BLE001 - any failure means it cannot come back
-        return f"{type(value).__name__} cannot be pickled: {err}"
+        return f"{shown_as or type(value).__name__} cannot be pickled: {err}"
     return None
 
 
@@ -194,27 +177,13 @@ def _leave_out_unpicklable(changes: Changes, registry: Registry, not_returned: d
 
 
 def _keep_what_pickles(i: int, registry: Registry, state: Any, not_returned: dict[str, str]) -> Any:
-    """Leave out the attributes or items of a changed object that cannot be pickled."""
-    kind, path = registry.kinds[i], registry.path(i)
-    if kind in ("object", "partial", "dict") and state[-1][0] is not None:
-        attributes = dict(state[-1][0])
-        for key, value in attributes.items():
-            reason = _reason(value, registry)
-            if reason:
-                not_returned[f"{path}.{key}"] = reason
-                attributes[key] = KEEP
-        state = (*state[:-1], (attributes, state[-1][1]))
-    if kind == "dict":
-        items = []
-        for key, value in state[0]:
-            key_reason = _reason(key, registry)
-            reason = _reason(value, registry) or key_reason
-            if reason:
-                not_returned[f"{path}[{key!r}]"] = reason
-                value = KEEP
-            items.append((KEEP if key_reason else key, value))
-        state = ([(k, v) for k, v in items if k is not KEEP], *state[1:])
-    reason = _reason(state, registry)
+    """Leave out the attributes or items of a changed object that cannot be pickled (where
+    its kind can do without them: see KindOps.trim), or else the whole change."""
+    trim, path = OPS[registry.kinds[i]].trim, registry.path(i)
+    if trim is not None:
+        state = trim(state, path, lambda value: _reason(value, registry), not_returned)
+    # A state record is named "tuple" in the message, as it was before the states had names.
+    reason = _reason(state, registry, "tuple" if isinstance(state, tuple) else None)
     if reason:
         not_returned[path] = reason
         return None

@@ -6,7 +6,7 @@ the write gives the writer a private copy, which pagemap reports as "exclusively
 an unwritten page is a file page (bit 61), a written one an anonymous copy. So a page was
 written by this process iff it is present, anonymous and exclusive. Pages that already are
 before the cell (a small tensor shares its first and last page with malloc's bookkeeping) are
-compared by a digest of their bytes instead (see objgraph.Snapshot).
+compared by a digest of their bytes instead (see digests).
 Reading the flags of 2 GiB takes 4 MB of /proc reads, instead of hashing 2 GiB twice.
 """
 
@@ -15,7 +15,10 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy
 
 PAGE = mmap.PAGESIZE
 _PRESENT, _SWAPPED, _FILE, _EXCLUSIVE = 1 << 63, 1 << 62, 1 << 61, 1 << 56
@@ -35,7 +38,8 @@ def _pagemap_fd() -> int | None:
     return _fd[1]
 
 
-def _entries(address: int, nbytes: int) -> list[int] | None:
+def _entries(address: int, nbytes: int) -> numpy.ndarray | None:
+    """The pagemap entries (a uint64 each) of the pages of an area, or None."""
     first, last = address // PAGE, (address + nbytes - 1) // PAGE
     fd = _pagemap_fd()
     if fd is None:

@@ -5,7 +5,7 @@ Life of a worker::
     become_worker: own process group, die with the parent, default signal handlers,
                    fds 1/2 -> the launcher's pipes, the rank's environment, its CPU threads
     load the job   (already in memory when forked from the caller; unpickled when from the server)
-    init_torch(...) -> job.fn(*args, **kwargs) -> message "result"/"done" or "error"
+    init_torch(...) -> job.fn(*args, **kwargs) -> message Result/Done or ErrorReport
     flush, destroy the process group, os._exit: the interpreter's own teardown is skipped on
     purpose, it aborts in gloo + DistributedDataParallel processes (6 of 20 runs on torch 2.13).
 """
@@ -24,9 +24,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from enot_nb._processes import protocol
-from enot_nb._processes.protocol import ErrorReport, Kind, WorkerMessage
-from enot_nb._serialize import pickling
+from enot_nb._processes import framing
+from enot_nb._processes.protocol import (
+    OUTPUT_FENCE,
+    Connected,
+    Done,
+    ErrorReport,
+    FencedMessage,
+    Inline,
+    InMemfd,
+    Partial,
+    Payload,
+    Result,
+)
+from enot_nb._serialize import result_file, shm
 from enot_nb._worker import streams
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
@@ -60,9 +71,9 @@ class WorkerSpec:
     close_fds: list[int] = field(default_factory=list)
     """Launcher descriptors of other ranks, closed in this worker."""
     result_fd: int | None = None
-    """A memfd for rank 0's result (see pickling.write_result); None: through the pipe."""
+    """A memfd for rank 0's result (see result_file.write_result); None: through the pipe."""
     shared_memory_fd: int | None = None
-    """The memfd of a spawned job's tensors (see pickling), mapped when the job is unpickled."""
+    """The memfd of a spawned job's tensors (see shm), mapped when the job is unpickled."""
     front_end: bool = False
     """Launched from IPython: display data and widgets go to the launcher (see frontend)."""
     kernel_parent: dict | None = None
@@ -132,14 +143,15 @@ _result_fd: int | None = None
 _fence_fds: tuple[int, int] | None = None
 
 
-def send(message: Any) -> None:
-    """Send a message (display data, ...) to the launcher, after the output written so far."""
+def send(message: FencedMessage) -> None:
+    """Send a message (display data, ...) to the launcher, after the output written so far (an
+    outcome goes straight to the pipe: nothing is fenced after it)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     assert _message_fd is not None and _fence_fds is not None, "send() is for worker processes"
     for fd in _fence_fds:
-        os.write(fd, protocol.OUTPUT_FENCE)  # atomic: far below PIPE_BUF
-    protocol.write_message(_message_fd, message)
+        os.write(fd, OUTPUT_FENCE)  # atomic: far below PIPE_BUF
+    framing.write_message(_message_fd, message)
 
 
 def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
@@ -156,7 +168,7 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
             from enot_nb._worker import frontend
 
             frontend.install(spec.kernel_parent, send)
-        pickling.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
+        shm.SHARED_FD[:] = [] if spec.shared_memory_fd is None else [spec.shared_memory_fd]
         job = load_job()
         if spec.output_setup is not None:  # after the job's imports, as in the kernel (see streams)
             streams.recreate(spec.output_setup)
@@ -169,7 +181,7 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
         _injected_connect_fault()
         _check_connected()
         connecting = False
-        send(WorkerMessage(Kind.CONNECTED, None))
+        send(Connected())
         result = job.fn(*job.args, **job.kwargs)
         _send_result(spec, result)
         exitcode = 0
@@ -181,7 +193,7 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
 
 def _send_result(spec: WorkerSpec, result: Any) -> None:
     if spec.rank != 0:
-        protocol.write_message(spec.message_fd, WorkerMessage(Kind.DONE, None))
+        framing.write_message(spec.message_fd, Done())
         return
     try:
         payload = _result_payload(spec.result_fd, result)
@@ -190,20 +202,20 @@ def _send_result(spec: WorkerSpec, result: Any) -> None:
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
-    protocol.write_message(spec.message_fd, WorkerMessage(Kind.RESULT, payload))
+    framing.write_message(spec.message_fd, Result(payload))
 
 
-def _result_payload(result_fd: int | None, result: Any) -> tuple[str, Any]:
+def _result_payload(result_fd: int | None, result: Any) -> Payload:
     """Pickled once: in band where no memfd exists, else with tensor data out of band."""
     if result_fd is None:
-        return (Kind.INLINE, pickling.dump_inline(result))
-    return (Kind.MEMFD, pickling.write_result(result_fd, *pickling.dump_result(result)))
+        return Inline(result_file.dump_inline(result))
+    return InMemfd(result_file.write_result(result_fd, *result_file.dump_result(result)))
 
 
 def send_partial(result: Any) -> None:
     """The master's state at an interrupt or failure, sent before the error is reported; the
     launcher may apply it (a stopped cell keeps what it reached)."""
-    send(WorkerMessage(Kind.PARTIAL, _result_payload(_result_fd, result)))
+    send(Partial(_result_payload(_result_fd, result)))
 
 
 class _MeshBroken(RuntimeError):
@@ -222,7 +234,7 @@ def _check_connected() -> None:
             raise _MeshBroken(f"the ranks are not all connected: the first barrier failed ({err})") from err
 
 
-def _is_transient_connect_error(exc: BaseException) -> bool:
+def _is_transient_connect_error(exc: BaseException | None) -> bool:
     """gloo's connectFullMesh sometimes fails between two healthy ranks on loopback ("Connection
     closed by peer"; 3 launches in 1,400 here, torch 2.13, the same before and after enot_nb's own
     start-up changes). Only gloo's text says so: it raises a plain RuntimeError."""
@@ -260,10 +272,7 @@ def _report_failure(spec: WorkerSpec, exc: BaseException, connecting: bool = Fal
         code, message, error_type = 1, str(exc), type(exc).__name__
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))) if error_type else None
     try:
-        protocol.write_message(
-            spec.message_fd,
-            WorkerMessage(Kind.ERROR, ErrorReport(error_type, message, text, code, connecting)),
-        )
+        framing.write_message(spec.message_fd, ErrorReport(error_type, message, text, code, connecting))
     except OSError:
         pass
     return code

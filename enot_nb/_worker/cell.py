@@ -5,7 +5,7 @@ In the worker (every rank)::
     rich output and widgets -> the launcher (the front end frontend installed at the start)
     sync_model(broadcast) on the modules the cell uses -> exec(cell) -> last expression's value
     figures left open -> PNG display data (master only)
-    master: what the cell changed (see objgraph, collect), pickled once against the registry
+    master: what the cell changed (see snapshot, collect), pickled once against the registry
             of the notebook's objects -> returned as the launch's result; on an interrupt (or a
             failure with --on-error keep) the same, sent before the exception is reported
 
@@ -21,8 +21,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._state import collect, objgraph
-from enot_nb._state.objgraph import Registry
+from enot_nb._state import collect, reach
+from enot_nb._state.registry import Registry, user_variables
+from enot_nb._state.snapshot import Snapshot
 from enot_nb._worker import bootstrap, frontend
 from enot_nb._worker import figures as _figures
 
@@ -105,10 +106,10 @@ def run_cell(
     source = options.source_header + code
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     body, last, suppressed = split_cell(code, options.first_line)
-    hidden = objgraph.hidden_names(namespace)
+    hidden = reach.hidden_names(namespace)
     namespace.setdefault("get_ipython", lambda: shell)
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
-    _sync_models(namespace, objgraph.names_used(code), options)
+    _sync_models(namespace, reach.names_used(code), options)
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back
         if registry is None:
@@ -154,7 +155,7 @@ def run_shipped_cell(
 ) -> Any:
     """Worker side under spawn: the shipped variables become the cell's namespace; ``objects``
     are the copies of the notebook's registered objects, index for index."""
-    namespace = objects[0]  # the worker's namespace dict (see pickling.WORKER_NAMESPACE)
+    namespace = objects[0]  # the worker's namespace dict (see picklers.WORKER_NAMESPACE)
     namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
     namespace.update(values)
     try:
@@ -173,8 +174,8 @@ class _Tracker:
 
     def __init__(self, registry: Registry, namespace: dict[str, Any], hidden: Any) -> None:
         self.registry, self.namespace, self.hidden = registry, namespace, hidden
-        self.names_before = objgraph.user_variables(namespace, hidden)
-        self.snapshot = objgraph.Snapshot.take(registry)
+        self.names_before = user_variables(namespace, hidden)
+        self.snapshot = Snapshot.take(registry)
 
     def outcome(
         self,

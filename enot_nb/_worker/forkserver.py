@@ -7,8 +7,8 @@ never runs a torch op or touches CUDA, then forks workers for each launch: the w
 clean and quickly. The job arrives pickled (cloudpickle), the workers' pipes arrive as file
 descriptors over a Unix socket that only the launching process holds.
 
-Protocol on the socket (framed pickles, descriptors in batches after their message; see
-protocol)::
+Protocol on the socket (the records of protocol, framed pickles, descriptors in batches after
+their message: see framing; the kernel's end is forkserver_client)::
 
     server -> caller  Ready(pid)
     caller -> server  Launch(id, [WorkerSpec], job_bytes, LaunchFds)   + the descriptors
@@ -28,9 +28,10 @@ import signal
 import socket
 import sys
 
-from enot_nb._processes import protocol
-from enot_nb._processes.protocol import Exit, Launch, LaunchFds, Ready, Started, StartFailed
-from enot_nb._serialize import pickling
+from enot_nb._processes import framing
+from enot_nb._processes.framing import LaunchFds
+from enot_nb._processes.protocol import Exit, Launch, Ready, Started, StartFailed
+from enot_nb._serialize import picklers
 from enot_nb._worker import bootstrap
 
 
@@ -67,7 +68,7 @@ def _fork_workers(
 
 
 def _load_job(job_bytes: bytes) -> bootstrap.Job:
-    return pickling.loads_shipped(job_bytes)
+    return picklers.loads_shipped(job_bytes)
 
 
 def _set_group(pid: int) -> None:
@@ -95,20 +96,20 @@ def _kill_group(pid: int) -> None:
 
 def serve(sock: socket.socket) -> None:
     """Answer launch requests until the caller closes the socket."""
-    reader = protocol.MessageReader()
+    reader: framing.MessageReader[Launch] = framing.MessageReader()
     while True:
         try:
-            launch: Launch = protocol.recv_message(sock, reader)
-            fds = protocol.recv_fds(sock, reader, launch.layout.count)
+            launch = framing.recv_message(sock, reader)  # the caller sends nothing else
+            fds = framing.recv_fds(sock, reader, launch.layout.total)
         except EOFError:
             return
         try:
             started = _fork_workers(sock, launch.specs, fds, launch.job_bytes, launch.layout)
         except OSError as err:
-            protocol.send_message(sock, StartFailed(launch.launch_id, err.errno, str(err)))
+            framing.send_message(sock, StartFailed(launch.launch_id, err.errno, str(err)))
             continue
         by_rank = sorted(started.items(), key=lambda item: item[1][0])
-        protocol.send_message(
+        framing.send_message(
             sock,
             Started(launch.launch_id, {rank: pid for pid, (rank, _) in by_rank}),
             [pidfd for _, (_, pidfd) in by_rank],
@@ -125,7 +126,7 @@ def serve(sock: socket.socket) -> None:
             rank = started.pop(info.si_pid, (None,))[0]
             if rank is not None:
                 code = os.waitstatus_to_exitcode(status)
-                protocol.send_message(sock, Exit(launch.launch_id, rank, code))
+                framing.send_message(sock, Exit(launch.launch_id, rank, code))
 
 
 def main() -> None:
@@ -149,7 +150,7 @@ def main() -> None:
     import enot_nb._worker.cell  # noqa: F401 - preloaded for the workers
     import enot_nb.distributed  # noqa: F401 - preloaded for the workers
 
-    protocol.send_message(sock, Ready(os.getpid()))
+    framing.send_message(sock, Ready(os.getpid()))
     serve(sock)
 
 

@@ -15,7 +15,8 @@ fall back to a text bar. :func:`install` gives a worker the same front end under
   (ipywidgets' Output widget reads it to capture output);
 - ``input()`` and ``getpass()`` refused with a clear error (ipykernel's would ask the front end
   over the sockets), ``sys.displayhook`` showing values as display data;
-- a comm that comes back with the cell's state is adopted by the kernel (same id, no new open).
+- a comm that comes back with the cell's state is adopted by the kernel (same id, no new open;
+  see adopt_comm, the one function here that runs in the kernel).
 
 Messages from the front end back to a worker's widget are not delivered (one-way widgets only).
 Every rank installs it; the kernel shows what the ranks whose output is shown send.
@@ -29,12 +30,12 @@ import getpass
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from enot_nb._processes.protocol import CommMessage, Display, Kind, WorkerMessage
+from enot_nb._processes.protocol import ClearOutput, CommMessage, Display, FrontEndMessage
 from enot_nb._worker import figures
 
-Send = Callable[[WorkerMessage], None]
+Send = Callable[[FrontEndMessage], None]
 
 MPL_BACKEND = "module://enot_nb._worker.mpl_backend"
 
@@ -64,8 +65,9 @@ class PipePublisher:
         if not self.shown:
             return
         if self.figure_dir is None and self.send is not None:
-            self.send(WorkerMessage(Kind.DISPLAY, Display(data, metadata or {}, transient or {}, update)))
+            self.send(Display(data, metadata or {}, transient or {}, update))
         elif "image/png" in data:
+            assert self.figure_dir is not None, "no launcher to send images to, and no folder for them"
             self._saved += 1
             path = os.path.join(self.figure_dir, f"{self.figure_prefix}.figure-{self._saved}.png")
             with open(path, "wb") as f:
@@ -79,7 +81,7 @@ class PipePublisher:
 
     def clear_output(self, wait: bool = False) -> None:
         if self.shown and self.figure_dir is None and self.send is not None:
-            self.send(WorkerMessage(Kind.CLEAR_OUTPUT, wait))
+            self.send(ClearOutput(wait))
 
 
 def _publisher(send: Send) -> Callable[..., None]:
@@ -94,11 +96,7 @@ def _publisher(send: Send) -> Callable[..., None]:
         **keys: Any,
     ) -> None:
         content = dict(data=data or {}, comm_id=self.comm_id, **keys)
-        send(
-            WorkerMessage(
-                Kind.COMM, CommMessage(msg_type, content, metadata or {}, [bytes(b) for b in buffers or []], self.topic)
-            )
-        )
+        send(CommMessage(msg_type, content, metadata or {}, [bytes(b) for b in buffers or []], self.topic))
 
     return publish_msg
 
@@ -125,17 +123,44 @@ def _install_comms(send: Send) -> Any:
     except ImportError:
         pass
     else:
-        KernelComm.publish_msg = publish
-        KernelComm.__reduce__ = _adopted_in_kernel
+        # Patched on the class, as the point is: every instance, made before the cell or in it.
+        KernelComm.publish_msg = publish  # type: ignore[method-assign]
+        KernelComm.__reduce__ = _adopted_in_kernel  # type: ignore[method-assign]
     return manager
 
 
 def _adopted_in_kernel(self: Any) -> tuple:
     """A comm (a widget's) that comes back with the cell's state becomes the kernel's comm of the
-    same id: later cells update the same front-end model (see relay.adopt_comm)."""
-    from enot_nb._launch import relay
+    same id: later cells update the same front-end model (see adopt_comm)."""
+    return (adopt_comm, (self.comm_id, self.target_name))
 
-    return (relay.adopt_comm, (self.comm_id, self.target_name))
+
+def adopt_comm(comm_id: str, target_name: str) -> Any:
+    """The kernel's comm for one a worker opened (its model exists in the front end already):
+    registered without a new comm_open, so the object that came back keeps working, both ways.
+
+    Runs in the kernel, not in a worker: the pickle of a worker's comm names it (see
+    _adopted_in_kernel). It lives here, next to that reduce, rather than with the kernel's other
+    half of the front end (relay), so that the worker side never imports the launcher's layer;
+    the kernel imports this module when it unpickles the first comm."""
+    import comm
+
+    adopted = comm.create_comm(comm_id=comm_id, target_name=target_name, primary=False)
+    comm.get_comm_manager().register_comm(adopted)
+    kernel = _this_kernel()
+    if kernel is not None and hasattr(adopted, "kernel"):
+        adopted.kernel = kernel  # ipywidgets syncs a widget's changes only through a comm with a kernel
+    return adopted
+
+
+def _this_kernel() -> Any:
+    """This process's Jupyter kernel; None outside one (as relay's: IPython is not imported
+    here if it was not already)."""
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None)
 
 
 class KernelStandIn:
@@ -170,8 +195,7 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
     os.environ["MPLBACKEND"] = MPL_BACKEND
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].switch_backend(MPL_BACKEND)
-    manager = _install_comms(send) if send is not None and kernel_parent is not None else None
-    if manager is not None:
+    if send is not None and kernel_parent is not None and (manager := _install_comms(send)) is not None:
         shell.kernel = KernelStandIn(kernel_parent, manager)
         if hasattr(shell, "set_parent"):
             shell.set_parent(kernel_parent)
@@ -227,7 +251,7 @@ def _pipe_displayhook(shell: Any) -> Any:
     return PipeDisplayHook(shell=shell, cache_size=0)
 
 
-def _no_input(prompt: str = "", stream: Any = None) -> str:
+def _no_input(prompt: object = "", stream: object = None) -> NoReturn:
     raise RuntimeError(
         "input() and getpass() are not available in a distributed worker: read the "
         "value in an ordinary cell before it and use the variable"

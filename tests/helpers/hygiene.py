@@ -16,7 +16,7 @@ import time
 
 import enot_nb
 from enot_nb import distributed as ed
-from enot_nb._processes import spawn
+from enot_nb._processes import forkserver_client, starts
 from tests._util import descendants, is_fork_server_of, press_before_line
 
 
@@ -116,15 +116,15 @@ def interrupt_at(method: str, step: str) -> None:
     def interrupt(*_: object) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
-    spawn.TEST_HOOKS[step] = interrupt
+    starts.TEST_HOOKS[step] = interrupt
     if step == "server_starting":
-        spawn.shutdown_server()  # the hook fires while a new one starts
+        forkserver_client.shutdown_server()  # the hook fires while a new one starts
     try:
         enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
         say("not interrupted")
     except KeyboardInterrupt:
         say("interrupted")
-    spawn.TEST_HOOKS.clear()
+    starts.TEST_HOOKS.clear()
     left = leftovers()
     say("left", json.dumps(left))
     start = time.monotonic()
@@ -172,7 +172,7 @@ def own_fds() -> int:
     for thread in threading.enumerate():
         if thread.name == "enot_nb-release":
             thread.join()
-    return open_fds() - (spawn._server is not None)
+    return open_fds() - (forkserver_client._servers.current is not None)
 
 
 def press_before_every_line(method: str, stride: str) -> None:
@@ -273,13 +273,13 @@ def fork_fails(method: str) -> None:
 
     enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)  # warm
     before = open_fds()
-    spawn.TEST_HOOKS["fork"] = refuse
+    starts.TEST_HOOKS["fork"] = refuse
     try:
         enot_nb.notebook_launcher(trivial, nprocs=3, backend="gloo", start_method=method)
         say("started anyway")
     except enot_nb.LaunchError as err:
         say("error", json.dumps(str(err)))
-    spawn.TEST_HOOKS.clear()
+    starts.TEST_HOOKS.clear()
     say("fds", before, open_fds())
     say("left", json.dumps(leftovers()))
     say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))

@@ -1,0 +1,323 @@
+"""Tensors, storages and NumPy arrays as pickles carry them: the reducers and the rebuilders.
+
+A tensor travels as its untyped storage (pickled once, however many tensors view it) plus its
+view of it (offset, size, stride, dtype), so a view and its base share one storage after the
+round trip. A NumPy array and a torch storage that are one memory (``torch.from_numpy``,
+``tensor.numpy()``) stay one memory: whichever of the two is met first travels, the other is
+rebuilt over it (``MemoryOwners``). A NumPy view travels as a view of the array that owns its
+memory.
+
+The rebuild functions are named in pickles (results files saved by ``--export`` among them):
+their names stay, and where one moves, ``renamed`` maps its old module to the new one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from enot_nb._serialize.shm import SHARED_FD, SHM_MIN_BYTES, map_private
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
+
+Reduction = str | tuple[Any, ...]
+"""What a reducer returns: (a rebuild function, its arguments[, state, ..., a state setter]),
+or the name of a global."""
+
+
+# ----------------------------------------------------------------------------- storages
+
+
+def storage_array(storage: torch.UntypedStorage) -> numpy.ndarray:
+    """The bytes of an untyped storage as a NumPy uint8 array (no copy on the CPU). Not through
+    ``Tensor.numpy()``: that marks the storage as never resizable again, and the user's
+    ``t.resize_()`` would then fail."""
+    import numpy
+    import torch
+
+    if storage.device.type != "cpu":
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).cpu().numpy()
+    if not storage.nbytes():
+        return numpy.empty(0, dtype=numpy.uint8)
+    return numpy.asarray(_StorageMemory(storage))
+
+
+class _StorageMemory:
+    """A storage's bytes as NumPy sees them (the array keeps this, so the storage, alive)."""
+
+    __slots__ = ("__array_interface__", "storage")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = storage
+        self.__array_interface__ = {
+            "data": (storage.data_ptr(), False),
+            "shape": (storage.nbytes(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def _rebuild_storage(buffer: Any, device: str = "cpu") -> torch.UntypedStorage:
+    import numpy
+    import torch
+
+    view = memoryview(buffer).cast("B")
+    if view.readonly or view.nbytes < SHM_MIN_BYTES:
+        # In band (the pickle's own bytes), or small: a copy of its own, so that a small tensor
+        # kept in the notebook does not pin the whole result mapping it arrived in; allocated
+        # by torch, so that it can be resized as any tensor can.
+        storage = torch.UntypedStorage(view.nbytes)
+        storage_array(storage)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
+    else:  # maps the result: no copy, but it cannot be resized
+        storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+    return _to_device(storage, device)
+
+
+def _storage_from_shared(offset: int, nbytes: int, device: str = "cpu") -> torch.UntypedStorage:
+    import torch
+
+    area = map_private(SHARED_FD[0], nbytes, offset)  # copy-on-write: the workers share it
+    return _to_device(torch.frombuffer(area, dtype=torch.uint8).untyped_storage(), device)
+
+
+def _to_device(storage: torch.UntypedStorage, device: str) -> torch.UntypedStorage:
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return storage
+    # UntypedStorage.cuda() returns an UntypedStorage (torch annotates its base class's method).
+    return cast("torch.UntypedStorage", storage.cuda(torch.device(device).index))
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def travels_by_view(tensor: Any) -> bool:
+    """Whether ``tensor`` (any object) is a tensor that travels as a view of its storage: a
+    strided torch.Tensor, Parameter or Python subclass (exotic tensors keep torch's pickling)."""
+    import torch
+
+    t = type(tensor)
+    return (
+        (t in (torch.Tensor, torch.nn.Parameter) or _plain_subclass(t))
+        and tensor.layout == torch.strided
+        and tensor.device.type != "meta"
+    )
+
+
+def _plain_subclass(t: type) -> bool:
+    """A Python subclass of torch.Tensor (x.as_subclass(S)): rebuilt the same way, so that its
+    storage is shared as the notebook's is (exotic tensors keep torch's own pickling)."""
+    import torch
+
+    return (
+        issubclass(t, torch.Tensor) and not issubclass(t, torch.nn.Parameter) and not t.__module__.startswith("torch")
+    )
+
+
+def reduce_tensor(tensor: torch.Tensor) -> Reduction:
+    """A tensor (see travels_by_view) as its storage and its view of it."""
+    import torch
+
+    args = (
+        tensor.untyped_storage(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+        tensor.requires_grad,
+        type(tensor) is torch.nn.Parameter,
+        type(tensor) if type(tensor) not in (torch.Tensor, torch.nn.Parameter) else None,
+    )
+    attributes = dict(getattr(tensor, "__dict__", {}))
+    grad = tensor.grad if tensor.is_leaf else None
+    if grad is None and not attributes:
+        return _rebuild_tensor, args
+    return _rebuild_tensor, args, (grad, attributes), None, None, _set_tensor_state
+
+
+def _rebuild_tensor(
+    storage: torch.UntypedStorage,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
+    requires_grad: bool,
+    parameter: bool,
+    subclass: type[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    import torch
+
+    tensor = torch.empty(0, dtype=dtype, device=storage.device)
+    if storage.nbytes():
+        tensor.set_(storage, offset, size, stride)
+    else:
+        tensor = tensor.new_empty(size)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    tensor.requires_grad_(requires_grad)
+    return tensor if subclass is None else tensor.as_subclass(subclass)
+
+
+def _set_tensor_state(tensor: torch.Tensor, state: tuple[torch.Tensor | None, dict[str, Any]]) -> torch.Tensor:
+    grad, attributes = state
+    if grad is not None:
+        tensor.grad = grad
+    tensor.__dict__.update(attributes)
+    return tensor
+
+
+# ----------------------------------------------------------------------------- NumPy arrays
+
+
+def reduce_numpy_view(array: numpy.ndarray, is_known: Callable[[Any, Any], Any]) -> Reduction | None:
+    """A NumPy view travels as a view of the array that owns its memory, or of the nearest
+    array the notebook already holds (aliasing kept); None: ``array`` is no such view."""
+    root = array_owner(array)
+    known = is_known(array, root)
+    root = root if known is None else known
+    if root is array or not root.flags.c_contiguous:
+        return None
+    offset = array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return _numpy_view, (root, offset, array.shape, array.strides, array.dtype)
+
+
+def array_owner(array: numpy.ndarray) -> numpy.ndarray:
+    """The NumPy array that owns the memory ``array`` views (itself if it owns it)."""
+    import numpy
+
+    while isinstance(array.base, numpy.ndarray):
+        array = array.base
+    return array
+
+
+def _numpy_view(
+    root: numpy.ndarray, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: numpy.dtype
+) -> numpy.ndarray:
+    import numpy
+
+    return numpy.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
+
+
+def array_over(storage: torch.UntypedStorage, array: numpy.ndarray) -> Reduction:
+    """``array``, whose memory is in ``storage``, as a view of that storage."""
+    offset = array.__array_interface__["data"][0] - storage.data_ptr()
+    return _array_of_storage, (storage, offset, array.shape, array.strides, array.dtype)
+
+
+def _array_of_storage(
+    storage: torch.UntypedStorage, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: numpy.dtype
+) -> numpy.ndarray:
+    """A NumPy array over a tensor's memory (``tensor.numpy()``), rebuilt over the storage."""
+    import numpy
+    import torch
+
+    # Through Tensor.numpy(), not storage_array(): the storage then cannot be resized under the
+    # array, as after the cell's own t.numpy().
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    return numpy.ndarray(shape, dtype, buffer=flat, offset=offset, strides=strides)
+
+
+def _owned_array(buffer: Any, dtype: numpy.dtype, shape: tuple[int, ...], order: Literal["C", "F"]) -> numpy.ndarray:
+    import numpy
+
+    array = numpy.empty(shape, dtype, order=order)
+    numpy.ravel(array, order="K").view(numpy.uint8)[:] = numpy.frombuffer(buffer, dtype=numpy.uint8)
+    return array
+
+
+def _storage_of_array(root: numpy.ndarray, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """A tensor storage over a NumPy array's memory (``torch.from_numpy``), rebuilt over it."""
+    import numpy
+    import torch
+
+    flat = numpy.ravel(root, order="K").view(numpy.uint8)[offset : offset + nbytes]
+    if not flat.flags.writeable:  # torch would warn; the memory cannot be shared anyway
+        flat = flat.copy()
+    return torch.from_numpy(flat).untyped_storage()
+
+
+def tensor_owned(array: numpy.ndarray) -> torch.Tensor | None:
+    """The tensor whose memory a NumPy array views (``tensor.numpy()``, ``np.asarray(t)``), or
+    None."""
+    import torch
+
+    base = array_owner(array).base
+    return base if isinstance(base, torch.Tensor) and base.device.type == "cpu" else None
+
+
+def contiguous_memory(array: numpy.ndarray) -> tuple[int, int] | None:
+    """Where a NumPy array's memory is, if it is one contiguous block (callers have checked that
+    it is not a tensor's: that memory travels as the storage)."""
+    if not array.nbytes or not (array.flags.c_contiguous or array.flags.f_contiguous):
+        return None
+    return array.__array_interface__["data"][0], array.nbytes
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+
+class MemoryMap:
+    """Objects by the address range of their memory, for "which one holds this range" lookups:
+    ``torch.from_numpy`` leaves no Python reference between a tensor and its array."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._entries: list[tuple[int, int, Any]] = []
+
+    def add(self, start: int, size: int, obj: Any) -> None:
+        i = bisect.bisect_right(self._starts, start)
+        self._starts.insert(i, start)
+        self._entries.insert(i, (start, start + size, obj))
+
+    def holding(self, start: int, size: int) -> tuple[Any, int] | None:
+        """The object whose memory holds ``size`` bytes from ``start``, and the offset."""
+        i = bisect.bisect_right(self._starts, start)
+        for first, end, obj in reversed(self._entries[max(0, i - 8) : i]):  # nested views: a few
+            if start + size <= end:
+                return obj, start - first
+        return None
+
+
+class MemoryOwners:
+    """The NumPy arrays and torch storages a pickler has met, by their memory: whichever of an
+    array and a storage that are one memory is met first travels, the other is rebuilt over it.
+
+    ``known_arrays``: the arrays the receiver already holds (they travel as references, and a
+    storage over one of them is rebuilt over the receiver's), asked for when first needed."""
+
+    def __init__(self, known_arrays: Callable[[], list[Any]]) -> None:
+        self._known_arrays = known_arrays
+        self._arrays: MemoryMap | None = None
+        self._storages = MemoryMap()
+
+    def array_holding(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
+        """The NumPy array (and offset) whose memory a storage made by ``torch.from_numpy`` is,
+        if the receiver holds it or it was met before; else the storage is noted, and an array
+        met later is rebuilt over it. Only storages that cannot be resized can be an array's."""
+        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules or not storage.nbytes():
+            return None
+        held = self._array_map().holding(storage.data_ptr(), storage.nbytes())
+        if held is None:
+            self._storages.add(storage.data_ptr(), storage.nbytes(), storage)
+        return held
+
+    def storage_holding(self, memory: tuple[int, int]) -> tuple[Any, int] | None:
+        """The storage met before whose memory holds an array's (``torch.from_numpy(array)``)."""
+        return self._storages.holding(*memory)
+
+    def add_array(self, memory: tuple[int, int], array: numpy.ndarray) -> None:
+        self._array_map().add(*memory, array)
+
+    def _array_map(self) -> MemoryMap:
+        if self._arrays is None:
+            self._arrays = MemoryMap()
+            for array in self._known_arrays():
+                memory = contiguous_memory(array) if tensor_owned(array) is None else None
+                if memory is not None:
+                    self._arrays.add(*memory, array)
+        return self._arrays

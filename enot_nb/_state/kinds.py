@@ -1,0 +1,652 @@
+"""The kinds of object in the notebook's graph, and what is done with each: one table, OPS.
+
+Every object reachable from the namespace has a ``Kind`` (``kind_of``). What the registry, the
+snapshot, the master and the notebook do with an object of a kind is that kind's row of ``OPS``
+(a ``KindOps``), as cloudpickle keeps a reducer per type::
+
+    children     the objects it refers to, each with a step of a path to it (for messages);
+                 None: the graph does not walk into it
+    snapshot     its shallow state, what a change to the object itself (not to the objects it
+                 refers to) changes: a record of states.py (or a digest); None: not tracked
+    same         whether two shallow states are the same: slots hold the same values
+    changed      whether it changed since its snapshot, where that is cheaper than a new
+                 snapshot and ``same`` (NumPy arrays: their pages)
+    travels      its new state as it travels to the notebook (default: a new snapshot)
+    apply        make the notebook's object hold a new state, in place
+    trim         leave out what of a new state cannot be pickled (the notebook keeps its own)
+    has_storage, reads_globals   what the registry also records for it
+
+Adding a kind: a member of ``Kind``, a rule in ``kind_of``, a row in ``OPS``.
+
+The boundary (README, "What comes back"): user objects are the namespace's values and
+everything reachable from them, except Python modules, functions and classes defined outside
+the notebook, and process plumbing (files, locks, sockets, threads, loggers, IPython and
+matplotlib objects), which are referenced, never walked.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import enum
+import functools
+import operator
+import pickle
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from enot_nb._serialize.tensors import _rebuild_tensor
+from enot_nb._state.digests import array_changed, array_digest, digest
+from enot_nb._state.states import (
+    ATOMS,
+    KEEP,
+    Attributes,
+    CellState,
+    DictState,
+    FunctionState,
+    ItemsState,
+    ObjectState,
+    TensorState,
+    class_attributes,
+    object_dict,
+    same_dict,
+    same_pairs,
+    same_value,
+    slot_names,
+    slots,
+    tensor_state,
+)
+
+
+class Kind(enum.Enum):
+    """How the graph treats an object (see OPS for what each does)."""
+
+    NAMESPACE = "namespace"  # index 0: the notebook's globals
+    OPAQUE = "opaque"  # referenced, never walked or tracked
+    TENSOR = "tensor"
+    NDARRAY = "ndarray"
+    RNG = "rng"  # a random generator: its state is in C
+    FUNCTION = "function"  # defined in the notebook
+    CLASS = "class"  # defined in the notebook
+    METHOD = "method"
+    CELL = "cell"  # a closure's cell
+    DICT = "dict"
+    LIST = "list"
+    DEQUE = "deque"
+    SET = "set"
+    TUPLE = "tuple"  # and frozenset: never changes itself
+    BYTEARRAY = "bytearray"
+    ARRAY = "array"  # array.array
+    PARTIAL = "partial"  # functools.partial
+    OBJECT = "object"  # anything else with a __dict__ or slots
+
+
+# ----------------------------------------------------------------------------- classification
+
+# By exact type, before the rules: the same answer as the rules, without running them.
+_EXACT: dict[type, Kind | None] = {
+    **dict.fromkeys(ATOMS),
+    dict: Kind.DICT,
+    list: Kind.LIST,
+    tuple: Kind.TUPLE,
+    frozenset: Kind.TUPLE,
+    set: Kind.SET,
+    collections.deque: Kind.DEQUE,
+    bytearray: Kind.BYTEARRAY,
+    array.array: Kind.ARRAY,
+    functools.partial: Kind.PARTIAL,
+    types.CellType: Kind.CELL,
+    types.MethodType: Kind.METHOD,
+}
+
+# Process plumbing: referenced by identity, never walked (their state is the worker's).
+_PLUMBING_MODULES = (
+    "IPython",
+    "ipykernel",
+    "ipywidgets",
+    "zmq",
+    "tornado",
+    "asyncio",
+    "logging",
+    "threading",
+    "_thread",
+    "socket",
+    "subprocess",
+    "multiprocessing",
+    "concurrent",
+    "io",
+    "_io",
+    "matplotlib",
+    "traitlets",
+    "jupyter_client",
+    "comm",
+    "tqdm",
+    "selectors",
+    "queue",
+    "weakref",
+    "_weakref",
+    "enot_nb",
+)
+_OPAQUE_TYPES = (
+    types.ModuleType,
+    types.GeneratorType,
+    types.CoroutineType,
+    types.AsyncGeneratorType,
+    types.FrameType,
+    types.CodeType,
+    types.TracebackType,
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+    types.MappingProxyType,
+    property,
+    staticmethod,
+    classmethod,
+    memoryview,
+)
+
+
+def defined_in_notebook(obj: Any) -> bool:
+    """A function or class the user defined in a cell (its module is the notebook's)."""
+    return getattr(obj, "__module__", None) == "__main__"
+
+
+def kind_of(obj: Any) -> Kind | None:
+    """How the graph treats ``obj``: None for atoms (immutable, never registered). The rules
+    run in order; the first that matches decides."""
+    t = type(obj)
+    if t in _EXACT:
+        return _EXACT[t]
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return Kind.TENSOR
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        return Kind.NDARRAY
+    if isinstance(obj, _OPAQUE_TYPES):
+        return Kind.OPAQUE
+    if _is_rng(obj):
+        return Kind.RNG
+    if isinstance(obj, types.FunctionType):
+        return Kind.FUNCTION if defined_in_notebook(obj) else Kind.OPAQUE
+    if isinstance(obj, type):
+        return Kind.CLASS if defined_in_notebook(obj) else Kind.OPAQUE
+    if isinstance(obj, types.MethodType):
+        return Kind.METHOD
+    if isinstance(obj, types.CellType):
+        return Kind.CELL
+    if isinstance(obj, dict):
+        return Kind.DICT
+    if isinstance(obj, list):
+        return Kind.LIST
+    if isinstance(obj, collections.deque):
+        return Kind.DEQUE
+    if isinstance(obj, set):
+        return Kind.SET
+    if isinstance(obj, (tuple, frozenset)):
+        return Kind.TUPLE
+    if isinstance(obj, bytearray):
+        return Kind.BYTEARRAY
+    if isinstance(obj, array.array):
+        return Kind.ARRAY
+    if isinstance(obj, functools.partial):
+        return Kind.PARTIAL
+    module = getattr(t, "__module__", "") or ""
+    if module.split(".", 1)[0] in _PLUMBING_MODULES:
+        return Kind.OPAQUE
+    if hasattr(obj, "__dict__") or slot_names(t):
+        return Kind.OBJECT
+    return Kind.OPAQUE
+
+
+def _is_rng(obj: Any) -> bool:
+    """A random generator the user holds (its state lives in C, not in a __dict__)."""
+    import random
+
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    return (
+        isinstance(obj, random.Random)
+        and type(obj) is not random.SystemRandom
+        or torch is not None
+        and isinstance(obj, torch.Generator)
+        and obj.device.type == "cpu"
+        or numpy is not None
+        and isinstance(obj, (numpy.random.Generator, numpy.random.RandomState))
+    )
+
+
+# ----------------------------------------------------------------------------- the table
+
+Steps = list[tuple[str, Any]]
+"""The objects an object refers to, each with the step of a path to it, e.g. ``("[0]", x)``."""
+Note = Callable[[str], None]
+"""Reports what a change left as it was (the rest of the change still applies)."""
+Reason = Callable[[Any], str | None]
+"""Why a value cannot be pickled, or None."""
+
+
+@dataclass(frozen=True)
+class KindOps:
+    """What is done with the objects of one kind (see the module's docstring)."""
+
+    children: Callable[[Any], Steps] | None = None
+    snapshot: Callable[[Any], Any] | None = None
+    same: Callable[[Any, Any], bool] = operator.eq
+    changed: Callable[[Any, Any], bool] | None = None
+    travels: Callable[[Any], Any] | None = None
+    apply: Callable[[Any, Any, Note], None] | None = None
+    trim: Callable[[Any, str, Reason, dict[str, str]], Any] | None = None
+    has_storage: bool = False
+    reads_globals: bool = False
+
+    def new_state(self, obj: Any) -> Any:
+        """The state that travels for a changed object."""
+        if self.travels is not None:
+            return self.travels(obj)
+        return None if self.snapshot is None else self.snapshot(obj)
+
+
+def _attribute_steps(obj: Any) -> Steps:
+    steps = [(f".{k}", v) for k, v in (object_dict(obj) or {}).items()]
+    return steps + [(f".{k}", v) for k, v in slots(obj).items()]
+
+
+def _attributes(obj: Any) -> Attributes:
+    d = object_dict(obj)
+    return Attributes(dict(d) if d is not None else None, slots(obj))
+
+
+def _same_attributes(a: Attributes, b: Attributes) -> bool:
+    return same_dict(a.vars, b.vars) and same_dict(a.slots, b.slots)
+
+
+def _same_items(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+
+
+def _merge(old: dict, new: dict) -> dict:
+    return {k: (old[k] if v is KEEP else v) for k, v in new.items() if not (v is KEEP and k not in old)}
+
+
+def _apply_attributes(obj: Any, attributes: Attributes) -> None:
+    current = object_dict(obj)
+    if current is not None and attributes.vars is not None:
+        merged = _merge(current, attributes.vars)
+        current.clear()
+        current.update(merged)
+    for name, value in attributes.slots.items():
+        if value is not KEEP:
+            object.__setattr__(obj, name, value)
+
+
+def _attributes_that_pickle(attributes: Attributes, path: str, reason: Reason, left_out: dict[str, str]) -> Attributes:
+    if attributes.vars is None:
+        return attributes
+    kept = dict(attributes.vars)
+    for key, value in kept.items():
+        why = reason(value)
+        if why:
+            left_out[f"{path}.{key}"] = why
+            kept[key] = KEEP
+    return attributes._replace(vars=kept)
+
+
+# dict ------------------------------------------------------------------------
+
+
+def _dict_children(obj: dict) -> Steps:
+    steps = [(f"[{k!r}]", v) for k, v in list(obj.items())] + [("<key>", k) for k in list(obj)]
+    factory = getattr(obj, "default_factory", None)
+    if factory is not None:
+        steps.append((".default_factory", factory))
+    return steps + _attribute_steps(obj)
+
+
+def _dict_state(obj: dict) -> DictState:
+    return DictState(list(obj.items()), getattr(obj, "default_factory", None), _attributes(obj))
+
+
+def _same_dict_state(a: DictState, b: DictState) -> bool:
+    return (
+        same_pairs(a.items, b.items)
+        and same_value(a.default_factory, b.default_factory)
+        and _same_attributes(a.attributes, b.attributes)
+    )
+
+
+def _apply_dict(obj: dict, state: DictState, note: Note) -> None:
+    items = state.items
+    merged = _merge(dict(obj), dict(items)) if any(v is KEEP for _, v in items) else dict(items)
+    obj.clear()
+    obj.update(merged)
+    if hasattr(obj, "default_factory"):
+        obj.default_factory = state.default_factory
+    _apply_attributes(obj, state.attributes)
+
+
+def _dict_that_pickles(state: DictState, path: str, reason: Reason, left_out: dict[str, str]) -> DictState:
+    attributes = _attributes_that_pickle(state.attributes, path, reason, left_out)
+    items = []
+    for key, value in state.items:
+        key_reason = reason(key)
+        why = reason(value) or key_reason
+        if why:
+            left_out[f"{path}[{key!r}]"] = why
+            value = KEEP
+        items.append((KEEP if key_reason else key, value))
+    return state._replace(items=[(k, v) for k, v in items if k is not KEEP], attributes=attributes)
+
+
+# list, deque, set, tuple -------------------------------------------------------
+
+
+def _indexed_children(obj: Any) -> Steps:
+    return [(f"[{i}]", v) for i, v in enumerate(list(obj))]
+
+
+def _sequence_children(obj: Any) -> Steps:
+    return _indexed_children(obj) + _attribute_steps(obj)
+
+
+def _set_children(obj: set) -> Steps:
+    return [("<item>", v) for v in list(obj)] + _attribute_steps(obj)
+
+
+def _items_state(obj: Any) -> ItemsState:
+    return ItemsState(list(obj), _attributes(obj))
+
+
+def _same_sequence(a: ItemsState, b: ItemsState) -> bool:
+    return _same_items(a.items, b.items) and _same_attributes(a.attributes, b.attributes)
+
+
+def _same_set(a: ItemsState, b: ItemsState) -> bool:
+    return {id(x) for x in a.items} == {id(x) for x in b.items} and _same_attributes(a.attributes, b.attributes)
+
+
+def _apply_list(obj: list, state: ItemsState, note: Note) -> None:
+    obj[:] = state.items
+    _apply_attributes(obj, state.attributes)
+
+
+def _apply_deque(obj: collections.deque, state: ItemsState, note: Note) -> None:
+    obj.clear()
+    obj.extend(state.items)
+    _apply_attributes(obj, state.attributes)
+
+
+def _apply_set(obj: set, state: ItemsState, note: Note) -> None:
+    obj.clear()
+    obj.update(state.items)
+    _apply_attributes(obj, state.attributes)
+
+
+# objects, partials -------------------------------------------------------------
+
+
+def _object_state(obj: Any) -> ObjectState:
+    return ObjectState(type(obj), _attributes(obj))
+
+
+def _same_object(a: ObjectState, b: ObjectState) -> bool:
+    return a.type is b.type and _same_attributes(a.attributes, b.attributes)
+
+
+def _apply_object(obj: Any, state: ObjectState, note: Note) -> None:
+    if type(obj) is not state.type:
+        obj.__class__ = state.type
+    _apply_attributes(obj, state.attributes)
+
+
+def _object_that_pickles(state: ObjectState, path: str, reason: Reason, left_out: dict[str, str]) -> ObjectState:
+    return state._replace(attributes=_attributes_that_pickle(state.attributes, path, reason, left_out))
+
+
+def _partial_children(obj: functools.partial) -> Steps:
+    """A partial never changes itself (its func, args and keywords); what it holds may."""
+    return [(".func", obj.func), (".args", obj.args), (".keywords", obj.keywords)] + _attribute_steps(obj)
+
+
+# tensors -----------------------------------------------------------------------
+
+
+def _tensor_children(obj: Any) -> Steps:
+    grad = obj.grad if obj.is_leaf else None
+    steps = [(".grad", grad)] if grad is not None else []
+    return steps + [(f".{k}", v) for k, v in (object_dict(obj) or {}).items()]
+
+
+def _same_tensor(a: TensorState, b: TensorState) -> bool:
+    return (
+        a.type is b.type
+        and a.storage is b.storage
+        and (a.offset, a.size, a.stride) == (b.offset, b.size, b.stride)
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.requires_grad == b.requires_grad
+        and a.grad is b.grad
+        and same_dict(a.attributes, b.attributes)
+    )
+
+
+def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
+    """A tensor's view of its storage, requires_grad and attributes; its grad is applied once
+    every tensor has its new shape (apply_grad)."""
+    import torch
+
+    current = tensor_state(tensor)
+    if state.storage is not None and not (
+        state.storage is current.storage
+        and (state.offset, state.size, state.stride, state.dtype)
+        == (current.offset, current.size, current.stride, current.dtype)
+    ):
+        assert state.stride is not None  # a tensor with a storage has strides (see tensor_state)
+        rebuilt = _rebuild_tensor(state.storage, state.offset, state.size, state.stride, state.dtype, False, False)
+        if state.device.type != "cpu" and tensor.device.type != "cpu":
+            rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
+        with torch.no_grad():
+            tensor.data = rebuilt
+    if tensor.requires_grad != state.requires_grad:
+        if tensor.is_leaf:
+            tensor.requires_grad_(state.requires_grad)
+        else:
+            note("requires_grad could not change on a non-leaf tensor")
+    if not same_dict(state.attributes, getattr(tensor, "__dict__", None) or {}):
+        tensor.__dict__.clear()
+        tensor.__dict__.update(state.attributes)
+
+
+def apply_grad(tensor: Any, state: TensorState) -> None:
+    grad = state.grad
+    if not tensor.is_leaf or tensor.grad is grad:
+        return
+    if grad is not None and grad.device != tensor.device:
+        grad = grad.to(tensor.device)
+    tensor.grad = grad
+
+
+# NumPy arrays, bytearrays, array.array -----------------------------------------
+
+
+def _array_children(obj: Any) -> Steps:
+    """An object array holds Python objects; any other, none."""
+    return [(f"[{i}]", v) for i, v in enumerate(obj.ravel(order="K").tolist())] if obj.dtype.hasobject else []
+
+
+def _apply_ndarray(obj: Any, new: Any, note: Note) -> None:
+    if obj.shape != new.shape or obj.dtype != new.dtype:
+        _reshape_in_place(obj, new)
+    obj[...] = new
+
+
+def _reshape_in_place(obj: Any, new: Any) -> None:
+    """As the cell did (``arr.shape = ...``, ``arr.dtype = ...``, ``arr.resize(...)``), where
+    NumPy allows it for this array: checked first, so that nothing is half done."""
+    import numpy
+
+    resize = obj.nbytes != new.nbytes
+    if not obj.flags.c_contiguous or resize and not obj.flags.owndata:
+        raise ValueError(
+            f"its shape or dtype changed to {new.shape}, {new.dtype}, which NumPy "
+            "cannot do in place for this array; assign the array to a name to bring "
+            "it back"
+        )
+    obj.shape = (obj.size,)
+    obj.dtype = numpy.uint8  # its bytes, as a 1-d array: from here every step is allowed
+    if resize:
+        obj.resize(new.nbytes, refcheck=False)
+    obj.dtype = new.dtype
+    obj.shape = new.shape
+
+
+def _apply_bytearray(obj: bytearray, new: bytes, note: Note) -> None:
+    obj[:] = new
+
+
+def _apply_array(obj: array.array, new: bytes, note: Note) -> None:
+    """An ``array.array``: same typecode, new items (assigned in place when the length is the
+    same, so that a memoryview of it stays valid)."""
+    items = array.array(obj.typecode)
+    items.frombytes(new)
+    obj[:] = items
+
+
+# functions, classes, methods, cells ------------------------------------------------
+
+
+def _function_children(obj: types.FunctionType) -> Steps:
+    steps: Steps = [(".__defaults__", obj.__defaults__), (".__kwdefaults__", obj.__kwdefaults__)]
+    steps += [(f".<closure {i}>", c) for i, c in enumerate(obj.__closure__ or ())]
+    return steps + [(f".{k}", v) for k, v in obj.__dict__.items()]
+
+
+def _function_state(obj: types.FunctionType) -> FunctionState:
+    return FunctionState(obj.__code__, obj.__defaults__, obj.__kwdefaults__, dict(obj.__dict__))
+
+
+def _same_function(a: FunctionState, b: FunctionState) -> bool:
+    return (
+        a.code is b.code
+        and a.defaults is b.defaults
+        and a.kwdefaults is b.kwdefaults
+        and same_dict(a.attributes, b.attributes)
+    )
+
+
+def _apply_function(obj: types.FunctionType, state: FunctionState, note: Note) -> None:
+    obj.__code__, obj.__defaults__, obj.__kwdefaults__ = state.code, state.defaults, state.kwdefaults
+    obj.__dict__.clear()
+    obj.__dict__.update(state.attributes)
+
+
+def _class_children(obj: type) -> Steps:
+    return [(f".{k}", v) for k, v in class_attributes(obj).items()]
+
+
+def _apply_class(cls: type, attributes: dict[str, Any], note: Note) -> None:
+    current = class_attributes(cls)
+    for name in current:
+        if name not in attributes:
+            delattr(cls, name)
+    for name, value in attributes.items():
+        if current.get(name, _MISSING) is not value and value is not KEEP:
+            setattr(cls, name, value)
+
+
+_MISSING = object()
+
+
+def _method_children(obj: types.MethodType) -> Steps:
+    return [(".__self__", obj.__self__), (".__func__", obj.__func__)]
+
+
+def _cell_children(obj: types.CellType) -> Steps:
+    try:
+        return [(".cell_contents", obj.cell_contents)]
+    except ValueError:
+        return []
+
+
+def _cell_state(obj: types.CellType) -> CellState:
+    try:
+        return CellState(True, obj.cell_contents)
+    except ValueError:
+        return CellState(False, None)
+
+
+def _same_cell(a: CellState, b: CellState) -> bool:
+    return a.filled == b.filled and same_value(a.contents, b.contents)
+
+
+def _apply_cell(cell: types.CellType, state: CellState, note: Note) -> None:
+    if state.filled:
+        cell.cell_contents = state.contents
+    else:
+        del cell.cell_contents
+
+
+# random generators -----------------------------------------------------------------
+
+
+def rng_state(obj: Any) -> Any:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.random.Generator):
+        return obj.bit_generator.state
+    if numpy is not None and isinstance(obj, numpy.random.RandomState):
+        return obj.get_state()
+    if hasattr(obj, "get_state"):  # torch.Generator
+        return obj.get_state()
+    return obj.getstate()
+
+
+def _apply_rng(obj: Any, state: Any, note: Note) -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.random.Generator):
+        obj.bit_generator.state = state
+    elif numpy is not None and isinstance(obj, numpy.random.RandomState):
+        obj.set_state(state)
+    elif hasattr(obj, "set_state"):
+        obj.set_state(state)
+    else:
+        obj.setstate(state)
+
+
+# -----------------------------------------------------------------------------
+
+OPS: dict[Kind, KindOps] = {
+    Kind.NAMESPACE: KindOps(),
+    Kind.OPAQUE: KindOps(),
+    Kind.TENSOR: KindOps(_tensor_children, tensor_state, _same_tensor, apply=apply_tensor, has_storage=True),
+    Kind.NDARRAY: KindOps(
+        _array_children,
+        array_digest,
+        changed=array_changed,
+        travels=lambda obj: obj.copy(),  # by value: the object itself would travel as a reference
+        apply=_apply_ndarray,
+    ),
+    # Compared as the bytes of a pickle of the state; the state itself is sent fresh.
+    Kind.RNG: KindOps(snapshot=lambda obj: pickle.dumps(rng_state(obj)), travels=rng_state, apply=_apply_rng),
+    Kind.FUNCTION: KindOps(
+        _function_children, _function_state, _same_function, apply=_apply_function, reads_globals=True
+    ),
+    Kind.CLASS: KindOps(_class_children, class_attributes, same_dict, apply=_apply_class),
+    Kind.METHOD: KindOps(_method_children),
+    Kind.CELL: KindOps(_cell_children, _cell_state, _same_cell, apply=_apply_cell),
+    Kind.DICT: KindOps(_dict_children, _dict_state, _same_dict_state, apply=_apply_dict, trim=_dict_that_pickles),
+    Kind.LIST: KindOps(_sequence_children, _items_state, _same_sequence, apply=_apply_list),
+    Kind.DEQUE: KindOps(_sequence_children, _items_state, _same_sequence, apply=_apply_deque),
+    Kind.SET: KindOps(_set_children, _items_state, _same_set, apply=_apply_set),
+    Kind.TUPLE: KindOps(_indexed_children),
+    Kind.BYTEARRAY: KindOps(snapshot=digest, travels=bytes, apply=_apply_bytearray),
+    Kind.ARRAY: KindOps(snapshot=digest, travels=lambda obj: obj.tobytes(), apply=_apply_array),
+    Kind.PARTIAL: KindOps(
+        _partial_children, _object_state, _same_object, apply=_apply_object, trim=_object_that_pickles
+    ),
+    Kind.OBJECT: KindOps(_attribute_steps, _object_state, _same_object, apply=_apply_object, trim=_object_that_pickles),
+}
+"""Each kind's operations (see the module's docstring)."""

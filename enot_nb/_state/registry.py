@@ -1,0 +1,155 @@
+"""The registry: every object reachable from the notebook's namespace, by index.
+
+A cell runs in a worker, but the notebook must end up as if the cell had run locally: every
+object reachable from the namespace that the cell changed (directly, through a function, in
+place or by rebinding) is changed the same way in the notebook, in place. So, before the cell::
+
+    kernel: walk the namespace -> Registry (every object reachable, by index; tensors' storages)
+    fork:   the master inherits the Registry: same objects, same ids
+    spawn:  the Registry's objects travel with the shipped variables in one pickle, so index i
+            names the worker's copy of the notebook's object i (see reach)
+    master: Snapshot (see snapshot) -> the cell runs -> what changed, by index (see collect)
+
+Pickled references to registered objects travel as their index, so unchanged objects never
+travel and keep their identity.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from enot_nb._state.kinds import OPS, Kind, kind_of
+from enot_nb._state.states import ATOMS
+
+# Names IPython binds in the namespace for itself: never shipped, compared or brought back.
+_IPYTHON_NAME = re.compile(
+    r"^(_|__|___|_i|_ii|_iii|_i\d+|_\d+|_dh|_oh|_ih|In|Out|exit|quit|"
+    r"get_ipython|__\w+__)$"
+)
+
+
+def is_user_name(name: str, hidden: Any = ()) -> bool:
+    """A namespace name that belongs to the user (not IPython's own). ``hidden``: names
+    IPython hides (any container)."""
+    return isinstance(name, str) and name not in hidden and not _IPYTHON_NAME.match(name)
+
+
+def user_variables(namespace: dict[str, Any], hidden: Any = ()) -> dict[str, Any]:
+    """The namespace's user names and their values (IPython's own left out)."""
+    return {n: v for n, v in namespace.items() if is_user_name(n, hidden)}
+
+
+@dataclass
+class Registry:
+    """Every object reachable from the namespace, by index; index 0 is the namespace itself."""
+
+    objects: list[Any] = field(default_factory=list)
+    kinds: list[Kind] = field(default_factory=list)
+    parents: list[tuple[int, str]] = field(default_factory=list)
+    """How each object was first reached: (index of the parent, step); (-1, name) for roots."""
+    index: dict[int, int] = field(default_factory=dict)
+    storages: list[Any] = field(default_factory=list)
+    """The untyped storages of the registered tensors, in order of first use."""
+    storage_index: dict[int, int] = field(default_factory=dict)
+    notebook_functions: list[Any] = field(default_factory=list)
+
+    def find(self, obj: Any) -> int | None:
+        i = self.index.get(id(obj))
+        return i if i is not None and self.objects[i] is obj else None
+
+    def find_storage(self, storage: Any) -> int | None:
+        j = self.storage_index.get(id(storage))
+        return j if j is not None and self.storages[j] is storage else None
+
+    def path(self, i: int) -> str:
+        """A readable way to reach object ``i`` from the namespace, e.g. ``model._modules['0']``."""
+        steps = []
+        while i > 0:
+            i, step = self.parents[i]
+            steps.append(step)
+        return "".join(reversed(steps))
+
+    def root_name(self, i: int) -> str | None:
+        while i > 0:
+            parent, step = self.parents[i]
+            if parent <= 0:
+                return step
+            i = parent
+        return None
+
+    def _add(self, obj: Any, kind: Kind, parent: int, step: str) -> int:
+        i = len(self.objects)
+        self.objects.append(obj)
+        self.kinds.append(kind)
+        self.parents.append((parent, step))
+        self.index[id(obj)] = i
+        ops = OPS[kind]
+        if ops.has_storage:
+            self._add_storage(obj)
+        elif ops.reads_globals:
+            self.notebook_functions.append(obj)
+        return i
+
+    def _add_storage(self, tensor: Any) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, meta-less or exotic tensors
+            return
+        if self.find_storage(storage) is None:
+            self.storage_index[id(storage)] = len(self.storages)
+            self.storages.append(storage)
+
+    @classmethod
+    def of_user_variables(cls, namespace: dict[str, Any], hidden: Any = ()) -> Registry:
+        """Walk everything the namespace's user variables reach."""
+        return cls.of_namespace(namespace, list(user_variables(namespace, hidden)))
+
+    @classmethod
+    def of_namespace(cls, namespace: dict[str, Any], names: list[str]) -> Registry:
+        """Walk the objects reachable from ``namespace[name]`` for each of ``names``."""
+        registry = cls()
+        registry._add(namespace, Kind.NAMESPACE, -1, "")
+        registry.extend(names, namespace)
+        return registry
+
+    def extend(self, names: list[str], namespace: dict[str, Any]) -> None:
+        """Walk more roots (breadth first, so paths are short)."""
+        queue: collections.deque[int] = collections.deque()
+        for name in names:
+            self._visit(namespace[name], 0, name, queue)
+        while queue:
+            i = queue.popleft()
+            children = OPS[self.kinds[i]].children
+            if children is None:  # never queued (see _visit)
+                continue
+            try:
+                steps = children(self.objects[i])
+            except Exception:  # noqa: BLE001 - an object that resists inspection is left opaque
+                continue
+            for step, child in steps:
+                self._visit(child, i, step, queue)
+
+    def _visit(self, obj: Any, parent: int, step: str, queue: collections.deque[int]) -> None:
+        if type(obj) in ATOMS or self.find(obj) is not None:
+            return
+        try:
+            kind = kind_of(obj)
+        except Exception:  # noqa: BLE001 - an object that resists inspection is left untracked
+            kind = Kind.OPAQUE
+        if kind is None:
+            return
+        i = self._add(obj, kind, parent, step)
+        if OPS[kind].children is not None:
+            queue.append(i)
+
+    @classmethod
+    def of_objects(cls, objects: list[Any]) -> Registry:
+        """The registry of a spawned worker: the shipped copies, at the notebook's indices."""
+        registry = cls()
+        for obj in objects:
+            kind = Kind.NAMESPACE if not registry.objects else (kind_of(obj) or Kind.OPAQUE)
+            registry._add(obj, kind, -1, "")
+        return registry

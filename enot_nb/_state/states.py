@@ -1,0 +1,171 @@
+"""An object's shallow state, as named records: what the snapshot keeps and what travels back.
+
+A shallow state holds what a change to the object itself would change: its slots' values (its
+items, attributes, a tensor's view of its storage), not the state of the objects in them. Two
+states are the same when each slot holds the same value (``same_value``). The records travel
+from the master to the notebook inside the pickled changes: they are NamedTuples (cheap, and
+pickled by reference to this module).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
+"""Immutable values: never registered, compared by value."""
+
+
+class Attributes(NamedTuple):
+    """An object's own attributes: its ``__dict__`` (None if it has none) and its slots."""
+
+    vars: dict[str, Any] | None
+    slots: dict[str, Any]
+
+
+class DictState(NamedTuple):
+    items: list[tuple[Any, Any]]
+    default_factory: Any  # a defaultdict's; None for other dicts
+    attributes: Attributes  # a dict subclass's
+
+
+class ItemsState(NamedTuple):
+    """A list's, deque's or set's items, in order."""
+
+    items: list[Any]
+    attributes: Attributes
+
+
+class ObjectState(NamedTuple):
+    """An object's class and attributes (a functools.partial's attributes only: its function,
+    arguments and keywords never change)."""
+
+    type: type
+    attributes: Attributes
+
+
+class TensorState(NamedTuple):
+    """A tensor's view of its storage (storage None: a tensor without one, e.g. sparse), its
+    flags, its grad and its attributes."""
+
+    type: type
+    storage: Any
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...] | None
+    dtype: Any
+    device: Any
+    requires_grad: bool
+    grad: Any
+    attributes: dict[str, Any]
+
+
+class FunctionState(NamedTuple):
+    """What a notebook function's own state can change to (its closure's cells are objects of
+    their own)."""
+
+    code: Any
+    defaults: tuple[Any, ...] | None
+    kwdefaults: dict[str, Any] | None
+    attributes: dict[str, Any]
+
+
+class CellState(NamedTuple):
+    """A closure cell's contents; ``filled`` False: the cell is empty."""
+
+    filled: bool
+    contents: Any
+
+
+class _Keep:
+    """Stands for an attribute or item that could not come back: the notebook keeps its own."""
+
+    def __reduce__(self) -> str:
+        return "KEEP"
+
+
+KEEP = _Keep()
+
+
+# ----------------------------------------------------------------------------- reading state
+
+
+def object_dict(obj: Any) -> dict[str, Any] | None:
+    """``obj``'s own ``__dict__`` (never a class's ``__getattr__``'s answer), or None."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return d if type(d) is dict else None
+
+
+def slot_names(t: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for klass in getattr(t, "__mro__", ()):
+        declared = klass.__dict__.get("__slots__", ())
+        names += (
+            [declared] if isinstance(declared, str) else [s for s in declared if s not in ("__dict__", "__weakref__")]
+        )
+    return tuple(names)
+
+
+def slots(obj: Any) -> dict[str, Any]:
+    """The values of ``obj``'s slots that are set."""
+    values = {}
+    for name in slot_names(type(obj)):
+        try:
+            values[name] = object.__getattribute__(obj, name)
+        except AttributeError:
+            pass
+    return values
+
+
+def class_attributes(cls: type) -> dict[str, Any]:
+    return {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+
+
+def tensor_state(t: Any) -> TensorState:
+    try:
+        storage = t.untyped_storage()
+        offset, size, stride = t.storage_offset(), tuple(t.shape), t.stride()
+    except (RuntimeError, NotImplementedError):
+        storage, offset, size, stride = None, 0, tuple(t.shape), None
+    return TensorState(
+        type(t),
+        storage,
+        offset,
+        size,
+        stride,
+        t.dtype,
+        t.device,
+        t.requires_grad,
+        t.grad if t.is_leaf else None,
+        dict(object_dict(t) or {}),
+    )
+
+
+# ----------------------------------------------------------------------------- comparing state
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether a slot still holds the same value: the same object, or an equal atom (two equal
+    floats or strings, dtypes or devices, are the same value). A new list equal to the old one is
+    not the same value: other references still see the old one."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) in ATOMS:
+        return a == b
+    return type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in ("torch", "numpy") and a == b
+
+
+def same_pairs(a: Any, b: Any) -> bool:
+    """Two sequences of (key, value) pairs, in order."""
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(same_value(ka, kb) and same_value(va, vb) for (ka, va), (kb, vb) in zip(a, b))
+
+
+def same_dict(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return same_pairs(a.items(), b.items())
