@@ -10,11 +10,13 @@ show once. Tiny models are built in the tests (no downloads). The frameworks com
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests._util import METHODS
+from tests._util import METHODS, clean_env, free_port, torchrun_cmd
 from tests.kernel import ROOT, CellRun, Kernel
 
 pytestmark = [pytest.mark.integrations, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -121,8 +123,56 @@ TRAINER = (
 )
 
 
+DIFFERENCE = """
+def largest_difference(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+"""
+# The same training in one process, to compare with: the two ranks' shards dealt as
+# DistributedSampler deals them (``shuffle`` as the framework asks: Lightning's Trainer shuffles,
+# Fabric keeps the loader's order), and one DDP step over both ranks' batches of ``batch``
+# samples (their mean losses' gradients averaged) as one step on the union of the two batches.
+# ``skip`` leaves one step out: the tests check that the tolerance would see that.
+REFERENCE = (
+    """
+import copy
+def reference_run(module, dataset, batch, epochs, lr, shuffle, skip=None):
+    twin = copy.deepcopy(module)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=lr)
+    x, y = dataset.tensors
+    samplers = [torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=shuffle) for r in (0, 1)]
+    step = 0
+    for epoch in range(epochs):
+        shards = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        for start in range(0, len(shards[0]), batch):
+            chosen = shards[0][start:start + batch] + shards[1][start:start + batch]
+            if step != skip:
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(twin(x[chosen]), y[chosen]).backward()
+                optimizer.step()
+            step += 1
+    return twin
+"""
+    + DIFFERENCE
+)
+TOLERANCE = 1e-5
+
+
+def check_against_reference(nb: Kernel, trained: str, reference: str, skipped: str) -> None:
+    """The notebook's model equals the one-process run within TOLERANCE, and leaving out one
+    step moves the reference by far more than TOLERANCE."""
+    assert value(nb, f"largest_difference({trained}, {reference})") < TOLERANCE
+    assert value(nb, f"largest_difference({skipped}, {reference})") > 100 * TOLERANCE
+
+
 def test_lightning_trainer_ddp_trains_on_the_workers(nb):
-    nb.ok(LIGHTNING_SETUP)
+    nb.ok(LIGHTNING_SETUP + REFERENCE)
+    nb.ok(
+        "expected = reference_run(regressor.layer, data, batch=8, epochs=2, lr=0.1, shuffle=True)\n"
+        "one_less = reference_run(regressor.layer, data, batch=8, epochs=2, lr=0.1, shuffle=True, skip=5)"
+    )
     ok(
         distributed(
             nb,
@@ -134,13 +184,16 @@ seen = [trainer.world_size, trainer.global_rank, trainer.num_training_batches]
         )
     )
     assert value(nb, "seen") == [2, 0, 4]  # 64 samples, batches of 8, split over 2 ranks
-    assert value(nb, "(regressor.layer.weight - start).abs().sum().item()") > 1e-4
+    check_against_reference(nb, "regressor.layer", "expected", "one_less")
 
 
 def test_lightning_fabric_ddp_trains_on_the_workers(nb):
     nb.ok(
         "torch.manual_seed(1)\nnet = torch.nn.Linear(4, 1)\nfirst = net.weight.detach().clone()\n"
-        "pairs = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))"
+        "pairs = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))\n"
+        + REFERENCE
+        + "expected = reference_run(net, pairs, batch=4, epochs=1, lr=0.1, shuffle=False)\n"
+        "one_less = reference_run(net, pairs, batch=4, epochs=1, lr=0.1, shuffle=False, skip=2)"
     )
     ok(
         distributed(
@@ -162,7 +215,7 @@ del wrapped, loader, fabric
         )
     )
     assert value(nb, "fabric_seen") == [2, 0, 4]
-    assert value(nb, "(net.weight - first).abs().sum().item()") > 1e-4
+    check_against_reference(nb, "net", "expected", "one_less")
 
 
 @pytest.mark.parametrize(
@@ -205,7 +258,9 @@ del loader
 """,
         )
     )
-    assert value(nb, "total") > 0
+    # The master's shard, as DistributedSampler deals it (shuffled with seed 0), summed.
+    expected = value(nb, "sum(list(torch.utils.data.DistributedSampler(torch.arange(16.0), num_replicas=2, rank=0)))")
+    assert value(nb, "total") == expected == 73  # rank 1's shard sums to 47, an unshuffled one to 56
 
 
 def test_torch_compile_workers_keep_working(nb):
@@ -225,35 +280,72 @@ compiled = torch.compile(lambda t: (t.sin() + 1).sum())(torch.ones(8)).item()
 # ----------------------------------------------------------------------------- HF and Accelerate
 
 
-def test_hf_trainer_trains_a_model_built_in_the_notebook(nb, tmp_path):
-    nb.ok("""
-import transformers
+HF_SETUP = """
+import torch, transformers
+# No dropout: nothing random in a step, so two runs of the same training compare exactly.
 config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, intermediate_size=32, num_labels=2)
+                                 num_attention_heads=2, intermediate_size=32, num_labels=2,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 torch.manual_seed(0)
 bert = transformers.BertForSequenceClassification(config)
-bert_start = bert.classifier.weight.detach().clone()
 rows = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.tensor(i % 2)} for i in range(32)]
-""")
-    ok(
-        distributed(
-            nb,
-            f"""
-args = transformers.TrainingArguments(output_dir={str(tmp_path)!r}, max_steps=3, per_device_train_batch_size=4,
+"""
+HF_TRAINING = """
+args = transformers.TrainingArguments(output_dir=OUTPUT_DIR, max_steps=3, per_device_train_batch_size=4,
                                       report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
-hf = transformers.Trainer(model=bert, args=args, train_dataset=rows)
+hf = transformers.Trainer(model=bert, args=args, train_dataset=rows, callbacks=[KeepSteps()])
 hf.train()
 hf_seen = [hf.args.world_size, hf.state.global_step]
 del hf, args
-""",
-        )
+"""
+# Rank 0's weights after each step (the check that a step left out would show).
+HF_STEPS = """
+import copy
+kept_steps = []
+class KeepSteps(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        kept_steps.append(copy.deepcopy(model.state_dict()))
+"""
+# The same training run by torchrun (2 ranks, gloo, on the CPU), as a script; rank 0 saves.
+HF_SCRIPT = """
+import sys
+OUTPUT_DIR = sys.argv[1]
+torch.distributed.init_process_group("gloo")
+{training}
+if torch.distributed.get_rank() == 0:
+    torch.save(kept_steps, OUTPUT_DIR + "/torchrun.pt")
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_hf_trainer_trains_a_model_built_in_the_notebook(nb, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(HF_SETUP + HF_STEPS + HF_SCRIPT.format(training=HF_TRAINING))
+    torchrun = subprocess.run(
+        torchrun_cmd("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(tmp_path)),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
     )
+    assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]
+    nb.ok(HF_SETUP + HF_STEPS + f"OUTPUT_DIR = {str(tmp_path / 'cell')!r}")
+    ok(distributed(nb, HF_TRAINING))
     assert value(nb, "hf_seen") == [2, 3]
-    assert value(nb, "(bert.classifier.weight - bert_start).abs().sum().item()") > 1e-6
+    nb.ok(f"by_torchrun = torch.load({str(tmp_path / 'torchrun.pt')!r})")
+    difference = "max((a[k] - b[k]).abs().max().item() for k in a)"
+    assert value(nb, f"(lambda a, b: {difference})(bert.state_dict(), by_torchrun[-1])") < 1e-6
+    # A step left out would show: the last step moved the weights far more than the tolerance.
+    assert value(nb, f"(lambda a, b: {difference})(by_torchrun[-2], by_torchrun[-1])") > 1e-5
 
 
 def test_accelerate_prepare_backward_gather(nb):
-    nb.ok("torch.manual_seed(2)\nsmall = torch.nn.Linear(3, 1)\nsmall_start = small.weight.detach().clone()")
+    nb.ok(
+        "torch.manual_seed(2)\nsmall = torch.nn.Linear(3, 1)\nsmall_start = small.weight.detach().clone()\n"
+        # The same step in one process (both ranks' inputs are the same: their average is it).
+        "import copy\nexpected = copy.deepcopy(small)\nstep = torch.optim.SGD(expected.parameters(), lr=0.1)\n"
+        "expected(torch.ones(4, 3)).pow(2).mean().backward()\nstep.step()"
+    )
     ok(
         distributed(
             nb,
@@ -271,7 +363,9 @@ del model, opt, accelerator, loss
         )
     )
     assert value(nb, "gathered") == [0, 1] and value(nb, "acc_seen") == [2, True]
-    assert value(nb, "(small.weight - small_start).abs().sum().item()") > 1e-6
+    assert value(nb, "(small.weight - expected.weight).abs().max().item()") < 1e-6
+    assert value(nb, "(small.bias - expected.bias).abs().max().item()") < 1e-6
+    assert value(nb, "(expected.weight - small_start).abs().min().item()") > 1e-3  # the step moved it
 
 
 # ----------------------------------------------------------------------------- widgets and output
@@ -413,7 +507,6 @@ print(sorted(name for name in _frameworks.LIGHTNING_FLAG_SOURCES + _frameworks.L
 
 def test_the_lightning_flag_is_cleared_in_every_module_that_holds_it():
     import subprocess
-    import sys
 
     import pytorch_lightning.callbacks.progress.rich_progress  # noqa: F401 - the holders exist
     import pytorch_lightning.trainer.connectors.accelerator_connector  # noqa: F401

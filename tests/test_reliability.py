@@ -7,13 +7,15 @@ Set ENOT_NB_RELIABILITY_FIGURES=path.json to record the measured figures (RELIAB
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import os
 import random
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import enot_nb
@@ -149,22 +151,100 @@ OPTION_VALUES = st.one_of(
         min_size=1,
     )
 )
+# The boundaries, always tried (random draws rarely make every other option valid at once).
+@example(options={"nprocs": 2, "timeout": -3})
+@example(options={"nprocs": 2, "timeout": 0})
+@example(options={"nprocs": 2, "timeout": 365 * 24 * 3600 + 1})
+@example(options={"nprocs": 0})
+@example(options={"nprocs": 2, "seed": 2**32})
+@example(options={"nprocs": 2, "node_rank": 1})
+@example(options={"nprocs": 2, "timeout": 30, "seed": 0, "output": "all", "start_method": "spawn"})
 def test_bad_launcher_arguments_fail_fast_and_clearly(options):
     before = set(descendants())
+    wrong = _wrong_options(options)
     try:
         plan = enot_nb.launcher.plan_launch(enot_nb.launcher.LaunchOptions(**options))
     except enot_nb.EnotNbError as err:
         assert isinstance(err, (ValueError, RuntimeError))
         assert str(err) and "Traceback" not in str(err)
-        # The error names the option at fault, and that option was given.
-        assert err.parameter in options or err.parameter in ("nprocs", "master_port"), (err, options)
+        # The error names an option that the rules below find wrong; only a port may be refused
+        # for what this machine does (another process listens there).
+        assert err.parameter in wrong or (err.parameter == "master_port" and "master_port" in options), (
+            err,
+            options,
+            wrong,
+        )
     else:
-        # What was given is what is planned.
-        assert plan.nprocs == options.get("nprocs", plan.nprocs) and plan.nprocs >= 1
-        assert plan.backend == (options.get("backend") or plan.backend)
+        assert not wrong, f"accepted {options}, though {wrong} break the documented rules"
+        # What was given is what is planned (nprocs must be given: this machine has no GPU).
+        assert plan.nprocs == options["nprocs"]
+        assert plan.backend == "gloo"
         assert plan.nnodes == options.get("nnodes", 1) and plan.node_rank == options.get("node_rank", 0)
         assert plan.output == options.get("output", "master")
+        assert plan.max_restarts == options.get("max_restarts", 0)
+        assert plan.init_kwargs["timeout"] == _expected_timeout(options.get("timeout", 1800))
     assert set(descendants()) - before == set()  # nothing started either way
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expected_timeout(value) -> datetime.timedelta:
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+    return datetime.timedelta(seconds=seconds)
+
+
+def _wrong_options(options: dict) -> set[str]:
+    """The options that break the rules the docstrings state, computed here independently of
+    enot_nb's own checks, for this machine (no GPU; gloo is the only backend)."""
+    wrong = set()
+    get = options.get
+    if "nprocs" not in options or not (_is_int(get("nprocs")) and get("nprocs") >= 1):
+        wrong.add("nprocs")  # no GPU: nprocs has no default here
+    if get("backend") not in (None, "gloo"):
+        wrong |= {"backend", "nprocs"}  # nccl is refused for want of GPUs, as nprocs > GPUs
+    nnodes = get("nnodes", 1)
+    if not (_is_int(nnodes) and nnodes >= 1):
+        wrong.add("nnodes")
+    node_rank = get("node_rank", 0)
+    if not (_is_int(node_rank) and node_rank >= 0 and (not _is_int(nnodes) or node_rank < nnodes)):
+        wrong.add("node_rank")
+    if not (_is_int(get("max_restarts", 0)) and get("max_restarts", 0) >= 0):
+        wrong.add("max_restarts")
+    seed = get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**32):
+        wrong.add("seed")
+    if get("output", "master") not in ("master", "all", "none"):
+        wrong.add("output")
+    if get("start_method") not in (None, "fork", "spawn"):
+        wrong.add("start_method")
+    timeout = get("timeout", 1800)
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif _is_int(timeout) or isinstance(timeout, float):
+        seconds = float(timeout)
+    else:
+        seconds = math.nan
+    if not (0 < seconds <= 365 * 24 * 3600):  # positive, finite, at most a year; NaN fails too
+        wrong.add("timeout")
+    port = get("master_port")
+    if port is None:
+        if _is_int(nnodes) and nnodes > 1:
+            wrong.add("master_port")  # every node must be told node 0's port
+    elif not (_is_int(port) and 1 <= port <= 65535):
+        wrong.add("master_port")
+    if get("cuda_optimize_for_speed") and get("cuda_reproducible"):
+        wrong |= {"cuda_reproducible", "cuda_optimize_for_speed"}
+    return wrong
+
+
+def test_the_independent_rules_find_what_they_should():
+    assert _wrong_options({"nprocs": 2}) == set()
+    assert _wrong_options({"nprocs": 2, "timeout": -3}) == {"timeout"}
+    assert _wrong_options({"nprocs": True}) == {"nprocs"}
+    assert _wrong_options({"nprocs": 2, "nnodes": 2}) == {"master_port"}
+    assert _wrong_options({"nprocs": 2, "timeout": math.inf, "seed": 2**32}) == {"timeout", "seed"}
 
 
 LINE_PARTS = st.sampled_from(
@@ -207,6 +287,10 @@ LINE_PARTS = st.sampled_from(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(parts=st.lists(LINE_PARTS, min_size=1, max_size=6))
+@example(parts=["-n", "2", "--timeout", "-3"])
+@example(parts=["-n", "2", "--timeout", "0"])
+@example(parts=["-n", "0"])
+@example(parts=["-n", "2", "--timeout", "2", "--output", "all"])
 def test_bad_magic_options_are_usage_errors(parts):
     from IPython.core.error import UsageError
 
@@ -218,10 +302,20 @@ def test_bad_magic_options_are_usage_errors(parts):
     except UsageError as err:
         assert str(err).strip()
     else:
-        # A valid line: it would launch what it says (nothing is started here).
-        assert plan is None or plan.nprocs == (args.nprocs or plan.nprocs)
-        assert plan is None or plan.output == args.output
-        assert plan is None or plan.init_kwargs["timeout"].total_seconds() == args.timeout
+        # A valid line: it would launch what it says, read here from the words themselves
+        # (the last value given for each flag), not from what the parser made of them.
+        assert plan is not None  # no --export among the words
+        assert plan.nprocs == int(_last_value(parts, "-n", "--nprocs"))
+        assert plan.output == (_last_value(parts, "--output") or "master")
+        timeout = float(_last_value(parts, "--timeout") or 1800)
+        assert 0 < timeout <= 365 * 24 * 3600 and math.isfinite(timeout)
+        assert plan.init_kwargs["timeout"].total_seconds() == timeout
+
+
+def _last_value(parts: list[str], *flags: str) -> str | None:
+    """The word after the last of ``flags`` in a line the magic accepted."""
+    at = [i for i, part in enumerate(parts) if part in flags]
+    return parts[at[-1] + 1] if at else None
 
 
 # ----------------------------------------------------------------------------- soak

@@ -95,7 +95,8 @@ def sockets_used() -> dict:
 def big_result() -> object:
     import torch
 
-    return torch.full((2**19,), float(ed.get_rank()))  # 2 MiB
+    # 2 MiB of values that a wrong result (zeros, another rank's, stale pages) cannot match.
+    return torch.arange(2**18, dtype=torch.float64) * 3 + 1 + 1000 * ed.get_rank()
 
 
 # ----------------------------------------------------------------------------- scenarios

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -152,12 +153,24 @@ def inspect_tensors(big, small):
     return result
 
 
-def raise_after_stamp():
-    """Rank 1 raises (stamping the time) while rank 0 waits in a collective."""
+def raise_while_rank_0_computes(record):
+    """Rank 1 raises while rank 0 computes in Python: no collective that gloo could end by
+    itself, so only the launcher's stop can end rank 0. Rank 0 writes the name of the signal
+    that ends it into ``record``, then dies of it."""
+    if ed.get_rank() == 0:
+
+        def noted(signum, frame):
+            with open(record, "w") as f:
+                f.write(signal.Signals(signum).name)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, noted)
+    dist.barrier()  # rank 0's handler is in place before rank 1 raises
     if ed.get_rank() == 1:
-        time.sleep(0.2)  # let rank 0 enter the barrier first
-        raise RuntimeError(f"raising at {time.monotonic():.6f}")
-    dist.barrier()
+        raise RuntimeError("rank 1 fails first")
+    while True:
+        sum(range(1000))
 
 
 def raise_like_a_lost_connection():
