@@ -13,14 +13,16 @@ The master (global rank 0) saves what the magic would have brought back into
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import shlex
+import stat
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 import cloudpickle
 
@@ -232,8 +234,34 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
         )
     from enot_nb._serialize import renamed
 
-    with open(results, "rb") as f:
+    with open_trusted(results) as f:
         return renamed.load(f)  # saved by an older enot_nb too
+
+
+def open_trusted(path: Path) -> BinaryIO:
+    """Open a pickle this user may load: unpickling runs code, so a file that another user owns,
+    that anyone may write, or that is a symbolic link is refused (PermissionError), before any
+    byte is read. Checked on the open file itself, so it cannot be swapped after the check. (A
+    group-writable file of one's own passes: a umask of 002 with a group per user makes them.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise PermissionError(f"{path} is a symbolic link: refusing to unpickle what it points to") from err
+        raise
+    info = os.fstat(fd)
+    problem = None
+    if info.st_uid != os.geteuid():
+        problem = f"is owned by user id {info.st_uid}, not by you ({os.geteuid()})"
+    elif info.st_mode & stat.S_IWOTH:
+        problem = f"may be written by anyone (mode {info.st_mode & 0o777:o})"
+    if problem is not None:
+        os.close(fd)
+        raise PermissionError(
+            f"{path} {problem}: refusing to unpickle it (loading a pickle runs its code). If you trust "
+            f"it, make it yours and private: chown $USER {path}; chmod o-w {path}"
+        )
+    return os.fdopen(fd, "rb")
 
 
 # ----------------------------------------------------------------------------- in the script
@@ -258,7 +286,7 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
     exitcode = 1
     try:
         path = Path(script).resolve()
-        with open(_beside(path, "namespace.pkl"), "rb") as f:
+        with open_trusted(_beside(path, "namespace.pkl")) as f:
             shipped = renamed.load(f)
         backend = options["backend"] or _default_backend()
         init_torch(

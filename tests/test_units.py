@@ -309,3 +309,30 @@ def test_a_stop_press_anywhere_in_reading_a_pipe_end_leaves_it_readable_again():
     assert lines > 10
     for k in range(1, lines + 1):
         run(k)
+
+
+def test_load_results_refuses_a_pickle_it_should_not_trust(tmp_path):
+    """Unpickling runs code: load_results loads only a file of this user's that not anyone may
+    write, and never through a symbolic link."""
+    from enot_nb._serialize import result_file
+
+    script = tmp_path / "job.py"
+    results = tmp_path / "job.results.pkl"
+    results.write_bytes(result_file.dump_inline({"x": torch.arange(3) * 7}))
+    results.chmod(0o644)
+    assert enot_nb.load_results(script)["x"].tolist() == [0, 7, 14]
+    results.chmod(0o646)
+    with pytest.raises(PermissionError, match="may be written by anyone"):
+        enot_nb.load_results(script)
+    results.chmod(0o600)
+    elsewhere = tmp_path / "elsewhere.pkl"
+    results.rename(elsewhere)
+    results.symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        enot_nb.load_results(script)
+    results.unlink()
+    elsewhere.rename(results)
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(results, 12345, -1)
+        with pytest.raises(PermissionError, match="owned by user id 12345"):
+            enot_nb.load_results(script)

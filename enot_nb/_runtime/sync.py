@@ -118,33 +118,57 @@ def _collect(
 
 def _check_same_structure(entries: list[_Entry]) -> None:
     signatures = [entry.signature() for entry in entries]
-    digest = hashlib.sha256("\n".join(signatures).encode()).digest()
-    mine = int.from_bytes(digest[:8], "little", signed=True)
     device = collective_device()
-    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
-    if all(int(g.item()) == mine for g in gathered):
+    mine = _digest64("\n".join(signatures))
+    if all(theirs == [mine] for theirs in _gather_ints([mine], device)):
         return
-    # Slow path, taken by every rank alike (all saw the same digests): find what differs.
-    everyone: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, signatures)
-    raise DistributedRuntimeException(_describe_mismatch(everyone))
+    # Slow path, taken by every rank alike (all saw the same digests): find what differs. Only
+    # tensors cross: nothing a peer sends is unpickled (all_gather_object would unpickle it).
+    raise DistributedRuntimeException(_describe_mismatch(signatures, device))
 
 
-def _describe_mismatch(everyone: list[list[str] | None]) -> str:
-    reference = everyone[0] or []
-    for rank, signatures in enumerate(everyone[1:], start=1):
-        signatures = signatures or []
-        for index in range(max(len(reference), len(signatures))):
-            ours = reference[index] if index < len(reference) else "<missing>"
-            theirs = signatures[index] if index < len(signatures) else "<missing>"
-            if ours != theirs:
-                return (
-                    f"sync_model: the model differs between ranks at tensor #{index}: rank 0 has "
-                    f"{ours!r}, rank {rank} has {theirs!r} (name:shape:dtype:device:mode). Build the "
-                    "same model with the same arguments on every rank before syncing"
-                )
-    return "sync_model: the model structure differs between ranks"
+def _digest64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's list of 64-bit integers (lists of any length), as int64 tensors."""
+    world = dist.get_world_size()
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([len(values)], dtype=torch.int64, device=device))
+    counts = [int(n.item()) for n in lengths]
+    longest = max(counts)
+    padded = torch.zeros(longest, dtype=torch.int64, device=device)
+    padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.zeros(longest, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [g[:n].tolist() for g, n in zip(gathered, counts)]
+
+
+def _gather_text(text: str, device: torch.device) -> list[str]:
+    """Every rank's string, sent as its UTF-8 bytes (decoded, never unpickled)."""
+    data = text.encode()
+    return [bytes(b & 0xFF for b in values).decode(errors="replace") for values in _gather_ints(list(data), device)]
+
+
+def _describe_mismatch(signatures: list[str], device: torch.device) -> str:
+    """Name the first tensor that differs, from rank 0's and the first differing rank's
+    signatures (name:shape:dtype:device:mode)."""
+    everyone = _gather_ints([_digest64(s) for s in signatures], device)
+    longest = max(len(digests) for digests in everyone)
+    index = next(
+        (i for i in range(longest) if len({d[i] if i < len(d) else None for d in everyone}) > 1),
+        None,
+    )
+    if index is None:
+        return "sync_model: the model structure differs between ranks"
+    texts = _gather_text(signatures[index] if index < len(signatures) else "<missing>", device)
+    rank = next(r for r in range(1, len(texts)) if texts[r] != texts[0] or len(everyone[r]) <= index)
+    return (
+        f"sync_model: the model differs between ranks at tensor #{index}: rank 0 has "
+        f"{texts[0]!r}, rank {rank} has {texts[rank]!r} (name:shape:dtype:device:mode). Build the "
+        "same model with the same arguments on every rank before syncing"
+    )
 
 
 def collective_device() -> torch.device:

@@ -116,6 +116,15 @@ def sync():
 
 
 def mismatch():
+    import pickle
+
+    import torch.distributed.distributed_c10d as c10d
+
+    class Refused(pickle.Unpickler):
+        def load(self):
+            raise AssertionError("sync_model unpickled what a peer sent over the collectives")
+
+    c10d._unpickler = Refused  # what all_gather_object loads its peers' pickles with
     ed.init_torch(backend="gloo")
     rank = ed.get_rank()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3 if rank == 0 else 5))
