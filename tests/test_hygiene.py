@@ -203,6 +203,12 @@ def test_a_fork_server_fork_that_fails_part_way(monkeypatch):
     assert_one_clear_error_and_nothing_left(seen, "RLIMIT_NPROC")
 
 
+def test_a_launch_whose_watchdog_cannot_start_leaves_nothing(start_method):
+    seen = lines_of(helper("watchdog_fails", start_method))
+    assert json.loads(seen["folders"][0]) == []  # the rendezvous folder was made, then removed
+    assert_one_clear_error_and_nothing_left(seen, "the launch could not start", "RLIMIT_NPROC")
+
+
 # ----------------------------------------------------------------------------- 6. binding
 
 

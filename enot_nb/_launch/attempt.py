@@ -244,7 +244,9 @@ class Attempt:
             with interrupts_deferred():
                 if self.plan.node_rank == 0:  # global rank 0 runs here
                     self.result_fd = result_file.result_fd()
-                self.rendezvous_dir = rendezvous_folder(self.plan)
+                self.rendezvous_dir = rendezvous_folder(self.plan)  # made and recorded: one step
+            if self.rendezvous_dir is not None:  # then the watchdog told (it may fail to start)
+                watchdog_client.folder(self.rendezvous_dir)
             self.group = make_group(
                 self.plan, self.job, self.shipped, self.ranks, self.attempt, self.result_fd, self.rendezvous_dir
             )
@@ -374,9 +376,7 @@ def collect(plan: LaunchPlan, ranks: list[Rank], failures: list[WorkerFailure], 
 def rendezvous_folder(plan: LaunchPlan) -> str | None:
     """The folder (mode 0700) one node's ranks meet through, or None if they meet over TCP."""
     if RENDEZVOUS == "file" and plan.nnodes == 1 and plan.master_port is None:
-        folder = tempfile.mkdtemp(prefix="enot_nb-rendezvous-")
-        watchdog_client.folder(folder)
-        return folder
+        return tempfile.mkdtemp(prefix="enot_nb-rendezvous-")
     return None
 
 

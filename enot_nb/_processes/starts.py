@@ -12,7 +12,7 @@ from enot_nb.errors import LaunchError
 TEST_HOOKS: dict[str, Callable[..., None]] = {}
 """Fault injection for the reliability tests: named points of a start call these, if set
 ("before_forks", "between_forks", "after_forks", "fork" (with the rank); "server_starting",
-"before_launch", "launch_sent", "started")."""
+"before_launch", "launch_sent", "started"; "watchdog_starting")."""
 
 
 def hook(name: str, *args: object) -> None:

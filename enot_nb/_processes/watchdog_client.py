@@ -16,6 +16,7 @@ import sys
 from enot_nb._processes import watchdog as _watchdog
 from enot_nb._processes.clean_thread import on_clean_thread
 from enot_nb._processes.interrupts import interrupts_deferred
+from enot_nb._processes.starts import hook
 
 _SCRIPT = os.path.abspath(_watchdog.__file__)
 
@@ -32,16 +33,18 @@ class WatchdogClient:
         self._send(*(f"{_watchdog.WATCH} {pgid}" for pgid in pgids))
 
     def forget(self, *pgids: int) -> None:
-        """Workers reaped: their group ids may be reused, never to be killed."""
-        self._send(*(f"{_watchdog.FORGET} {pgid}" for pgid in pgids))
+        """Workers reaped: their group ids may be reused, never to be killed. (A watchdog that
+        is not running knows none: none is started to be told.)"""
+        self._send(*(f"{_watchdog.FORGET} {pgid}" for pgid in pgids), start=False)
 
     def folder(self, path: str) -> None:
         """A rendezvous folder: removed if this process dies."""
         self._send(f"{_watchdog.FOLDER} {path}")
 
     def unfolder(self, path: str) -> None:
-        """A rendezvous folder removed."""
-        self._send(f"{_watchdog.UNFOLDER} {path}")
+        """A rendezvous folder removed (as forget: never starts a watchdog, so the cleanup of a
+        launch whose watchdog could not start does not fail again)."""
+        self._send(f"{_watchdog.UNFOLDER} {path}", start=False)
 
     def command_fd(self) -> int:
         """The write end of the watchdog's stdin, which a forked worker closes (the watchdog is
@@ -51,10 +54,15 @@ class WatchdogClient:
         return stdin.fileno()
 
     def _running(self) -> subprocess.Popen[bytes]:
-        if self._process is None or self._process.poll() is not None:
+        if not self._alive():
             with interrupts_deferred():  # started and known, or not started
+                hook("watchdog_starting")
                 self._process = on_clean_thread(self._start)
+        assert self._process is not None
         return self._process
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
 
     @staticmethod
     def _start() -> subprocess.Popen[bytes]:
@@ -66,9 +74,12 @@ class WatchdogClient:
             start_new_session=True,
         )
 
-    def _send(self, *lines: str) -> None:
+    def _send(self, *lines: str, start: bool = True) -> None:
         """Write whole command lines, as few writes as fit PIPE_BUF each: such a write is atomic,
-        so the watchdog never reads half a command, even from a write cut short."""
+        so the watchdog never reads half a command, even from a write cut short. ``start``:
+        start the watchdog if it is not running (else such lines are dropped)."""
+        if not start and not self._alive():
+            return
         fd = self.command_fd()
         chunks, chunk = [], b""
         for line in lines:

@@ -286,6 +286,31 @@ def fork_fails(method: str) -> None:
     say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
 
 
+def watchdog_fails(method: str) -> None:
+    """The first launch of this process, whose watchdog cannot start: one clear error, and no
+    rendezvous folder, descriptor or process left (then the next launch works)."""
+    import tempfile
+
+    tempfile.tempdir = tempfile.mkdtemp(prefix="watchdog-fails-")  # where the folders would be
+
+    def refuse() -> None:
+        raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    before = open_fds()
+    starts.TEST_HOOKS["watchdog_starting"] = refuse
+    try:
+        enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
+        say("started anyway")
+    except enot_nb.LaunchError as err:
+        say("error", json.dumps(str(err)))
+    starts.TEST_HOOKS.clear()
+    say("folders", json.dumps(os.listdir(tempfile.tempdir)))
+    say("fds", before, open_fds())
+    say("left", json.dumps(leftovers()))
+    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+    os.rmdir(tempfile.tempdir)
+
+
 def sockets(method: str, port: str) -> None:
     kwargs = {"master_port": int(port)} if port != "none" else {}
     result = enot_nb.notebook_launcher(sockets_used, nprocs=2, backend="gloo", start_method=method, **kwargs)
