@@ -284,6 +284,7 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
         )
         sys.exit(2)
     exitcode = 1
+    bootstrap.claim_multiprocessing_folder()  # removed when it leaves, as a worker's is
     try:
         path = Path(script).resolve()
         with open_trusted(_beside(path, "namespace.pkl")) as f:

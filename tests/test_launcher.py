@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -427,3 +428,32 @@ def test_the_debug_log_is_silent_unless_asked_for(debug):
         assert "rank 0: connected" in text and "rank 1: connected" in text
         assert "attempt 0: first failure, rank 1 (exit code 1)" in text
         assert "attempt 0: closed, exit codes" in text
+
+
+_LEFT_IN_TMPDIR = (
+    "import json, os, tempfile, enot_nb\n"
+    "from tests.helpers import jobs\n"
+    "total = enot_nb.notebook_launcher(jobs.ends_with_dataloader_workers_alive, nprocs=2, backend='gloo',\n"
+    "                                  start_method={method!r})\n"
+    "print(total, json.dumps(sorted(os.listdir(tempfile.gettempdir()))))\n"
+)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_multiprocessing_folder_is_left_by_dataloader_workers(method, tmp_path):
+    """multiprocessing removes its pymp-* folder in an exit finalizer, which a worker's os._exit
+    skips (and its DataLoader children die with the worker's process group): none may be left.
+    A launcher with a temporary folder of its own, in a process of its own, to look in."""
+    from tests._util import clean_env
+
+    run = subprocess.run(
+        [sys.executable, "-c", _LEFT_IN_TMPDIR.format(method=method)],
+        env=clean_env(PYTHONPATH=os.getcwd(), TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert run.returncode == 0, run.stderr
+    total, left = run.stdout.split(" ", 1)
+    assert float(total) == 6.0  # the children did deal the batches: 0+1 and 2+3
+    assert [name for name in json.loads(left) if name.startswith("pymp-")] == []

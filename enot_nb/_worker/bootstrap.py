@@ -17,6 +17,7 @@ import datetime
 import faulthandler
 import io
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -85,6 +86,7 @@ class WorkerSpec:
 
 def become_worker(spec: WorkerSpec) -> None:
     """Turn a freshly forked process into an isolated worker for ``spec.rank``."""
+    claim_multiprocessing_folder()
     os.setpgid(0, 0)  # own group: the launcher stops the whole tree (DataLoader workers too)
     _die_with_parent(spec.parent_pid)
     for fd in spec.close_fds:
@@ -288,7 +290,33 @@ def _user_frames(tb: Any) -> Any:
     return tb
 
 
+_multiprocessing_folder: list[str] = []
+"""This worker's own multiprocessing folder (see claim_multiprocessing_folder)."""
+
+
+def claim_multiprocessing_folder() -> None:
+    """Give this worker a multiprocessing temporary folder (``pymp-*``, where the sockets that
+    pass DataLoader workers' tensors back live) of its own, made now, so that the children it
+    forks (DataLoader workers) use it too instead of making one each; _leave removes it.
+    multiprocessing removes its folder in an exit finalizer, which a worker's os._exit skips,
+    and a child killed with its process group never runs its own. The launcher's folder, which
+    a forked worker inherits the name of, is left to the launcher."""
+    import multiprocessing.process
+    import multiprocessing.util
+
+    process: Any = multiprocessing.process.current_process()  # _config: multiprocessing's own
+    process._config.pop("tempdir", None)
+    _multiprocessing_folder[:] = [multiprocessing.util.get_temp_dir()]
+
+
+def _remove_own_multiprocessing_folder() -> None:
+    for folder in _multiprocessing_folder:
+        shutil.rmtree(folder, ignore_errors=True)
+    _multiprocessing_folder.clear()
+
+
 def _leave(exitcode: int) -> NoReturn:
+    _remove_own_multiprocessing_folder()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -183,3 +183,12 @@ def forms_a_group(index):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=index, world_size=2, init_method="tcp://127.0.0.1:1")
+
+
+def ends_with_dataloader_workers_alive():
+    """Returns while its DataLoader's (persistent) workers still run, their batches' tensors
+    having come back through shared memory (multiprocessing's sockets in its pymp-* folder)."""
+    global _alive_at_the_end
+    loader = torch.utils.data.DataLoader(torch.arange(8.0), num_workers=2, batch_size=2, persistent_workers=True)
+    _alive_at_the_end = iter(loader)
+    return float(sum(batch.sum() for batch in [next(_alive_at_the_end), next(_alive_at_the_end)]))
