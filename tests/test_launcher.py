@@ -276,9 +276,9 @@ def test_busy_master_port_is_a_clear_error():
 # ------------------------------------------------------------------- the launching process
 
 
-def start_script(method: str) -> tuple[subprocess.Popen, list[int]]:
+def start_script(method: str, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
-        [sys.executable, str(HELPERS / "launch_script.py"), method],
+        [sys.executable, str(HELPERS / "launch_script.py"), method, *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -318,6 +318,18 @@ def test_sigint_to_the_launcher_shows_stacks_and_stops_everything(method):
     assert "where each of the 2 running rank(s) is" in err
     assert "[rank 0]" in err and "[rank 1]" in err and "in block" in err  # faulthandler stacks
     assert wait_gone(pids, 1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_stack_dump_and_interrupt_reach_the_ranks_not_their_dataloader_workers(method):
+    """SIGUSR1 (the stack dump) and SIGINT go to a rank by its pidfd, not to its process group:
+    its DataLoader workers neither dump their stacks into its report nor get interrupted."""
+    proc, pids = start_script(method, "dataloader")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert "[rank 0] where it was" in err and "in block" in err
+    assert "_worker_loop" not in err  # a DataLoader worker's own frame
+    assert "KeyboardInterrupt" in err and wait_gone(pids, 1)
 
 
 @pytest.mark.parametrize("method", METHODS)

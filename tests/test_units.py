@@ -336,3 +336,27 @@ def test_load_results_refuses_a_pickle_it_should_not_trust(tmp_path):
         os.chown(results, 12345, -1)
         with pytest.raises(PermissionError, match="owned by user id 12345"):
             enot_nb.load_results(script)
+
+
+def test_a_stack_report_shows_the_cell_first_and_leaves_helper_threads_out():
+    from enot_nb._launch.attempt import stack_report
+
+    dump = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 231 in _feed\n'
+        '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
+        "\n"
+        "Thread 0x00007f02 (most recent call first):\n"
+        '  File "/home/me/train.py", line 9 in log_every_second\n'
+        '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
+        "\n"
+        "Current thread 0x00007f03 (most recent call first):\n"
+        '  File "/env/torch/utils/data/dataloader.py", line 1292 in _get_data\n'
+        '  File "<enot_distributed cell>", line 4 in <module>\n'
+    )
+    report = stack_report(1, dump).splitlines()
+    assert report[0] == "[rank 1] where it was (most recent call first):"
+    assert "_get_data" in report[1] and "<enot_distributed cell>" in report[2]  # the cell's thread first
+    assert "log_every_second" in report[3]  # the user's own thread stays
+    assert not any("queues.py" in line for line in report)
+    assert report[-1] == "[rank 1]   (1 helper thread(s) left out: queue feeders, DataLoader's pin memory)"

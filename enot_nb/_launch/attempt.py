@@ -38,6 +38,7 @@ from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, In
 from enot_nb._processes.starts import start_error
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap, streams
+from enot_nb._worker.cell import CELL_FILENAME
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
 if TYPE_CHECKING:
@@ -477,9 +478,23 @@ def load_payload(result_fd: int | None, payload: Payload) -> Any:
         ) from err
 
 
+# Threads that only move data for the user's code (multiprocessing queues' feeders, DataLoader's
+# pin-memory thread, a resource sharer, a thread pool's idle workers): left out of a stack
+# report, with one line counting them.
+_HELPER_THREAD_FILES = (
+    "/multiprocessing/queues.py",
+    "/multiprocessing/resource_sharer.py",
+    "/multiprocessing/connection.py",
+    "/torch/utils/data/_utils/pin_memory.py",
+    "/concurrent/futures/thread.py",
+    "/queue.py",
+)
+
+
 def stack_report(rank: int, text: str) -> str:
-    """A rank's faulthandler dump, labelled with the rank, without enot_nb's own frames or idle
-    threads (what the user needs is where their code is)."""
+    """A rank's faulthandler dump, labelled with the rank: the thread running the cell first,
+    without enot_nb's own frames, idle threads or helper threads (what the user needs is where
+    their code is)."""
     threads: list[list[str]] = []
     other = []
     for line in text.splitlines():
@@ -493,8 +508,17 @@ def stack_report(rank: int, text: str) -> str:
                 threads[-1].append(line)
         elif line.strip():
             other.append(line)
-    frames = [line for thread in threads if thread for line in thread]
+    shown = [thread for thread in threads if thread and not _is_helper_thread(thread)]
+    helpers = sum(1 for thread in threads if thread and _is_helper_thread(thread))
+    shown.sort(key=lambda thread: not any(f'"{CELL_FILENAME}"' in line for line in thread))  # stable
+    frames = [line for thread in shown for line in thread]
     label = f"[rank {rank}]"
     lines = [f"{label} where it was (most recent call first):"]
     lines += [f"{label} {line}" for line in frames] or [f"{label}   (no Python frame: in native code)"]
+    if helpers:
+        lines.append(f"{label}   ({helpers} helper thread(s) left out: queue feeders, DataLoader's pin memory)")
     return "\n".join(other + lines)
+
+
+def _is_helper_thread(frames: list[str]) -> bool:
+    return all(line.split('"')[1].endswith(_HELPER_THREAD_FILES) for line in frames)

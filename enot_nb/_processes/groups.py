@@ -54,14 +54,20 @@ class WorkerGroup(Protocol):
         source that fired."""
 
     def signal(self, rank: int, signum: int) -> None:
-        """Signal a running worker (and its process group where that is safe); nothing once it
-        is reaped."""
+        """Signal a running worker (and, for TREE_SIGNALS, its process group where that is
+        safe); nothing once it is reaped."""
 
     def settle(self) -> None:
         """Wait until no start is in flight (what is started is then known)."""
 
     def close(self) -> None:
         """Kill and reap whatever was started; the group is then empty."""
+
+
+TREE_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL})
+"""The signals that stop a worker's whole tree (its process group: DataLoader workers and other
+children too). The others (a stack dump, an interrupt) are the rank's own to answer: they go to
+the rank alone, by its pidfd, so its children neither dump their stacks nor get interrupted."""
 
 
 def _exit_code(info: Any) -> int:
@@ -129,7 +135,9 @@ class ForkedGroup:
 
     def signal(self, rank: int, signum: int) -> None:
         for r, pid, pidfd in self._started:
-            if r == rank and r not in self.exited and not _kill_group(pid, signum):
+            if r != rank or r in self.exited:
+                continue
+            if signum not in TREE_SIGNALS or not _kill_group(pid, signum):
                 _pidfd_signal(pidfd, signum)
 
     def settle(self) -> None:
