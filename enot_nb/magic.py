@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -141,8 +142,33 @@ def parse_options(line: str) -> tuple[argparse.Namespace, LaunchPlan | None]:
         plan = None if args.export else plan_launch(options)
     except LaunchConfigError as err:
         flag = LaunchOptions.FLAGS.get(err.parameter or "")
-        raise UsageError(f"%%enot_distributed{' ' + flag if flag else ''}: {err}") from None
+        raise UsageError(f"%%enot_distributed{' ' + flag if flag else ''}: {in_magic_words(str(err))}") from None
     return args, plan
+
+
+# An option as the launcher's messages write it: its name, or name=value (a Python literal).
+_OPTION_WORDS = re.compile(
+    r"\b(" + "|".join(sorted(LaunchOptions.FLAGS, key=len, reverse=True)) + r")\b"
+    r"(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+))?"
+)
+
+
+def in_magic_words(message: str) -> str:
+    """A launcher message in the magic's words: ``nprocs=2, backend='gloo'`` -> ``-n 2,
+    --backend gloo``, ``master_port=None`` -> ``no --master-port`` (the flags of
+    LaunchOptions.FLAGS, the one definition of each option)."""
+
+    def one(match: re.Match[str]) -> str:
+        flag, value = LaunchOptions.FLAGS[match.group(1)], match.group(2)
+        if value is None:
+            return flag
+        if value == "None":
+            return f"no {flag}"
+        if value == "True":
+            return flag
+        return f"{flag} {value.strip(chr(39) + chr(34))}"
+
+    return _OPTION_WORDS.sub(one, message)
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
@@ -303,7 +329,7 @@ def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> Non
         shell.showsyntaxerror()
         return None
     except ValueError as err:  # a bad option (LaunchConfigError) or a planted link
-        raise UsageError(f"%%enot_distributed --export: {err}") from None
+        raise UsageError(f"%%enot_distributed --export: {in_magic_words(str(err))}") from None
     except OSError as err:
         raise UsageError(f"--export {args.export}: cannot write there ({err})") from None
     print(exported.describe())

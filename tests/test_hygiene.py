@@ -320,13 +320,13 @@ def kernel():
 @pytest.mark.parametrize(
     "line, words",
     [
-        ("-n 2 --timeout nan", "timeout=nan"),
-        ("-n 2 --timeout 1e20", "timeout=1e+20"),
-        ("-n 2 --backend glo", "backend='glo' is not available"),
+        ("-n 2 --timeout nan", "--timeout nan must be positive"),
+        ("-n 2 --timeout 1e20", "--timeout 1e+20"),
+        ("-n 2 --backend glo", "--backend glo is not available"),
         ("-n 2 --backend gloo --sync modle", "--sync modle: the notebook has no variable 'modle'"),
         ("-n 2 --backend gloo --sync lr", "--sync lr: 'lr' is a float, not a torch.nn.Module"),
-        ("-n -3 --export run/x.py", "nprocs=-3"),
-        ("--nnodes 0 --export run/x.py", "nnodes=0"),
+        ("-n -3 --export run/x.py", "-n -3 must be an integer >= 1"),
+        ("--nnodes 0 --export run/x.py", "--nnodes 0 must be an integer >= 1"),
         ("-n 2 --seed 99999999999 --export run/x.py", "below 2**32"),
     ],
 )

@@ -134,7 +134,7 @@ def test_return_options(kernel):
 @pytest.mark.parametrize(
     "line, words",
     [
-        ("--nprocs 0", "nprocs=0"),
+        ("--nprocs 0", "-n 0 must be an integer >= 1"),  # the magic's words, not the launcher's
         ("-n 2 --bogus", "unrecognized arguments"),
         ("-n 2 --output loud", "invalid choice"),
         ("-n 2 --speed --reproducible", "mutually exclusive"),

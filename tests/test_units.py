@@ -360,3 +360,25 @@ def test_a_stack_report_shows_the_cell_first_and_leaves_helper_threads_out():
     assert "log_every_second" in report[3]  # the user's own thread stays
     assert not any("queues.py" in line for line in report)
     assert report[-1] == "[rank 1]   (1 helper thread(s) left out: queue feeders, DataLoader's pin memory)"
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("", "pass -n N (for example -n 2, --backend gloo)"),  # no GPU here: -n has no default
+        ("-n 2 --timeout -3", "--timeout -3.0 must be positive and finite"),
+        ("-n 2 --speed --reproducible", "--speed and --reproducible are mutually exclusive"),
+    ],
+)
+def test_magic_errors_speak_the_magics_words(line, words):
+    """A launcher message shown for the magic names the flags the user typed, never the
+    launcher's keyword arguments."""
+    from IPython.core.error import UsageError
+
+    from enot_nb.launcher import LaunchOptions
+    from enot_nb.magic import parse_options
+
+    with pytest.raises(UsageError) as info:
+        parse_options(line)
+    assert words in str(info.value)
+    assert not any(f"{name}=" in str(info.value) for name in LaunchOptions.FLAGS), str(info.value)
