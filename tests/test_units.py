@@ -74,12 +74,24 @@ def test_result_layout_round_trip_keeps_aliasing_and_holds_no_descriptor():
     assert loaded["view"][1].item() == 100
 
 
-def test_prefixing_keeps_carriage_returns(capsys):
+def test_prefixing_gives_each_redraw_a_line_of_its_rank(capsys):
+    """With several ranks on one screen a \\r would draw one rank's bar over another's line:
+    each redraw starts a fresh line of its own rank (what the worker wrote stays in the tail)."""
     sink = StreamSink("stdout", show=True, prefix="[rank 1] ")
     sink.feed(b"one\ntw")
-    sink.feed(b"o\rthree\n", final=True)
-    assert capsys.readouterr().out == "[rank 1] one\n[rank 1] two\r[rank 1] three\n"
-    assert "three" in sink.tail()
+    sink.feed(b"o\rthree\n")
+    sink.feed(b"\r 10%|#  |\r 20%|## |")  # tqdm: a carriage return, then the bar
+    sink.feed(b"\r100%|###|\n", final=True)
+    assert capsys.readouterr().out == (
+        "[rank 1] one\n[rank 1] two\n[rank 1] three\n[rank 1]  10%|#  |\n[rank 1]  20%|## |\n[rank 1] 100%|###|\n"
+    )
+    assert "\r100%" in sink.tail()
+
+
+def test_alone_on_the_screen_carriage_returns_pass_through(capsys):
+    sink = StreamSink("stdout", show=True)
+    sink.feed(b"\rstep 0\rstep 1\n", final=True)
+    assert capsys.readouterr().out == "\rstep 0\rstep 1\n"
 
 
 def _changes(namespace: dict, cell: str) -> tuple[list[str], list[str], int]:

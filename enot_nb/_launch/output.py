@@ -15,7 +15,9 @@ class StreamSink:
     """Decodes one worker stream and writes it where the user sees it, keeping a tail.
 
     ``prefix`` (``"[rank N] "``) is put at the start of every line when several ranks share
-    the screen; ``\\r`` progress bars pass through intact either way.
+    the screen. Alone on the screen (no prefix), ``\\r`` progress bars pass through intact;
+    with several ranks, one rank's ``\\r`` would draw over another's line, so each redraw starts
+    a fresh line of its own rank instead.
     """
 
     def __init__(self, target: str, show: bool, prefix: str = "") -> None:
@@ -40,10 +42,17 @@ class StreamSink:
     def _prefixed(self, text: str) -> str:
         pieces = []
         for line in text.splitlines(keepends=True):
+            if line.endswith("\r"):  # a redraw (tqdm writes "\r" + bar): a line of its own
+                if line == "\r":
+                    if not self._at_line_start:
+                        pieces.append("\n")
+                        self._at_line_start = True
+                    continue
+                line = line[:-1] + "\n"
             if self._at_line_start:
                 pieces.append(self.prefix)
             pieces.append(line)
-            self._at_line_start = line.endswith(("\n", "\r"))
+            self._at_line_start = line.endswith("\n")
         return "".join(pieces)
 
     def _remember(self, text: str) -> None:
