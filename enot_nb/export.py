@@ -276,12 +276,13 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
 
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world_size == 1 and options["world_size"] > 1:
-        print(
+        message = (
             f"enot_nb: this cell was exported for {options['world_size']} processes, but runs as "
             f"one plain process, where it would wait forever for the others. Run it with:\n"
-            f"    {options['command']}",
-            file=sys.stderr,
+            f"    {options['command']}"
         )
+        print(message, file=sys.stderr)
+        _tell_torchrun(message)
         sys.exit(2)
     exitcode = 1
     bootstrap.claim_multiprocessing_folder()  # removed when it leaves, as a worker's is
@@ -319,6 +320,20 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
         traceback.print_exception(type(exc), exc, bootstrap._user_frames(exc.__traceback__))
         exitcode = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
     bootstrap._leave(exitcode)
+
+
+def _tell_torchrun(message: str) -> None:
+    """Under torchrun, make this line the root cause of its failure report (torchrun reads the
+    error file it gave this process, TORCHELASTIC_ERROR_FILE, and shows its message in place of
+    a bare ChildFailedError dump)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        raise RuntimeError(message)
+    except RuntimeError as err:
+        ErrorHandler().record_exception(err)
 
 
 def _default_backend() -> str:

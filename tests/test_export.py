@@ -132,6 +132,23 @@ def test_plain_run_of_a_multiprocess_export_refuses(exported):
     assert "exported for 2 processes" in proc.stderr and "torchrun" in proc.stderr
 
 
+def test_torchrun_with_a_world_of_one_shows_our_line_as_the_root_cause(exported, tmp_path):
+    """torchrun reports any non-zero exit as ChildFailedError; the error file it gives each
+    process makes our one line that report's root cause."""
+    script, _ = exported
+    proc = subprocess.run(
+        torchrun_cmd("--nproc-per-node", "1", "--master-port", str(free_port()), str(script)),
+        env=clean_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    report = proc.stderr[proc.stderr.index("Root Cause") :]
+    assert "this cell was exported for 2 processes, but runs as one plain process" in report
+    assert "exitcode  : 2" in report
+
+
 def test_export_cell_without_ipython(tmp_path):
     namespace = {"scale": 3, "weights": torch.ones(4)}
     code = "import torch.distributed as dist\ntotal = weights * scale\ndist.all_reduce(total)\n"
