@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from enot_nb import distributed
+from enot_nb._launch.notes import last_notes
 from enot_nb._version import __version__ as __version__  # re-exported
 from enot_nb.errors import (
     DistributedRuntimeException,
@@ -36,6 +37,7 @@ __all__ = [
     "WorkerFailure",
     "distributed",
     "export_cell",
+    "last_notes",
     "load_results",
     "notebook_launcher",
 ]

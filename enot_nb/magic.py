@@ -26,6 +26,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
+from enot_nb._launch.notes import NOTES, Note
 from enot_nb._launch.options import LaunchOptions
 from enot_nb._state import apply, reach
 from enot_nb._state.registry import Registry
@@ -348,26 +349,31 @@ def _bring_back(
     problems = []
     if changes is not None:
         problems = apply.apply_changes(shell.user_ns, registry, changes, options.returns)
-    for name, reason in outcome.not_returned.items():
-        print(f"enot_nb: {name!r} was not brought back: {reason}", file=sys.stderr)
-    for line in problems:
+    for line in problems:  # something the cell changed did not reach the notebook: an error
         print(f"enot_nb: {line}", file=sys.stderr)
+    notes = [Note(name, f"{name!r} was not brought back: {reason}") for name, reason in outcome.not_returned.items()]
     if outcome.detached:
-        print(
-            f"enot_nb: {', '.join(outcome.detached)}: came back without the autograd graph, which "
-            "stays in the worker; call backward() inside the distributed cell",
-            file=sys.stderr,
+        names = ", ".join(outcome.detached)
+        notes.append(
+            Note(
+                f"detached {names}",
+                f"{names}: came back without the autograd graph, which stays in the worker; call "
+                "backward() inside the distributed cell",
+            )
         )
+    if outcome.moved_to_cpu:
+        notes.append(
+            Note(
+                "moved_to_cpu",
+                f"{outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel does not "
+                "initialize CUDA and later cells still start fast",
+            )
+        )
+    NOTES.show(notes)
     if outcome.unbound_returns:
         print(
             f"enot_nb: --return {','.join(outcome.unbound_returns)}: the cell bound or changed no "
             "such variable; everything else came back",
-            file=sys.stderr,
-        )
-    if outcome.moved_to_cpu:
-        print(
-            f"enot_nb: {outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel "
-            "does not initialize CUDA and later cells still start fast",
             file=sys.stderr,
         )
     if not show_value or not outcome.has_value:

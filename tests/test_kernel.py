@@ -119,8 +119,9 @@ def test_unpicklable_variable_under_spawn(kernel):
 
 
 def test_unpicklable_result_is_named(kernel):
-    run = kernel.ok(f"{MAGIC}\nimport threading\nmade = threading.Lock()\nfine = 3")
-    assert "'made' was not brought back: lock cannot be pickled" in run.stderr
+    kernel.ok(f"{MAGIC}\nimport threading\nmade = threading.Lock()\nfine = 3")
+    notes = kernel.ok("import enot_nb\nprint(enot_nb.last_notes())").stdout
+    assert "'made' was not brought back: lock cannot be pickled" in notes
     assert kernel.ok("fine").result["text/plain"] == "3"
 
 
@@ -271,3 +272,16 @@ def test_progress_bars_keep_their_carriage_returns(kernel):
         "    sys.stderr.write(f'\\rstep {i}/3')\n    sys.stderr.flush()\nprint()"
     )
     assert "\rstep 0/3\rstep 1/3\rstep 2/3" in run.stderr
+
+
+def test_a_note_is_shown_once_per_kernel_unless_its_reason_changes(kernel):
+    """What did not come back is a quiet note (stdout, not the red stderr box), shown the first
+    time only; enot_nb.last_notes() lists the last cell's again."""
+    cell = f"{MAGIC}\nimport threading\nheld = threading.Lock()"
+    first, second = kernel.ok(cell), kernel.ok(cell)
+    note = "enot_nb note: 'held' was not brought back: lock cannot be pickled"
+    assert note in first.stdout and "held" not in first.stderr
+    assert "held" not in second.stdout + second.stderr
+    assert "'held' was not brought back" in kernel.ok("import enot_nb\nprint(enot_nb.last_notes())").stdout
+    changed = kernel.ok(f"{MAGIC}\nimport threading\nheld = threading.RLock()")  # another reason
+    assert "enot_nb note: 'held' was not brought back: RLock cannot be pickled" in changed.stdout
