@@ -86,8 +86,8 @@ def test_output_all_prefixes_every_rank(capfd):
         assert f"[rank {rank}] python line from {rank}\n" in out
         assert f"[rank {rank}] C-level line from {rank}\n" in out
         assert f"[rank {rank}] stderr from {rank}\n" in err
-    # after "\r" the line is redrawn, so it is prefixed again
-    assert "[rank 1] progress 1/2\r[rank 1] progress 2/2\n" in out
+    # with several ranks on the screen, each redraw after "\r" starts a line of its own rank
+    assert "[rank 1] progress 1/2\n[rank 1] progress 2/2\n" in out  # a redraw: a line of its own
 
 
 def test_output_none_shows_nothing(capfd):
