@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import enot_nb
 from enot_nb import distributed as ed
@@ -267,16 +268,13 @@ def fd_limit(method: str) -> None:
     say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
 
 
-def fork_fails(method: str) -> None:
-    def refuse(rank: int) -> None:
-        if rank == 1:
-            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
-
-    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)  # warm
+def launch_refused(method: str, fault: str, refuse: Callable[..., None], nprocs: int = 2) -> None:
+    """One launch with ``refuse`` called at the named fault point: say its error, the
+    descriptors before and after, the processes left, and what the next launch returns."""
     before = open_fds()
-    starts.TEST_HOOKS["fork"] = refuse
+    starts.TEST_HOOKS[fault] = refuse
     try:
-        enot_nb.notebook_launcher(trivial, nprocs=3, backend="gloo", start_method=method)
+        enot_nb.notebook_launcher(trivial, nprocs=nprocs, backend="gloo", start_method=method)
         say("started anyway")
     except enot_nb.LaunchError as err:
         say("error", json.dumps(str(err)))
@@ -284,6 +282,15 @@ def fork_fails(method: str) -> None:
     say("fds", before, open_fds())
     say("left", json.dumps(leftovers()))
     say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+
+
+def fork_fails(method: str) -> None:
+    def refuse(rank: int) -> None:
+        if rank == 1:
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)  # warm
+    launch_refused(method, "fork", refuse, nprocs=3)
 
 
 def watchdog_fails(method: str) -> None:
@@ -296,18 +303,8 @@ def watchdog_fails(method: str) -> None:
     def refuse() -> None:
         raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
 
-    before = open_fds()
-    starts.TEST_HOOKS["watchdog_starting"] = refuse
-    try:
-        enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method)
-        say("started anyway")
-    except enot_nb.LaunchError as err:
-        say("error", json.dumps(str(err)))
-    starts.TEST_HOOKS.clear()
-    say("folders", json.dumps(os.listdir(tempfile.tempdir)))
-    say("fds", before, open_fds())
-    say("left", json.dumps(leftovers()))
-    say("next", enot_nb.notebook_launcher(trivial, nprocs=2, backend="gloo", start_method=method))
+    launch_refused(method, "watchdog_starting", refuse)
+    say("folders", json.dumps(os.listdir(tempfile.tempdir)))  # the next launch's is gone too
     os.rmdir(tempfile.tempdir)
 
 
