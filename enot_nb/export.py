@@ -243,15 +243,18 @@ def open_trusted(path: Path) -> BinaryIO:
     that anyone may write, or that is a symbolic link is refused (PermissionError), before any
     byte is read. Checked on the open file itself, so it cannot be swapped after the check. (A
     group-writable file of one's own passes: a umask of 002 with a group per user makes them.)"""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:  # not blocking: a FIFO planted there would otherwise hang the open itself
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise PermissionError(f"{path} is a symbolic link: refusing to unpickle what it points to") from err
         raise
+    os.set_blocking(fd, True)
     info = os.fstat(fd)
     problem = None
-    if info.st_uid != os.geteuid():
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif info.st_uid != os.geteuid():
         problem = f"is owned by user id {info.st_uid}, not by you ({os.geteuid()})"
     elif info.st_mode & stat.S_IWOTH:
         problem = f"may be written by anyone (mode {info.st_mode & 0o777:o})"
@@ -278,8 +281,7 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
     if world_size == 1 and options["world_size"] > 1:
         message = (
             f"enot_nb: this cell was exported for {options['world_size']} processes, but runs as "
-            f"one plain process, where it would wait forever for the others. Run it with:\n"
-            f"    {options['command']}"
+            f"one plain process, where it would wait forever for the others; run it with: {options['command']}"
         )
         print(message, file=sys.stderr)
         _tell_torchrun(message)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -147,10 +148,14 @@ def parse_options(line: str) -> tuple[argparse.Namespace, LaunchPlan | None]:
     return args, plan
 
 
-# An option as the launcher's messages write it: its name, or name=value (a Python literal).
+# An option as the launcher's messages write it: name=value (a Python literal), or the bare name
+# where it is no English word (nprocs, master_port; not backend, seed, output or timeout). Never
+# inside a path or a longer name.
+_ENGLISH = {"backend", "seed", "output", "timeout"}
 _OPTION_WORDS = re.compile(
-    r"\b(" + "|".join(sorted(LaunchOptions.FLAGS, key=len, reverse=True)) + r")\b"
-    r"(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+))?"
+    r"(?<![\w/.-])("
+    + "|".join(sorted(LaunchOptions.FLAGS, key=len, reverse=True))
+    + r")(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+)|(?![\w/.=-]))"
 )
 
 
@@ -160,14 +165,16 @@ def in_magic_words(message: str) -> str:
     LaunchOptions.FLAGS, the one definition of each option)."""
 
     def one(match: re.Match[str]) -> str:
-        flag, value = LaunchOptions.FLAGS[match.group(1)], match.group(2)
+        name, value = match.group(1), match.group(2)
+        flag = LaunchOptions.FLAGS[name]
         if value is None:
-            return flag
-        if value == "None":
+            return match.group(0) if name in _ENGLISH else flag
+        if value in ("None", "False"):
             return f"no {flag}"
         if value == "True":
             return flag
-        return f"{flag} {value.strip(chr(39) + chr(34))}"
+        text = value[1:-1] if value[:1] in "'\"" else value
+        return f"{flag} {shlex.quote(text)}"
 
     return _OPTION_WORDS.sub(one, message)
 
@@ -187,6 +194,7 @@ def run_distributed_cell(
             "%%enot_distributed runs inside IPython or Jupyter; elsewhere call enot_nb.notebook_launcher(fn, nprocs=N)"
         )
     code = shell.transform_cell(cell)
+    NOTES.start_cell()  # a failed or --no-return cell leaves no notes: last_notes() says so
     if args.export:
         return _export(shell, code, args)
     assert plan is not None
@@ -330,7 +338,8 @@ def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> Non
         shell.showsyntaxerror()
         return None
     except ValueError as err:  # a bad option (LaunchConfigError) or a planted link
-        raise UsageError(f"%%enot_distributed --export: {in_magic_words(str(err))}") from None
+        text = in_magic_words(str(err)) if isinstance(err, LaunchConfigError) else str(err)
+        raise UsageError(f"%%enot_distributed --export: {text}") from None
     except OSError as err:
         raise UsageError(f"--export {args.export}: cannot write there ({err})") from None
     print(exported.describe())

@@ -150,8 +150,13 @@ def test_interrupts_at_random_moments_leave_nothing(start_method):
 # ----------------------------------------------------------------------------- 3. descendants
 
 
+def _launch_folders() -> set[Path]:
+    folder = Path(tempfile.gettempdir())
+    return set(folder.glob("enot_nb-rendezvous-*")) | set(folder.glob("pymp-enot_nb-*"))
+
+
 def test_sigkill_of_the_launcher_takes_grandchildren_and_rendezvous_down(start_method):
-    before = set(Path(tempfile.gettempdir()).glob("enot_nb-rendezvous-*"))
+    before = _launch_folders()
     proc = helper("descendants_then_block", start_method)
     trees = []
     while len(trees) < 2:
@@ -166,8 +171,8 @@ def test_sigkill_of_the_launcher_takes_grandchildren_and_rendezvous_down(start_m
     assert took is not None, [p for p in pids if alive(p)]
     record_figure(f"launcher_sigkill_tree_gone_{start_method}_s", took)
     deadline = time.monotonic() + 5
-    while set(Path(tempfile.gettempdir()).glob("enot_nb-rendezvous-*")) - before:
-        assert time.monotonic() < deadline, "the rendezvous folder outlived the launcher"
+    while _launch_folders() - before:
+        assert time.monotonic() < deadline, "a launch folder (rendezvous, multiprocessing) outlived the launcher"
         time.sleep(0.02)
 
 

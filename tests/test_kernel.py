@@ -285,3 +285,5 @@ def test_a_note_is_shown_once_per_kernel_unless_its_reason_changes(kernel):
     assert "'held' was not brought back" in kernel.ok("import enot_nb\nprint(enot_nb.last_notes())").stdout
     changed = kernel.ok(f"{MAGIC}\nimport threading\nheld = threading.RLock()")  # another reason
     assert "enot_nb note: 'held' was not brought back: RLock cannot be pickled" in changed.stdout
+    kernel.run(f"{MAGIC}\nraise ValueError('no notes from a failed cell')")
+    assert kernel.ok("print(enot_nb.last_notes())").stdout == "[]\n"

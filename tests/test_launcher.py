@@ -445,27 +445,36 @@ def test_the_debug_log_is_silent_unless_asked_for(debug):
 _LEFT_IN_TMPDIR = (
     "import json, os, tempfile, enot_nb\n"
     "from tests.helpers import jobs\n"
-    "total = enot_nb.notebook_launcher(jobs.ends_with_dataloader_workers_alive, nprocs=2, backend='gloo',\n"
-    "                                  start_method={method!r})\n"
-    "print(total, json.dumps(sorted(os.listdir(tempfile.gettempdir()))))\n"
+    "try:\n"
+    "    total = enot_nb.notebook_launcher(jobs.{job}, nprocs=2, backend='gloo', start_method={method!r})\n"
+    "except enot_nb.WorkerFailedError as err:\n"
+    "    total = f'rank {{err.rank}} failed'\n"
+    "print(json.dumps([total, sorted(os.listdir(tempfile.gettempdir()))]))\n"
 )
 
 
+@pytest.mark.parametrize(
+    "job, outcome",
+    [
+        ("ends_with_dataloader_workers_alive", 6.0),  # the children dealt 0+1 and 2+3
+        ("fails_while_dataloader_workers_alive", "rank 1 failed"),  # rank 0 killed, not leaving
+    ],
+)
 @pytest.mark.parametrize("method", METHODS)
-def test_no_multiprocessing_folder_is_left_by_dataloader_workers(method, tmp_path):
+def test_no_multiprocessing_folder_is_left_by_dataloader_workers(method, job, outcome, tmp_path):
     """multiprocessing removes its pymp-* folder in an exit finalizer, which a worker's os._exit
     skips (and its DataLoader children die with the worker's process group): none may be left.
     A launcher with a temporary folder of its own, in a process of its own, to look in."""
     from tests._util import clean_env
 
     run = subprocess.run(
-        [sys.executable, "-c", _LEFT_IN_TMPDIR.format(method=method)],
+        [sys.executable, "-c", _LEFT_IN_TMPDIR.format(job=job, method=method)],
         env=clean_env(PYTHONPATH=os.getcwd(), TMPDIR=str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=50,
     )
     assert run.returncode == 0, run.stderr
-    total, left = run.stdout.split(" ", 1)
-    assert float(total) == 6.0  # the children did deal the batches: 0+1 and 2+3
-    assert [name for name in json.loads(left) if name.startswith("pymp-")] == []
+    got, left = json.loads(run.stdout)
+    assert got == outcome
+    assert [name for name in left if name.startswith("pymp-")] == []

@@ -348,6 +348,10 @@ def test_load_results_refuses_a_pickle_it_should_not_trust(tmp_path):
         os.chown(results, 12345, -1)
         with pytest.raises(PermissionError, match="owned by user id 12345"):
             enot_nb.load_results(script)
+    results.unlink()
+    os.mkfifo(results)  # would block an open that waits for a writer
+    with pytest.raises(PermissionError, match="is not a regular file"):
+        enot_nb.load_results(script)
 
 
 def test_a_stack_report_shows_the_cell_first_and_leaves_helper_threads_out():
@@ -394,3 +398,14 @@ def test_magic_errors_speak_the_magics_words(line, words):
         parse_options(line)
     assert words in str(info.value)
     assert not any(f"{name}=" in str(info.value) for name in LaunchOptions.FLAGS), str(info.value)
+
+
+def test_only_options_are_put_in_the_magics_words():
+    from enot_nb.magic import in_magic_words
+
+    assert in_magic_words("/home/me/output/seed_3/nprocs/train.py is a link") == (
+        "/home/me/output/seed_3/nprocs/train.py is a link"
+    )
+    assert in_magic_words("the backend is not available; use a seed") == "the backend is not available; use a seed"
+    assert in_magic_words("seed='abc def' and nprocs=2") == "--seed 'abc def' and -n 2"
+    assert in_magic_words("cuda_reproducible=False") == "no --reproducible"

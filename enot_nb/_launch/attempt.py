@@ -206,6 +206,8 @@ class Attempt:
         self.failures: list[WorkerFailure] = []
         self.result_fd: int | None = None
         self.rendezvous_dir: str | None = None
+        self.multiprocessing_dir: str | None = None
+        """The ranks' multiprocessing folder (DataLoader workers' sockets), removed at close."""
         self.stopper = Stopper(self)
 
     def run(self) -> Outcome:
@@ -246,10 +248,19 @@ class Attempt:
                 if self.plan.node_rank == 0:  # global rank 0 runs here
                     self.result_fd = result_file.result_fd()
                 self.rendezvous_dir = rendezvous_folder(self.plan)  # made and recorded: one step
-            if self.rendezvous_dir is not None:  # then the watchdog told (it may fail to start)
-                watchdog_client.folder(self.rendezvous_dir)
+                self.multiprocessing_dir = tempfile.mkdtemp(prefix="pymp-enot_nb-")
+            for folder in (self.rendezvous_dir, self.multiprocessing_dir):  # then the watchdog told
+                if folder is not None:  # (it may fail to start: the folders are recorded)
+                    watchdog_client.folder(folder)
             self.group = make_group(
-                self.plan, self.job, self.shipped, self.ranks, self.attempt, self.result_fd, self.rendezvous_dir
+                self.plan,
+                self.job,
+                self.shipped,
+                self.ranks,
+                self.attempt,
+                self.result_fd,
+                self.rendezvous_dir,
+                self.multiprocessing_dir,
             )
             log.debug("attempt %d: starting %d rank(s) by %s", self.attempt, self.plan.nprocs, self.plan.start_method)
             for rank, pid in self.group.start().items():
@@ -333,7 +344,8 @@ class Attempt:
             group=lambda group: group.close(),  # killed and reaped
             io=lambda io: io.close(),
             result_fd=os.close,  # a loaded result keeps its pages mapped
-            rendezvous_dir=remove_rendezvous_folder,
+            rendezvous_dir=remove_folder,
+            multiprocessing_dir=remove_folder,
         )
         if released:
             log.debug("attempt %d: closed, exit codes %s", self.attempt, {r.rank: r.exitcode for r in self.ranks})
@@ -397,7 +409,9 @@ def partial_state(ranks: list[Rank], result_fd: int | None) -> Any:
         return None
 
 
-def remove_rendezvous_folder(folder: str) -> None:
+def remove_folder(folder: str) -> None:
+    """A folder of the launch's (the rendezvous, the multiprocessing sockets), removed; the
+    watchdog need not remove it any more."""
     shutil.rmtree(folder, ignore_errors=True)
     watchdog_client.unfolder(folder)
 
@@ -410,6 +424,7 @@ def make_group(
     attempt: int,
     result_fd: int | None,
     folder: str | None,
+    multiprocessing_folder: str | None = None,
 ) -> WorkerGroup:
     """Describe each rank (environment, descriptors, rendezvous) and make its group."""
     init_kwargs = dict(plan.init_kwargs)
@@ -440,6 +455,7 @@ def make_group(
             front_end=front_end,
             kernel_parent=parent,
             output_setup=output_setup,
+            multiprocessing_folder=multiprocessing_folder,
         )
         for r in ranks
     ]

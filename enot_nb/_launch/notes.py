@@ -24,6 +24,10 @@ class Notes:
     shown: dict[str, str] = field(default_factory=dict)
     last: list[str] = field(default_factory=list)
 
+    def start_cell(self) -> None:
+        """A new cell: its notes, none so far, are the last."""
+        self.last = []
+
     def show(self, notes: list[Note]) -> None:
         """Print the notes not shown before with the same text; remember them all as the last."""
         self.last = [note.text for note in notes]

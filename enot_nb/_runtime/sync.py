@@ -120,7 +120,7 @@ def _check_same_structure(entries: list[_Entry]) -> None:
     signatures = [entry.signature() for entry in entries]
     device = collective_device()
     mine = _digest64("\n".join(signatures))
-    if all(theirs == [mine] for theirs in _gather_ints([mine], device)):
+    if all(theirs == [mine] for theirs in _gather_ints([mine], device, length=1)):
         return
     # Slow path, taken by every rank alike (all saw the same digests): find what differs. Only
     # tensors cross: nothing a peer sends is unpickled (all_gather_object would unpickle it).
@@ -131,12 +131,16 @@ def _digest64(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
-def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
-    """Every rank's list of 64-bit integers (lists of any length), as int64 tensors."""
+def _gather_ints(values: list[int], device: torch.device, length: int | None = None) -> list[list[int]]:
+    """Every rank's list of 64-bit integers (lists of any length), as int64 tensors. ``length``:
+    the length every rank's list has (one collective fewer)."""
     world = dist.get_world_size()
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([len(values)], dtype=torch.int64, device=device))
-    counts = [int(n.item()) for n in lengths]
+    if length is None:
+        lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(lengths, torch.tensor([len(values)], dtype=torch.int64, device=device))
+        counts = [int(n.item()) for n in lengths]
+    else:
+        counts = [length] * world
     longest = max(counts)
     padded = torch.zeros(longest, dtype=torch.int64, device=device)
     padded[: len(values)] = torch.tensor(values, dtype=torch.int64)

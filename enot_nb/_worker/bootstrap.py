@@ -82,11 +82,13 @@ class WorkerSpec:
     output_setup: bytes | None = None
     """The launcher's logging and warning set-up (streams.capture), for a worker that does not
     inherit it (spawn)."""
+    multiprocessing_folder: str | None = None
+    """The launch's folder for multiprocessing's sockets (see claim_multiprocessing_folder)."""
 
 
 def become_worker(spec: WorkerSpec) -> None:
     """Turn a freshly forked process into an isolated worker for ``spec.rank``."""
-    claim_multiprocessing_folder()
+    claim_multiprocessing_folder(spec.multiprocessing_folder)
     os.setpgid(0, 0)  # own group: the launcher stops the whole tree (DataLoader workers too)
     _die_with_parent(spec.parent_pid)
     for fd in spec.close_fds:
@@ -291,22 +293,27 @@ def _user_frames(tb: Any) -> Any:
 
 
 _multiprocessing_folder: list[str] = []
-"""This worker's own multiprocessing folder (see claim_multiprocessing_folder)."""
+"""The multiprocessing folder this process made itself, removed as it leaves."""
 
 
-def claim_multiprocessing_folder() -> None:
-    """Give this worker a multiprocessing temporary folder (``pymp-*``, where the sockets that
-    pass DataLoader workers' tensors back live) of its own, made now, so that the children it
-    forks (DataLoader workers) use it too instead of making one each; _leave removes it.
-    multiprocessing removes its folder in an exit finalizer, which a worker's os._exit skips,
-    and a child killed with its process group never runs its own. The launcher's folder, which
-    a forked worker inherits the name of, is left to the launcher."""
+def claim_multiprocessing_folder(folder: str | None = None) -> None:
+    """Give this process a multiprocessing temporary folder (``pymp-*``: where the sockets that
+    pass DataLoader workers' tensors back live) that the children it forks (DataLoader workers)
+    share, instead of making one each, which nobody would remove: multiprocessing removes its
+    folder in an exit finalizer, which a worker's os._exit skips, and a child killed with its
+    process group never runs its own. ``folder``: the launch's, which the launcher made and
+    removes however the worker ends (even killed); None (an exported script under torchrun):
+    one made now, removed when this process leaves. The launcher's own folder, whose name a
+    forked worker inherits, is never used (nor removed) by a worker."""
     import multiprocessing.process
     import multiprocessing.util
 
     process: Any = multiprocessing.process.current_process()  # _config: multiprocessing's own
     process._config.pop("tempdir", None)
-    _multiprocessing_folder[:] = [multiprocessing.util.get_temp_dir()]
+    if folder is not None:
+        process._config["tempdir"] = folder
+    else:
+        _multiprocessing_folder[:] = [multiprocessing.util.get_temp_dir()]
 
 
 def _remove_own_multiprocessing_folder() -> None:

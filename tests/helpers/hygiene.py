@@ -160,10 +160,14 @@ def interrupt_sweep(method: str, tries: str) -> None:
 
 
 def rendezvous_folders() -> set[str]:
+    """The launch folders in the temporary folder: the rendezvous and the ranks' multiprocessing
+    folder (both made, recorded and removed by the attempt)."""
     import glob
     import tempfile
 
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "enot_nb-rendezvous-*")))
+    folder = tempfile.gettempdir()
+    patterns = ("enot_nb-rendezvous-*", "pymp-enot_nb-*")
+    return {path for pattern in patterns for path in glob.glob(os.path.join(folder, pattern))}
 
 
 def own_fds() -> int:

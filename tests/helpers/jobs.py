@@ -192,3 +192,15 @@ def ends_with_dataloader_workers_alive():
     loader = torch.utils.data.DataLoader(torch.arange(8.0), num_workers=2, batch_size=2, persistent_workers=True)
     _alive_at_the_end = iter(loader)
     return float(sum(batch.sum() for batch in [next(_alive_at_the_end), next(_alive_at_the_end)]))
+
+
+def fails_while_dataloader_workers_alive():
+    """Rank 0 holds live DataLoader workers (batches back through shared memory) and computes
+    until it is stopped (killed without leaving as a worker leaves); rank 1 fails."""
+    if ed.get_rank() == 0:
+        ends_with_dataloader_workers_alive()
+    dist.barrier()
+    if ed.get_rank() == 1:
+        raise RuntimeError("rank 1 fails while rank 0 holds DataLoader workers")
+    while True:
+        sum(range(1000))
