@@ -252,16 +252,7 @@ class Attempt:
             for folder in (self.rendezvous_dir, self.multiprocessing_dir):  # then the watchdog told
                 if folder is not None:  # (it may fail to start: the folders are recorded)
                     watchdog_client.folder(folder)
-            self.group = make_group(
-                self.plan,
-                self.job,
-                self.shipped,
-                self.ranks,
-                self.attempt,
-                self.result_fd,
-                self.rendezvous_dir,
-                self.multiprocessing_dir,
-            )
+            self.group = make_group(self)
             log.debug("attempt %d: starting %d rank(s) by %s", self.attempt, self.plan.nprocs, self.plan.start_method)
             for rank, pid in self.group.start().items():
                 self._rank(rank).pid = pid
@@ -416,17 +407,11 @@ def remove_folder(folder: str) -> None:
     watchdog_client.unfolder(folder)
 
 
-def make_group(
-    plan: LaunchPlan,
-    job: bootstrap.Job,
-    shipped: tuple[bytes, list[int]] | None,
-    ranks: list[Rank],
-    attempt: int,
-    result_fd: int | None,
-    folder: str | None,
-    multiprocessing_folder: str | None = None,
-) -> WorkerGroup:
-    """Describe each rank (environment, descriptors, rendezvous) and make its group."""
+def make_group(started: Attempt) -> WorkerGroup:
+    """Describe each rank of an attempt being started (environment, descriptors, its folders)
+    and make its group."""
+    plan, job, shipped, ranks, attempt = started.plan, started.job, started.shipped, started.ranks, started.attempt
+    result_fd, folder = started.result_fd, started.rendezvous_dir
     init_kwargs = dict(plan.init_kwargs)
     address = plan.master_addr if plan.nnodes > 1 else _rendezvous.loopback_for(plan.master_addr)
     if folder is not None:
@@ -455,7 +440,7 @@ def make_group(
             front_end=front_end,
             kernel_parent=parent,
             output_setup=output_setup,
-            multiprocessing_folder=multiprocessing_folder,
+            multiprocessing_folder=started.multiprocessing_dir,
         )
         for r in ranks
     ]
