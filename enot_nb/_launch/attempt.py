@@ -38,7 +38,6 @@ from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, In
 from enot_nb._processes.starts import start_error
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap, streams
-from enot_nb._worker.cell import CELL_FILENAME
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
 if TYPE_CHECKING:
@@ -103,8 +102,8 @@ class Outcome:
 
 class Stopper:
     """How an attempt stops its workers: the one escalation, and the interrupt (stack dumps,
-    the master alone saving its state, then everyone stopped). Owned by its Attempt, whose
-    group it signals whose events it handles while it waits (``wait``)."""
+    the master alone saving its state, then everyone stopped). Owned by its Attempt: it signals
+    the attempt's group, and handles the attempt's events while it waits (``wait``)."""
 
     def __init__(self, attempt: Attempt) -> None:
         self.attempt = attempt
@@ -496,6 +495,8 @@ def stack_report(rank: int, text: str) -> str:
     """A rank's faulthandler dump, labelled with the rank: the thread running the cell first,
     without enot_nb's own frames, idle threads or helper threads (what the user needs is where
     their code is)."""
+    from enot_nb._worker.cell import CELL_FILENAME  # here, not at the top: `import enot_nb` needs no cell
+
     threads: list[list[str]] = []
     other = []
     for line in text.splitlines():

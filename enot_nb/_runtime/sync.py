@@ -152,7 +152,7 @@ def _gather_ints(values: list[int], device: torch.device, length: int | None = N
 def _gather_text(text: str, device: torch.device) -> list[str]:
     """Every rank's string, sent as its UTF-8 bytes (decoded, never unpickled)."""
     data = text.encode()
-    return [bytes(b & 0xFF for b in values).decode(errors="replace") for values in _gather_ints(list(data), device)]
+    return [bytes(values).decode(errors="replace") for values in _gather_ints(list(data), device)]
 
 
 def _describe_mismatch(signatures: list[str], device: torch.device) -> str:
