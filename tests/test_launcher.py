@@ -18,7 +18,7 @@ import torch
 import enot_nb
 from enot_nb import WorkerFailedError
 from enot_nb.errors import LaunchError
-from tests._util import HELPERS, METHODS, alive, descendants, free_port, gone_within, record_figure
+from tests._util import HELPERS, METHODS, alive, clean_env, descendants, free_port, gone_within, record_figure
 from tests.helpers import jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -413,6 +413,9 @@ _LOGGED_LAUNCH = (
     "import logging, enot_nb\n"
     "from tests.helpers import jobs\n"
     "logging.basicConfig(level=logging.DEBUG)\n"
+    # Every rank connects before it returns (after a failure a rank may be stopped just before
+    # it reports that it connected, so the connected lines are looked for here).
+    "enot_nb.notebook_launcher(jobs.rank_sum, args=(10,), nprocs=2, backend='gloo')\n"
     "try:\n"
     "    enot_nb.notebook_launcher(jobs.raise_on, args=(1,), nprocs=2, backend='gloo')\n"
     "except enot_nb.WorkerFailedError:\n"
@@ -424,8 +427,6 @@ _LOGGED_LAUNCH = (
 def test_the_debug_log_is_silent_unless_asked_for(debug):
     """Under a user's basicConfig(level=DEBUG) enot_nb logs nothing; ENOT_NB_DEBUG=1 logs an
     attempt's transitions (start, first failure, the stop signals, close)."""
-    from tests._util import clean_env
-
     env = clean_env(PYTHONPATH=os.getcwd(), ENOT_NB_DEBUG=debug)
     run = subprocess.run([sys.executable, "-c", _LOGGED_LAUNCH], env=env, capture_output=True, text=True, timeout=50)
     assert run.returncode == 0, run.stderr
@@ -465,8 +466,6 @@ def test_no_multiprocessing_folder_is_left_by_dataloader_workers(method, job, ou
     """multiprocessing removes its pymp-* folder in an exit finalizer, which a worker's os._exit
     skips (and its DataLoader children die with the worker's process group): none may be left.
     A launcher with a temporary folder of its own, in a process of its own, to look in."""
-    from tests._util import clean_env
-
     run = subprocess.run(
         [sys.executable, "-c", _LEFT_IN_TMPDIR.format(job=job, method=method)],
         env=clean_env(PYTHONPATH=os.getcwd(), TMPDIR=str(tmp_path)),
