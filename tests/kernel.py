@@ -87,7 +87,12 @@ class Kernel:
                 run.comms.append({"msg_type": kind, "content": content, "received": time.time()})
             elif kind == "status" and content["execution_state"] == "idle":
                 break
-        reply = self.client.get_shell_msg(timeout=10)
+        # This cell's reply: wait_for_ready may have sent a second kernel_info_request whose reply
+        # is still queued (seen in CI under load: a later cell then read the one before's status).
+        while True:
+            reply = self.client.get_shell_msg(timeout=10)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
         run.status = reply["content"]["status"]
         return run
 
