@@ -218,7 +218,7 @@ def run_distributed_cell(
         _after_interrupt(shell, registry, options, err.partial_result)
         failure = CellInterrupted()
     except WorkerFailedError as err:
-        _after_failure(shell, registry, options, err.partial_result)
+        _after_failure(shell, registry, options, err.partial_result, code)
         failure = err.with_traceback(None)  # the launcher's frames hold the job
     if failure is not None:
         # IPython keeps the traceback (sys.last_traceback) until the next error: it must not
@@ -277,7 +277,9 @@ def _after_interrupt(shell: InteractiveShell, registry: Registry, options: _cell
         )
 
 
-def _after_failure(shell: InteractiveShell, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
+def _after_failure(
+    shell: InteractiveShell, registry: Registry, options: _cell.CellOptions, partial: Any, code: str
+) -> None:
     if options.keep_on_error and isinstance(partial, _cell.CellOutcome):
         _bring_back(shell, registry, partial, options, show_value=False)
         print(
@@ -290,6 +292,8 @@ def _after_failure(shell: InteractiveShell, registry: Registry, options: _cell.C
             "enot_nb: --on-error keep: rank 0 sent no state (it did not fail in Python); the notebook is unchanged",
             file=sys.stderr,
         )
+    if options.no_return:  # nothing was walked under fork: walk now, on this rare path
+        registry = reach.reach(shell.user_ns, code, shell.user_ns_hidden).registry
     shared = apply.shared_memory_tensors(registry)
     if shared:
         print(
@@ -307,8 +311,12 @@ def _cell_job(
     namespace = shell.user_ns
     if start_method == "fork":
         # The workers inherit these objects at the same addresses: index i names one object on
-        # both sides, so only what changed needs to come back.
-        registry = Registry.of_user_variables(namespace, shell.user_ns_hidden)
+        # both sides, so only what changed needs to come back. Only what the cell can reach can
+        # change; with --no-return nothing comes back, so nothing is walked.
+        if options.no_return:
+            registry = Registry.of_namespace(namespace, [])
+        else:
+            registry = reach.reach(namespace, code, shell.user_ns_hidden).registry
         return bootstrap.Job(_cell.run_cell, (code, namespace, options, registry)), registry
     values, left_out, registry = reach.shippable_namespace(namespace, code)
     objects = reach.shippable_objects(registry, namespace)

@@ -444,6 +444,59 @@ CASES = [
         ["y.tolist()", "z.tolist()", "type(s).__name__"],
         "",
     ),
+    # What a cell reaches (reach.py): the names in its magics' arguments, the globals of the
+    # notebook functions and classes it reaches, every name where code reads names dynamically.
+    (
+        "line-magic-argument-reaches-the-model",
+        LINEAR + "def scale(f):\n    model.weight.data.mul_(f)\n",
+        "%time scale(3.0)",
+        ["model.weight.tolist()"],
+        "",
+    ),
+    (
+        "class-methods-read-notebook-globals",
+        "import torch.nn.functional as F\nSHIFT = [0.5]\n"
+        "class Base(torch.nn.Module):\n    def shift(self, x):\n        return x + SHIFT[0]\n"
+        "class Net(Base):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.l = torch.nn.Linear(2, 2)\n"
+        "    def forward(self, x):\n        return self.shift(F.relu(self.l(x)))\n"
+        "    @property\n    def gain(self):\n        return SHIFT[0] * 2\n"
+        "net = Net()\n",
+        "out = net(torch.ones(1, 2)).tolist()\ng = net.gain\nSHIFT[0] = 1.5",
+        ["out", "g", "SHIFT", "type(net) is Net"],
+        "",
+    ),
+    (
+        "dataset-methods-read-notebook-globals",
+        "SCALE = 3.0\ndef load(i):\n    return float(i) * SCALE\n"
+        "class DS(torch.utils.data.Dataset):\n    def __len__(self):\n        return 4\n"
+        "    def __getitem__(self, i):\n        return load(i)\n"
+        "ds = DS()\n",
+        "vals = [ds[i] for i in range(len(ds))]",
+        ["vals"],
+        "",
+    ),
+    (
+        "function-reads-globals-dynamically",
+        "a = [1]\nb = [5]\ndef bump(name):\n    globals()[name].append(2)\n",
+        "bump('a')\neval('b').append(6)",
+        ["a", "b"],
+        "",
+    ),
+    (
+        "large-list-of-samples",
+        "samples = [(f'img{i}.jpg', i % 10) for i in range(3000)]\nalias = samples\nfirst = samples[1]\n",
+        "samples.append(('new.jpg', 3))\nsamples[0] = ('a.jpg', -0.0)",
+        ["len(alias)", "alias[-1]", "repr(alias[0][1])", "alias is samples", "alias[1] == first"],
+        "",
+    ),
+    (
+        "large-dict-of-atoms",
+        "vocab = {f'w{i}': i for i in range(3000)}\nzeros = [0.0] * 3000\n",
+        "vocab['new'] = 1\ndel vocab['w0']\nzeros[3] = -0.0",
+        ["len(vocab)", "'w0' in vocab", "list(vocab)[-1]", "repr(zeros[3])", "repr(zeros[2])"],
+        "",
+    ),
     (
         "module-moved-between-devices",
         LINEAR + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
@@ -495,6 +548,21 @@ def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell,
             kernel.ok(after)
         results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
     assert results[1] == results[0], f"{case_id} differs: local {results[0]}, distributed {results[1]}"
+
+
+def test_a_change_made_only_through_a_librarys_reference_is_outside_the_promise(kernels):
+    """README, "What comes back": what the cell cannot reach by its names is not walked, so a
+    change made only through a reference that a library holds stays in the worker. This case
+    shows the limit; if it ever comes back, the README must say so instead."""
+    local, dist = kernels
+    setup, cell = "import json\ndata = [1]\njson.held = data\n", "json.held.append(2)"
+    seen = []
+    for kernel, header in ((local, ""), (dist, f"{MAGIC} --start-method fork\n")):
+        _fresh(kernel)
+        kernel.ok(setup)
+        kernel.ok(header + cell)
+        seen.append(json.loads(kernel.ok(_probe_code(["data"])).stdout))
+    assert seen == [["[1, 2]"], ["[1]"]]
 
 
 # ----------------------------------------------------------------------------- beyond a local cell

@@ -113,7 +113,7 @@ def run_cell(
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back
         if registry is None:
-            registry = Registry.of_user_variables(namespace, hidden)
+            registry = reach.reach(namespace, code, hidden).registry
         tracker = _Tracker(registry, namespace, hidden)
     figures_before = _open_figures()
     try:

@@ -1,0 +1,139 @@
+"""What a cell reaches (enot_nb._state.reach), without a kernel: the walk follows the cell's
+names, the notebook functions and classes they reach, and falls back to every name only where
+code reads the namespace by name."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from IPython.core.inputtransformer2 import TransformerManager
+
+from enot_nb._state.kinds import ATOMS_MIN, Kind, kind_of
+from enot_nb._state.reach import cell_names, reach
+from enot_nb._state.snapshot import Snapshot
+
+
+def _ipython(cell: str) -> str:
+    return TransformerManager().transform_cell(cell)
+
+
+def _notebook(code: str) -> dict:
+    """A namespace as a notebook holds it: its functions and classes are the notebook's."""
+    namespace: dict = {"__name__": "__main__"}
+    exec(code, namespace)
+    return namespace
+
+
+def _walked(namespace: dict, cell: str) -> set[str]:
+    return set(reach(namespace, _ipython(cell)).names)
+
+
+@pytest.mark.parametrize(
+    "cell, names",
+    [
+        ("%time loss = train(model)", {"loss", "train", "model"}),
+        ("%timeit -n 3 step(x)", {"step", "x"}),
+        ("!ls {folder}", {"folder"}),
+        ("y = [f(v) for v in data]", {"y", "f", "v", "data"}),
+    ],
+)
+def test_the_names_of_a_cell_include_those_its_magics_and_commands_read(cell, names):
+    found = cell_names(_ipython(cell))
+    assert names <= found.names
+    assert found.dynamic is None
+
+
+@pytest.mark.parametrize(
+    "cell, why",
+    [
+        ("globals()['x'] = 1", "globals"),
+        ("print(eval('x'))", "eval"),
+        ("exec('x = 1')", "exec"),
+        ("vars()['x']", "vars"),
+        ("import sys\nsys.modules['__main__'].x", "sys.modules"),
+        ("import __main__", "__main__"),
+        ("get_ipython().user_ns['x']", "get_ipython"),
+        ("%who", "%who"),
+        ("%run other.py", "%run"),
+    ],
+)
+def test_code_that_reads_names_dynamically_is_named(cell, why):
+    assert cell_names(_ipython(cell)).dynamic == why
+
+
+def test_a_trivial_cell_walks_nothing_the_notebook_holds():
+    namespace = _notebook(
+        "samples = [(f'img{i}.jpg', i % 10) for i in range(5000)]\nbig = {i: {'a': i} for i in range(5000)}"
+    )
+    found = reach(namespace, "x = 1")
+    assert found.names == [] and len(found.registry.objects) == 1  # the namespace alone
+
+
+def test_globals_read_by_notebook_functions_are_reached_to_any_depth():
+    namespace = _notebook(
+        "import torch.nn.functional as F\nSCALE = [2.0]\nunused = [3]\n"
+        "def inner(v):\n    return F.relu(v) * SCALE[0]\n"
+        "def outer(v):\n    return inner(v)\n"
+    )
+    assert _walked(namespace, "y = outer(1)") == {"outer", "inner", "F", "SCALE"}
+
+
+def test_an_instance_brings_its_class_and_what_its_methods_read():
+    namespace = _notebook(
+        "import torch\nimport torch.nn.functional as F\nBIAS = [1.0]\nLIMIT = [9]\nWRAPPED = [0]\nunused = [0]\n"
+        "def helper(v):\n    return v\n"
+        "class Base(torch.nn.Module):\n    def shift(self, x):\n        return x + BIAS[0]\n"
+        "class Net(Base):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.l = torch.nn.Linear(2, 2)\n"
+        "    def forward(self, x):\n        return self.shift(F.relu(self.l(x)))\n"
+        "    @property\n    def limit(self):\n        return LIMIT[0]\n"
+        "    @staticmethod\n    def make():\n        return helper(1)\n"
+        "    @classmethod\n    def build(cls):\n        return WRAPPED\n"
+        "net = Net()\n"
+    )
+    walked = _walked(namespace, "out = net(torch.ones(1, 2))")
+    assert {"net", "torch", "F", "BIAS", "LIMIT", "helper", "WRAPPED"} <= walked
+    assert "unused" not in walked
+    registry = reach(namespace, "net").registry
+    assert registry.find(namespace["Net"]) is not None and registry.find(namespace["Base"]) is not None
+
+
+def test_a_decorated_notebook_function_reaches_what_the_wrapped_one_reads():
+    namespace = _notebook(
+        "import functools\nTABLE = [1]\n"
+        "@functools.lru_cache\ndef sq(v):\n    return TABLE[0] * v * v\n"
+        "def deco(f):\n    @functools.wraps(f)\n    def wrapper(*a):\n        return f(*a)\n    return wrapper\n"
+        "OTHER = [2]\n@deco\ndef g(v):\n    return OTHER[0] + v\n"
+    )
+    assert {"sq", "TABLE"} <= _walked(namespace, "sq(2)")
+    assert {"g", "OTHER"} <= _walked(namespace, "g(2)")
+
+
+def test_a_function_that_reads_names_dynamically_walks_every_name():
+    namespace = _notebook("a = [1]\nb = [2]\ndef lookup(name):\n    return globals()[name]\n")
+    found = reach(namespace, "lookup('a')")
+    assert found.whole == "lookup uses globals"
+    assert {"a", "b", "lookup"} <= set(found.names)
+
+
+def test_a_large_container_of_atoms_is_one_object_compared_by_its_slots():
+    samples = [(f"img{i}.jpg", i % 10) for i in range(ATOMS_MIN)]
+    assert kind_of(samples) is Kind.ATOMS
+    assert kind_of(samples[: ATOMS_MIN - 1]) is Kind.LIST
+    assert kind_of([*samples, [1]]) is Kind.LIST  # a mutable item: walked as any list
+    assert kind_of({i: float(i) for i in range(ATOMS_MIN)}) is Kind.ATOMS
+    namespace = {"samples": samples, "zeros": [0.0] * ATOMS_MIN}
+    registry = reach(namespace, "samples, zeros").registry
+    assert len(registry.objects) == 3  # the namespace and the two lists, not their items
+    snapshot = Snapshot.take(registry)
+    assert snapshot.changed_objects(registry) == []
+    samples[5] = ("img5.jpg", 5)  # an equal tuple, but another object: reported (it travels)
+    namespace["zeros"][7] = -0.0  # equal to 0.0, yet a change that must come back
+    assert snapshot.changed_objects(registry) == [1, 2]
+
+
+def test_reach_follows_a_partial_and_a_wrapped_function():
+    namespace = _notebook("K = [3]\ndef f(a, b):\n    return K[0] + a + b\n")
+    namespace["p"] = functools.partial(namespace["f"], 1)
+    assert {"p", "K"} <= _walked(namespace, "p(2)")
