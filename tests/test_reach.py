@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from IPython.core.inputtransformer2 import TransformerManager
 
 from enot_nb._state.kinds import ATOMS_MIN, Kind, kind_of
@@ -137,3 +138,53 @@ def test_reach_follows_a_partial_and_a_wrapped_function():
     namespace = _notebook("K = [3]\ndef f(a, b):\n    return K[0] + a + b\n")
     namespace["p"] = functools.partial(namespace["f"], 1)
     assert {"p", "K"} <= _walked(namespace, "p(2)")
+
+
+def test_a_stop_press_anywhere_in_applying_the_changes_leaves_all_of_them_or_none():
+    """The issue's tear: a press while the kernel copied the master's bytes into the notebook's
+    tensors left some updated and others not. A press before any line of the apply (and of the
+    kinds' apply functions it calls) must leave every change made, or none."""
+    import sys
+
+    from enot_nb._state import apply, collect, kinds
+    from enot_nb._state.apply import apply_changes
+    from tests._util import press_before_line
+
+    namespace = {f"t{i}": torch.zeros(4) for i in range(4)} | {"log": [0]}
+    registry = reach(namespace, "t0, t1, t2, t3, log").registry
+    snapshot = Snapshot.take(registry)
+    for i in range(4):
+        namespace[f"t{i}"].fill_(i + 1)
+    namespace["log"].append(1)
+    changes, _ = collect.collect(registry, snapshot, dict(namespace), namespace)
+    pickled, _ = collect.dump(changes, registry, {})
+    pickled = collect.PickledState(pickled.main, [bytes(memoryview(b)) for b in pickled.buffers])
+
+    def applied() -> list[bool]:
+        return [bool(namespace[f"t{i}"].eq(i + 1).all()) for i in range(4)] + [namespace["log"] == [0, 1]]
+
+    files = {apply.__file__, kinds.__file__}
+
+    def run(press_at: int | None) -> int:
+        for i in range(4):
+            namespace[f"t{i}"].zero_()
+        namespace["log"][:] = [0]
+        loaded = apply.load(pickled, registry)
+        where: list[str] = []
+        seen, tracer = press_before_line(press_at, lambda code: code.co_filename in files, where)
+        sys.settrace(tracer)
+        try:
+            apply_changes(namespace, registry, loaded, None)
+            pressed = False
+        except KeyboardInterrupt:
+            pressed = True
+        finally:
+            sys.settrace(None)
+        assert pressed == bool(where)
+        assert applied() in ([True] * 5, [False] * 5), (where, applied())
+        return seen[0]
+
+    lines = run(None)
+    assert applied() == [True] * 5 and lines > 20
+    for k in range(1, lines + 1):
+        run(k)

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._serialize.tensors import _rebuild_storage
 from enot_nb._state.collect import Changes, PickledState
 from enot_nb._state.kinds import OPS, Kind, apply_grad
@@ -41,7 +42,16 @@ def load(state: PickledState, registry: Registry) -> Changes:
 def apply_changes(
     namespace: dict[str, Any], registry: Registry, changes: Changes, returns: list[str] | None
 ) -> list[str]:
-    """Make the notebook hold what the master held; returns a line per thing left unchanged."""
+    """Make the notebook hold what the master held; returns a line per thing left unchanged.
+
+    With stop presses held to the end (then raised): a press halfway would leave some objects
+    updated and others not, and copying to new objects and swapping them in cannot keep the
+    storages' identity."""
+    with interrupts_deferred():
+        return _apply_all(namespace, registry, changes, returns)
+
+
+def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, returns: list[str] | None) -> list[str]:
     problems: list[str] = []
 
     def attempt(what: str, change: Callable[..., None], *args: Any) -> None:
