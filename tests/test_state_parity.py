@@ -735,3 +735,30 @@ def test_a_variable_deleted_after_a_failed_cell_is_freed(kernel, method):
     run = kernel.run(f"{MAGIC} --start-method {method}\ntotal = float(held['t'].sum())\nraise ValueError('x')")
     assert run.error["ename"] == "WorkerFailedError"
     assert kernel.ok("del held\ngc.collect()\nprint(held_ref() is None)").stdout == "True\n"
+
+
+RESULT_MAPPINGS = (
+    "import gc\ngc.collect()\n"
+    "print(sum('enot_nb-result' in line for line in open('/proc/self/maps')))"
+)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tensors_that_come_back_own_their_memory_and_pin_no_result(kernel, method):
+    """A 4 MiB tensor made in a cell was a view of a private mapping of the whole result: kept,
+    it pinned every other tensor of that cell, cost its pages twice once written, and could
+    never be resized; a small tensor kept per cell pinned each cell's whole result."""
+    _fresh(kernel)
+    kernel.ok("history = []\nimport numpy as np\n")
+    for step in range(3):
+        kernel.ok(
+            f"{MAGIC} --start-method {method}\n"
+            f"big = torch.full((2**20,), {step}.0)\narr = np.full(2**20, {step}.0)\n"
+            "other = torch.ones(2**20)\nhistory.append(big[:2].clone())\nkeep = big[:1]"
+        )
+    assert kernel.ok(RESULT_MAPPINGS).stdout == "0\n"
+    check = kernel.ok(
+        "big.resize_(2**21)\nbig[-1] = 7.0\narr.resize(2**21, refcheck=False)\n"
+        "print([h.tolist() for h in history], float(keep), big.untyped_storage().resizable(), arr.flags.owndata)"
+    )
+    assert check.stdout == "[[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]] 2.0 True True\n"

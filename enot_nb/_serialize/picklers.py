@@ -158,6 +158,14 @@ class ResultPickler(TensorPickler):
     def _storage_by_value(self, storage: Any) -> Reduction:
         return _rebuild_storage, (_out_of_band(storage_array(storage)), "cpu")
 
+    def _reduce_array_memory(self, array: Any, memory: tuple[int, int]) -> Reduction | None:
+        reduced = super()._reduce_array_memory(array, memory)
+        if reduced is None and not array.dtype.hasobject:
+            # Rebuilt as a copy of its own: NumPy's pickling would leave it a view of the
+            # result's mapping, pinning the whole result while it is kept (and not resizable).
+            return _owned(array)
+        return reduced
+
 
 class ShipPickler(TensorPickler):
     """Notebook -> spawned workers: storages of ``SHM_MIN_BYTES`` or more through the launch's
@@ -186,9 +194,7 @@ class ShipPickler(TensorPickler):
     def _reduce_array_memory(self, array: Any, memory: tuple[int, int]) -> Reduction | None:
         reduced = super()._reduce_array_memory(array, memory)
         if reduced is None and array.flags.owndata and not array.dtype.hasobject:
-            # The worker's copy owns its memory too, as the notebook's does (resize()).
-            order: Literal["C", "F"] = "C" if array.flags.c_contiguous else "F"
-            return tensors._owned_array, (pickle.PickleBuffer(array), array.dtype, array.shape, order)
+            return _owned(array)  # the worker's copy owns its memory too, as the notebook's (resize())
         return reduced
 
 
@@ -211,6 +217,12 @@ def _dry(pickler_class: type[TensorPickler]) -> type[TensorPickler]:
     if pickler_class not in _DRY:
         _DRY[pickler_class] = type(f"Dry{pickler_class.__name__}", (DryRun, pickler_class), {})
     return _DRY[pickler_class]
+
+
+def _owned(array: Any) -> Reduction:
+    """A contiguous array rebuilt as an array that owns a copy of its bytes (out of band)."""
+    order: Literal["C", "F"] = "C" if array.flags.c_contiguous else "F"
+    return tensors._owned_array, (pickle.PickleBuffer(array), array.dtype, array.shape, order)
 
 
 def _out_of_band(data: numpy.ndarray) -> pickle.PickleBuffer:

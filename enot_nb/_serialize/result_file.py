@@ -2,8 +2,11 @@
 
 Layout: a header (the main pickle's length, the number of buffers), each buffer's offset and
 length, the main pickle, then the out-of-band buffers (tensor bytes), each 64-byte aligned.
-The notebook maps the file privately (see shm.map_private): large tensors that come back are
-its pages, copy-on-write, never copied. Where no memfd exists, the result is one pickle with
+The notebook maps the file privately (see shm.map_private) only while it loads it: each tensor
+or array that comes back is copied out into memory of its own (allocated by torch or NumPy), and
+the bytes of a notebook storage that changed are copied into that storage, so that nothing kept
+afterwards pins the mapping (a small tensor kept per cell would otherwise keep every cell's whole
+result alive). Where no memfd exists, the result is one pickle with
 its tensor data in band (``dump_inline``; also an exported run's results file).
 """
 
@@ -66,7 +69,7 @@ def _layout(main_length: int, raws: list[memoryview]) -> list[tuple[int, int]]:
 
 
 def read_result(fd: int, size: int) -> Any:
-    """Load a result written by write_result; tensors map its pages (copy-on-write, no copy)."""
+    """Load a result written by write_result (its mapping is freed once nothing refers to it)."""
     if size == 0:
         raise EOFError("the result file is empty")
     view = memoryview(map_private(fd, size)).cast("B")

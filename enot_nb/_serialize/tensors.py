@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from enot_nb._serialize.shm import SHARED_FD, SHM_MIN_BYTES, map_private
+from enot_nb._serialize.shm import SHARED_FD, map_private
 
 if TYPE_CHECKING:
     import numpy
@@ -65,16 +65,29 @@ def _rebuild_storage(buffer: Any, device: str = "cpu") -> torch.UntypedStorage:
     import numpy
     import torch
 
+    # A copy of its own, allocated by torch, however large: a view of the result's mapping
+    # would pin the whole result (every other tensor of the cell) for as long as this one is
+    # kept, cost its pages twice once written, and could never be resized. One memory copy.
     view = memoryview(buffer).cast("B")
-    if view.readonly or view.nbytes < SHM_MIN_BYTES:
-        # In band (the pickle's own bytes), or small: a copy of its own, so that a small tensor
-        # kept in the notebook does not pin the whole result mapping it arrived in; allocated
-        # by torch, so that it can be resized as any tensor can.
-        storage = torch.UntypedStorage(view.nbytes)
+    storage = torch.UntypedStorage(view.nbytes)
+    if view.nbytes:
         storage_array(storage)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
-    else:  # maps the result: no copy, but it cannot be resized
-        storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
     return _to_device(storage, device)
+
+
+def bytes_view(buffer: Any) -> torch.Tensor:
+    """A uint8 tensor over a buffer's bytes, no copy, only to be read from (e.g. copied into a
+    notebook storage) and dropped: what pins nothing once the copy is done."""
+    import warnings
+
+    import torch
+
+    view = memoryview(buffer).cast("B")
+    if not view.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only buffer (in band): only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 def _storage_from_shared(offset: int, nbytes: int, device: str = "cpu") -> torch.UntypedStorage:

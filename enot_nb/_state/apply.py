@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enot_nb._processes.interrupts import interrupts_deferred
-from enot_nb._serialize.tensors import _rebuild_storage
+from enot_nb._serialize.tensors import bytes_view
 from enot_nb._state.collect import Changes, PickledState
 from enot_nb._state.kinds import OPS, Kind, apply_grad
 from enot_nb._state.registry import Registry
@@ -94,7 +94,7 @@ def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, 
 def _copy_into_storage(storage: Any, data: Any) -> None:
     import torch
 
-    source = torch.empty(0, dtype=torch.uint8).set_(_rebuild_storage(data))
+    source = bytes_view(data)  # read in place: the one copy is into the notebook's storage
     if storage.nbytes() != source.numel():
         storage.resize_(source.numel())
     target = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
