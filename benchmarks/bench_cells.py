@@ -193,6 +193,114 @@ print("RESULT", json.dumps([empty, untracked, heavy, heavy_before, heavy_peak, u
     ]
 
 
+COST = r"""
+def cleared():
+    for name in [n for n in globals() if n.startswith("held_")]:
+        del globals()[name]
+    import gc
+    gc.collect()
+"""
+
+
+def state_cost(kernel, repeats: int) -> list[Row]:
+    """A cell costs what it reaches and changes: a trivial fork cell beside a 500,000-sample
+    dataset or a million small dicts it does not use, a cell that reads the dataset, one element
+    written into 1 GiB (with and without a live forked child of the master), and the memory a
+    kernel keeps after three cells that each keep a small tensor of a 256 MiB result."""
+    found = kernel_json(
+        kernel,
+        COST
+        + MEMORY
+        + f"""
+import pickle, zlib
+for name in ("net", "local_net"):
+    globals().pop(name, None)
+TRIVIAL = "x = 1"
+empty = times(cell("", TRIVIAL), {repeats})
+held_samples = [(f"/data/train/class{{i % 1000}}/img{{i}}.jpg", i % 1000) for i in range(500_000)]
+with_samples = times(cell("", TRIVIAL), {repeats})
+reads = paired_cost(cell("", TRIVIAL), cell("", "n = len(held_samples)"), {repeats})
+digest = times(lambda: zlib.crc32(pickle.dumps(held_samples, 5)), {repeats})
+cleared()
+held_dicts = [{{"id": i, "label": i % 10}} for i in range(1_000_000)]
+with_dicts = times(cell("", TRIVIAL), {repeats})
+cleared()
+held_big = torch.zeros(2**28)  # 1 GiB of float32
+WRITE = "held_big[12345] = 1.0"
+write_cost = paired_cost(cell("--no-return", WRITE), cell("", WRITE), {repeats})
+CHILD = ("import multiprocessing as _mp, time as _t\n_c = _mp.get_context('fork').Process(target=_t.sleep, "
+         "args=(60,), daemon=True)\n_c.start()\n" + WRITE + "\ndel _c")
+child_cost = paired_cost(cell("--no-return", CHILD), cell("", CHILD), {repeats})
+local_write = times(lambda: held_big.__setitem__(12345, 1.0), {repeats})
+cleared()
+before = tree_pss_kb()
+history = []
+for _ in range(3):
+    cell("", "step = torch.ones(2**26)\nhistory.append(step[:4].clone())")()
+    globals().pop("step", None)
+import gc; gc.collect()
+retained = (tree_pss_kb() - before) / 2**10
+history.clear()
+print("RESULT", json.dumps([empty, with_samples, reads, digest, with_dicts, write_cost, child_cost,
+                            local_write, retained]))""",
+        timeout=1800,
+    )
+    empty, with_samples, reads, digest, with_dicts, write_cost, child_cost, local_write, retained = found
+    empty, with_samples, reads, digest, with_dicts = map(median, (empty, with_samples, reads, digest, with_dicts))
+    write_cost, child_cost, local_write = map(median, (write_cost, child_cost, local_write))
+    trivial = "state cost: a trivial fork cell (x = 1) beside data it does not use"
+    read = "state cost: a fork cell that reads the 500,000 samples (n = len(samples))"
+    write = "state cost: one element written into a 1 GiB notebook tensor (fork)"
+    memory = "state cost: kernel memory kept after 3 cells, each making 256 MiB and keeping 16 bytes of it"
+    return [
+        Row(trivial, "an empty notebook (reference)", empty, "s", "empty notebook", 1.0, "", repeats),
+        Row(
+            trivial,
+            "500,000 (path, label) samples in the notebook",
+            with_samples,
+            "s",
+            "empty notebook",
+            with_samples / empty,
+            "<= 1.2x",
+            repeats,
+        ),
+        Row(
+            trivial,
+            "1,000,000 small dicts in the notebook",
+            with_dicts,
+            "s",
+            "empty notebook",
+            with_dicts / empty,
+            "<= 1.2x",
+            repeats,
+        ),
+        Row(read, "one digest of the samples, pickle + crc32 (reference)", digest, "s", "one digest", 1.0, "", repeats),
+        Row(read, "extra time over the trivial cell", reads, "s", "one digest", reads / digest, "<= 1 digest", repeats),
+        Row(write, "the same write in a local cell (reference)", local_write, "s", "local write", 1.0, "", repeats),
+        Row(
+            write,
+            "bringing it back, over --no-return",
+            write_cost,
+            "s",
+            "local write",
+            write_cost / local_write,
+            "a few pages + a constant",
+            repeats,
+        ),
+        Row(
+            write,
+            "the same, with a live forked child of the master",
+            child_cost,
+            "s",
+            "local write",
+            child_cost / local_write,
+            "a few pages + a constant",
+            repeats,
+        ),
+        Row(memory, "kernel PSS growth (the 3 kept slices: 48 bytes)", retained, "MiB", "", None, "a few MiB", 1),
+    ]
+
+
 def big_tensor(kernel, repeats: int) -> list[Row]:
     """A spawned cell (as when CUDA is initialized in the kernel) that reads a 2 GB tensor."""
     found = kernel_json(
@@ -439,6 +547,7 @@ def run(repeats: int = 5) -> list[Row]:
         return (
             state_return(kernel, repeats)
             + state_parity(kernel, repeats)
+            + state_cost(kernel, repeats)
             + big_tensor(kernel, max(3, repeats // 2))
             + output(kernel, max(3, repeats // 2))
             + widgets(kernel, max(3, repeats // 2))
@@ -455,4 +564,10 @@ def run_widgets(repeats: int = 5) -> list[Row]:
 def run_state(repeats: int = 5) -> list[Row]:
     """Only the state-return and state-parity rows (``run_all.py --only state``)."""
     with _kernel() as kernel:
-        return state_return(kernel, repeats) + state_parity(kernel, repeats)
+        return state_return(kernel, repeats) + state_parity(kernel, repeats) + state_cost(kernel, repeats)
+
+
+def run_state_cost(repeats: int = 5) -> list[Row]:
+    """Only the state-cost rows (``run_all.py --only state-cost``)."""
+    with _kernel() as kernel:
+        return state_cost(kernel, repeats)

@@ -1,6 +1,6 @@
 """Run every benchmark in one go; print a table, write JSON, a Markdown table and a chart.
 
-Usage: .venv/bin/python benchmarks/run_all.py [--repeats N] [--chart-only] [--only launch|state|widgets]
+Usage: .venv/bin/python benchmarks/run_all.py [--repeats N] [--chart-only] [--only launch|state|state-cost|widgets]
 Accelerate is measured when installed (pip install -e ".[bench]"); it is never a runtime need.
 """
 
@@ -69,14 +69,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chart-only", action="store_true", help="redraw the chart from results.json")
-    parser.add_argument("--only", choices=["launch", "state", "widgets"], help="run one group and print it (no files)")
+    parser.add_argument(
+        "--only", choices=["launch", "state", "state-cost", "widgets"], help="run one group and print it (no files)"
+    )
     args = parser.parse_args()
     if args.chart_only:
         saved = json.loads((OUT / "results.json").read_text())["rows"]
         chart([Row(**row) for row in saved], OUT / "chart.png")
         return
     if args.only:
-        groups = {"launch": bench_launch.run, "state": bench_cells.run_state, "widgets": bench_cells.run_widgets}
+        groups = {
+            "launch": bench_launch.run,
+            "state": bench_cells.run_state,
+            "state-cost": bench_cells.run_state_cost,
+            "widgets": bench_cells.run_widgets,
+        }
         print(table(groups[args.only](args.repeats)))
         return
     rows = bench_launch.run(args.repeats) + bench_sync.run(args.repeats) + bench_cells.run(args.repeats)

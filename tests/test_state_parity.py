@@ -737,10 +737,7 @@ def test_a_variable_deleted_after_a_failed_cell_is_freed(kernel, method):
     assert kernel.ok("del held\ngc.collect()\nprint(held_ref() is None)").stdout == "True\n"
 
 
-RESULT_MAPPINGS = (
-    "import gc\ngc.collect()\n"
-    "print(sum('enot_nb-result' in line for line in open('/proc/self/maps')))"
-)
+RESULT_MAPPINGS = "import gc\ngc.collect()\nprint(sum('enot_nb-result' in line for line in open('/proc/self/maps')))"
 
 
 @pytest.mark.parametrize("method", METHODS)

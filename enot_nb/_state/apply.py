@@ -16,7 +16,7 @@ from typing import Any
 
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._serialize.tensors import bytes_view
-from enot_nb._state.collect import Changes, PickledState
+from enot_nb._state.collect import Changes, PickledState, StorageBytes
 from enot_nb._state.kinds import OPS, Kind, apply_grad
 from enot_nb._state.registry import Registry
 
@@ -71,8 +71,8 @@ def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, 
 
         attempt(path, change, registry.objects[i], state, note)
 
-    for j, data in changes.storages:
-        attempt(f"the data of storage {j}", _copy_into_storage, registry.storages[j], data)
+    for new in changes.storages:
+        attempt(f"the data of storage {new.storage}", _copy_into_storage, registry.storages[new.storage], new)
     tensors = [(i, s) for i, s in changes.objects if registry.kinds[i] is Kind.TENSOR]
     for i, state in tensors:
         apply(i, state)
@@ -91,14 +91,16 @@ def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, 
     return problems
 
 
-def _copy_into_storage(storage: Any, data: Any) -> None:
+def _copy_into_storage(storage: Any, new: StorageBytes) -> None:
+    """The master's bytes, read in place: the one copy is into the notebook's storage."""
     import torch
 
-    source = bytes_view(data)  # read in place: the one copy is into the notebook's storage
-    if storage.nbytes() != source.numel():
-        storage.resize_(source.numel())
+    if new.whole and storage.nbytes() != len(memoryview(new.parts[0][1]).cast("B")):
+        storage.resize_(len(memoryview(new.parts[0][1]).cast("B")))
     target = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    target.copy_(source)
+    for offset, data in new.parts:
+        source = bytes_view(data)
+        target[offset : offset + source.numel()].copy_(source)
 
 
 def shared_memory_tensors(registry: Registry) -> int:

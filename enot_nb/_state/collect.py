@@ -4,8 +4,9 @@ Master (worker side)::
 
     Snapshot before the cell -> the cell -> Changes: names (re)bound and deleted, the registered
     objects whose shallow state changed (with their new state), the storages whose bytes changed
-    -> pickled by StatePickler: a registered object travels as ("o", index), a registered
-    storage as ("s", index); everything new travels by value (tensor bytes out of band)
+    (only the runs of pages written, where pagemap tells them) -> pickled by StatePickler: a
+    registered object travels as ("o", index), a registered storage as ("s", index); everything
+    new travels by value (tensor bytes out of band)
 
 Notebook (see apply)::
 
@@ -22,15 +23,29 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
 from enot_nb._serialize.tensors import array_owner, storage_array
+from enot_nb._state.digests import StorageDigest, written_parts
 from enot_nb._state.kinds import OPS, Kind
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
 from enot_nb._state.states import ATOMS
+
+
+class StorageBytes(NamedTuple):
+    """A registered storage's new bytes: all of them (``whole``: its size may have changed), or
+    the runs of pages the master may have written, each as (offset, bytes)."""
+
+    storage: int  # its index in the registry
+    whole: bool
+    parts: list[tuple[int, Any]]
+
+
+WHOLE_ABOVE = 0.5
+"""A storage of which more than this share may have been written travels whole (one buffer)."""
 
 
 @dataclass
@@ -41,8 +56,7 @@ class Changes:
     deleted: list[str] = field(default_factory=list)
     objects: list[tuple[int, Any]] = field(default_factory=list)
     """(registry index, new shallow state) of each registered object that changed."""
-    storages: list[tuple[int, Any]] = field(default_factory=list)
-    """(storage index, its new bytes)."""
+    storages: list[StorageBytes] = field(default_factory=list)
     value: Any = None
     has_value: bool = False
 
@@ -73,13 +87,25 @@ def collect(
     changed = snapshot.changed_objects(registry)
     for i in changed:
         changes.objects.append((i, OPS[registry.kinds[i]].new_state(registry.objects[i])))
-    # By value, as a buffer: the storage itself would travel as a reference to the notebook's.
-    # (numpy declares the buffer protocol to type checkers for Python 3.12+ only.)
     changes.storages = [
-        (j, pickle.PickleBuffer(storage_array(registry.storages[j])))  # type: ignore[arg-type]
-        for j in snapshot.changed_storages(registry)
+        _new_bytes(j, registry.storages[j], snapshot.storages[j]) for j in snapshot.changed_storages(registry)
     ]
     return changes, changed
+
+
+def _new_bytes(j: int, storage: Any, before: StorageDigest) -> StorageBytes:
+    """By value, as buffers (the storage itself would travel as a reference to the notebook's):
+    only the pages written where pagemap tells them (one element of 1 GiB: a page or two)."""
+    data = storage_array(storage)
+    parts = written_parts(storage, before)
+    if parts is None or sum(n for _, n in parts) > WHOLE_ABOVE * data.nbytes:
+        parts = [(0, data.nbytes)]
+        whole = True
+    else:
+        whole = False
+    # (numpy declares the buffer protocol to type checkers for Python 3.12+ only.)
+    buffers = [(o, pickle.PickleBuffer(data[o : o + n])) for o, n in parts]  # type: ignore[arg-type]
+    return StorageBytes(j, whole, buffers)
 
 
 _MISSING = object()

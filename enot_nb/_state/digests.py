@@ -10,6 +10,7 @@ digested whole.
 
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 from typing import Any, NamedTuple
@@ -151,6 +152,65 @@ def _is_array(obj: Any) -> bool:
 SCAN_MAX = 1 << 20
 
 
+class _ForkWatch:
+    """The pages of the areas digested by pages that this process owned at each of its forks
+    since the snapshot. A fork shares every page with the child (a DataLoader's persistent
+    worker), and pagemap then no longer calls the pages this process's own, though the cell may
+    have written them before the fork: they count as written. A child that no fork of ours made
+    (a C library's fork) leaves every paged area counted as changed."""
+
+    def __init__(self) -> None:
+        self.masks: dict[Area, Any] = {}
+        self.children_before: set[str] = set()
+        self.seen: set[str] = set()
+
+    def reset(self) -> None:
+        self.masks.clear()
+        self.children_before, self.seen = _children(), set()
+
+    def add(self, area: Area) -> None:
+        self.masks.setdefault(area, None)
+
+    def before_fork(self) -> None:
+        areas = list(self.masks)
+        found = _pagemap.own_pages(areas) if areas else None
+        for area, mask in zip(areas, found or ()):
+            was = self.masks[area]
+            self.masks[area] = mask.copy() if was is None else was | mask
+
+    def after_fork(self) -> None:
+        if self.masks:
+            self.seen |= _children()
+
+    def at_forks(self, area: Area) -> Any:
+        """The pages of ``area`` owned at some fork since the snapshot (None: no fork)."""
+        return self.masks.get(area)
+
+    def unseen_children(self) -> bool:
+        return bool(_children() - self.children_before - self.seen)
+
+
+def _children() -> set[str]:
+    found: set[str] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                found.update(f.read().split())
+    except OSError:
+        found.add("unknown")
+    return found
+
+
+FORKS = _ForkWatch()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=FORKS.before_fork, after_in_parent=FORKS.after_fork)
+
+
+def watch_forks() -> None:
+    """Start recording the pages owned at each fork (called as the snapshot begins)."""
+    FORKS.reset()
+
+
 def _area_digests(areas: list[Area], owners: list[Any]) -> list[AreaDigest | PagesDigest]:
     """What tells later whether an area's bytes changed: where pagemap works, the pages this
     process already owns (with a digest of just their bytes); elsewhere a digest of it all."""
@@ -170,6 +230,7 @@ def _area_digests(areas: list[Area], owners: list[Any]) -> list[AreaDigest | Pag
             mask = masks[j].copy()
             mask[0] = mask[-1] = True
             digests.append(PagesDigest(*area, mask, _digest_pages(area, owner, mask)))
+            FORKS.add(area)
     return digests
 
 
@@ -196,9 +257,7 @@ def _digest_pages(area: Area, owner: Any, mask: Any) -> tuple[int, int]:
 def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> list[bool]:
     """Whether each area changed since ``before`` (its digest; anything else: changed)."""
     paged = [j for j, b in enumerate(before) if isinstance(b, PagesDigest) and (b.start, b.size) == areas[j]]
-    if paged and _pagemap.shares_pages_with_children():
-        paged = []  # pages cannot tell now: every such area counts as changed (and is sent)
-    masks = _pagemap.own_pages([areas[j] for j in paged]) if paged else []
+    masks = _owned_since([areas[j] for j in paged]) if paged else []
     changed = [True] * len(areas)
     for j, mask in zip(paged, masks or [None] * len(paged)):
         was = before[j].mask
@@ -211,3 +270,37 @@ def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> l
                 digest(_bytes_of(owners[j])) if areas[j][1] else (0, 0)
             )
     return changed
+
+
+def _owned_since(areas: list[Area]) -> list[Any] | None:
+    """For each area, the pages this process owns now or owned at a fork since the snapshot
+    (None: pages cannot tell, as after a fork that we did not see)."""
+    if FORKS.unseen_children():
+        return None
+    masks = _pagemap.own_pages(areas)
+    if masks is None:
+        return None
+    return [mask if FORKS.at_forks(area) is None else mask | FORKS.at_forks(area) for area, mask in zip(areas, masks)]
+
+
+def written_parts(storage: Any, before: StorageDigest) -> list[tuple[int, int]] | None:
+    """The (offset, length) byte ranges of a changed CPU storage that the cell may have written:
+    its pages owned now or at a fork since the snapshot, and those owned before it (compared as
+    one digest). None: all of it (it moved or was resized, it is on a GPU, or pages cannot
+    tell). Each range is a run of whole pages, clipped to the storage."""
+    import numpy
+
+    area = _storage_area(storage)
+    if not isinstance(before, PagesDigest) or (before.start, before.size) != area or not area[1]:
+        return None
+    masks = _owned_since([area])
+    if masks is None:
+        return None
+    pages = masks[0] | before.mask
+    edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], pages.view(numpy.int8), [0]))))
+    base = area[0] // _pagemap.PAGE * _pagemap.PAGE - area[0]  # the first page's start, <= 0
+    parts = []
+    for first, end in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        low, high = max(0, base + first * _pagemap.PAGE), min(area[1], base + end * _pagemap.PAGE)
+        parts.append((low, high - low))
+    return parts

@@ -113,17 +113,3 @@ def own_pages(areas: list[tuple[int, int]]) -> list[Any] | None:
         span = starts[bisect.bisect_right(starts, first) - 1]
         result.append(masks[span][first - span : last - span + 1])
     return result
-
-
-def shares_pages_with_children() -> bool:
-    """Whether this process has child processes now (DataLoader workers kept alive, a
-    subprocess): a page it wrote and then shared with a child by forking is not "exclusive", so
-    pagemap cannot tell that it was written. Cannot tell counts as yes."""
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                if f.read().split():
-                    return True
-    except OSError:
-        return True
-    return False

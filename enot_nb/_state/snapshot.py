@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._state.digests import StorageDigest, changed_storages, storage_digests
+from enot_nb._state.digests import StorageDigest, changed_storages, storage_digests, watch_forks
 from enot_nb._state.kinds import OPS
 from enot_nb._state.registry import Registry
 
@@ -26,6 +26,7 @@ class Snapshot:
 
     @classmethod
     def take(cls, registry: Registry) -> Snapshot:
+        watch_forks()
         states = []
         for obj, kind in zip(registry.objects, registry.kinds):
             snapshot = OPS[kind].snapshot
