@@ -301,6 +301,54 @@ print("RESULT", json.dumps([empty, with_samples, reads, digest, with_dicts, writ
     ]
 
 
+DDP_CELL = (
+    "from torch.nn.parallel import DistributedDataParallel\nddp = DistributedDataParallel(model)\n"
+    "optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)\nfor step in range(10):\n"
+    "    loss = ddp(torch.randn(32, 16)).pow(2).mean()\n    optimizer.zero_grad()\n"
+    "    loss.backward()\n    optimizer.step()\n"
+)
+
+
+def ddp_cell(kernel, repeats: int) -> list[Row]:
+    """The README's DDP cell, second and later runs in one kernel: what the first run's workers
+    imported (torch._dynamo, 822 modules) is kept in the kernel and the fork server (preload)."""
+    found = kernel_json(
+        kernel,
+        f"""
+model = torch.nn.Linear(16, 4)
+from enot_nb._processes import preload
+out = {{}}
+for method in ("fork", "spawn"):
+    run = cell(f"--seed 0 --start-method {{method}}", {DDP_CELL!r})
+    out[method + " trivial"] = times(cell(f"--start-method {{method}}", "x = 1"), {repeats})
+    start = time.perf_counter(); run(); out[method + " first"] = [time.perf_counter() - start]
+    preload.PRELOADER.wait()
+    out[method] = times(run, {repeats}, warmup=0)
+print("RESULT", json.dumps(out))""",
+    )
+    name = "the README's DDP cell in one kernel"
+    rows = []
+    for method in ("fork", "spawn"):
+        trivial, first, later = (median(found[k]) for k in (f"{method} trivial", f"{method} first", method))
+        rows += [
+            Row(name, f"{method}: a trivial cell (x = 1, reference)", trivial, "s", "trivial cell", 1.0, "", repeats),
+            Row(
+                name, f"{method}: first run (imports torch._dynamo)", first, "s", "trivial cell", first / trivial, "", 1
+            ),
+            Row(
+                name,
+                f"{method}: second and later runs",
+                later,
+                "s",
+                "trivial cell",
+                later / trivial,
+                "<= 0.5 s",
+                repeats,
+            ),
+        ]
+    return rows
+
+
 def big_tensor(kernel, repeats: int) -> list[Row]:
     """A spawned cell (as when CUDA is initialized in the kernel) that reads a 2 GB tensor."""
     found = kernel_json(
@@ -548,6 +596,7 @@ def run(repeats: int = 5) -> list[Row]:
             state_return(kernel, repeats)
             + state_parity(kernel, repeats)
             + state_cost(kernel, repeats)
+            + ddp_cell(kernel, repeats)
             + big_tensor(kernel, max(3, repeats // 2))
             + output(kernel, max(3, repeats // 2))
             + widgets(kernel, max(3, repeats // 2))
@@ -565,6 +614,13 @@ def run_state(repeats: int = 5) -> list[Row]:
     """Only the state-return and state-parity rows (``run_all.py --only state``)."""
     with _kernel() as kernel:
         return state_return(kernel, repeats) + state_parity(kernel, repeats) + state_cost(kernel, repeats)
+
+
+def run_ddp_cell(repeats: int = 5) -> list[Row]:
+    """Only the README DDP cell rows (``run_all.py --only ddp``), in a fresh kernel: its first
+    run must be the first import of torch._dynamo."""
+    with _kernel() as kernel:
+        return ddp_cell(kernel, repeats)
 
 
 def run_state_cost(repeats: int = 5) -> list[Row]:

@@ -1,6 +1,6 @@
 """Run every benchmark in one go; print a table, write JSON, a Markdown table and a chart.
 
-Usage: .venv/bin/python benchmarks/run_all.py [--repeats N] [--chart-only] [--only launch|state|state-cost|widgets]
+Usage: .venv/bin/python benchmarks/run_all.py [--repeats N] [--chart-only] [--only launch|state|state-cost|ddp|widgets]
 Accelerate is measured when installed (pip install -e ".[bench]"); it is never a runtime need.
 """
 
@@ -70,7 +70,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chart-only", action="store_true", help="redraw the chart from results.json")
     parser.add_argument(
-        "--only", choices=["launch", "state", "state-cost", "widgets"], help="run one group and print it (no files)"
+        "--only",
+        choices=["launch", "state", "state-cost", "ddp", "widgets"],
+        help="run one group and print it (no files)",
     )
     args = parser.parse_args()
     if args.chart_only:
@@ -82,6 +84,7 @@ def main() -> None:
             "launch": bench_launch.run,
             "state": bench_cells.run_state,
             "state-cost": bench_cells.run_state_cost,
+            "ddp": bench_cells.run_ddp_cell,
             "widgets": bench_cells.run_widgets,
         }
         print(table(groups[args.only](args.repeats)))

@@ -303,3 +303,20 @@ def test_the_training_notebook_runs_to_the_end_on_the_gpu(tmp_path):
     assert any("image/png" in o.get("data", {}) for o in training.outputs)  # the loss curve
     evaluation = text(cells[-1])
     assert "well above chance: True" in evaluation and "loss went down: True" in evaluation
+
+
+def test_a_module_a_cell_imported_that_initializes_cuda_is_not_kept_in_the_kernel(tmp_path):
+    """Imports are kept across cells (preload), but never one that initializes CUDA in the
+    kernel: the next fork would then be refused. The cell's module calls torch.cuda.init() at
+    import; afterwards the kernel has not initialized CUDA, does not hold the module, and the
+    next cell still forks."""
+    (tmp_path / "enot_cuda_at_import.py").write_text("import torch\ntorch.cuda.init()\n")
+    with running_kernel(f"%load_ext enot_nb\nimport sys, torch\nsys.path.insert(0, {str(tmp_path)!r})") as k:
+        k.ok("%%enot_distributed -n 2 --backend gloo --start-method fork\nimport enot_cuda_at_import")
+        after = k.ok(
+            "from enot_nb._processes import preload\npreload.PRELOADER.wait()\n"
+            "print(torch.cuda.is_initialized(), 'enot_cuda_at_import' in sys.modules)"
+        )
+        assert after.stdout == "False False\n"
+        again = k.ok("%%enot_distributed -n 2 --backend gloo --start-method fork\nprint('forked')")
+        assert again.stdout == "forked\n"

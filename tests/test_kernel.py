@@ -287,3 +287,20 @@ def test_a_note_is_shown_once_per_kernel_unless_its_reason_changes(kernel):
     assert "enot_nb note: 'held' was not brought back: RLock cannot be pickled" in changed.stdout
     kernel.run(f"{MAGIC}\nraise ValueError('no notes from a failed cell')")
     assert kernel.ok("print(enot_nb.last_notes())").stdout == "[]\n"
+
+
+@pytest.mark.parametrize("method, module", [("fork", "wave"), ("spawn", "tabnanny")])
+def test_what_a_cell_imported_stays_imported_as_after_a_local_cell(kernel, method, module):
+    """The README's DDP cell re-imported torch._dynamo (822 modules, 2 s) in every fresh worker
+    on every run. What the master imported, failed cell or not, is imported in the kernel too
+    (as a local cell leaves it) and in the fork server: the next workers start with it."""
+    check = f"import sys\nprint({module!r} in sys.modules)"
+    assert kernel.ok(check).stdout == "False\n"
+    # The master fails (a rank that fails first may stop the master before it can report).
+    failed = kernel.run(
+        f"{MAGIC} --start-method {method}\nimport {module}\nif ed.get_rank() == 0:\n    raise ValueError('after')"
+    )
+    assert failed.error["ename"] == "WorkerFailedError"
+    waited = kernel.ok("from enot_nb._processes import preload\npreload.PRELOADER.wait()\n" + check)
+    assert waited.stdout == "True\n"
+    assert kernel.ok(f"{MAGIC} --start-method {method}\n{check}").stdout == "True\n"

@@ -29,8 +29,8 @@ from typing_extensions import assert_never
 from enot_nb._launch import relay
 from enot_nb._launch.ranks import Rank, RankIO, close_pipes, make_ranks
 from enot_nb._log import log
+from enot_nb._processes import forkserver_client, preload, watchdog_client
 from enot_nb._processes import rendezvous as _rendezvous
-from enot_nb._processes import watchdog_client
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
 from enot_nb._processes.interrupts import finish, interrupts_deferred
@@ -222,6 +222,7 @@ class Attempt:
                 finish(self._close)
             finally:
                 finish(self._close)  # a no-op, unless a press landed on the line above
+                keep_imports(self.ranks)
 
     # ------------------------------------------------------------------------- start
 
@@ -341,6 +342,15 @@ class Attempt:
             log.debug("attempt %d: closed, exit codes %s", self.attempt, {r.rank: r.exitcode for r in self.ranks})
         if errors:
             raise errors[0]
+
+
+def keep_imports(ranks: list[Rank]) -> None:
+    """What the master imported is imported here and in the fork server too, in the background
+    (see preload), whether the cell failed or not."""
+    modules = [m for r in ranks if r.rank == 0 for m in r.imported]
+    if modules:
+        preload.PRELOADER.start(modules)
+        forkserver_client.preload(modules)
 
 
 def release_each(holder: object, **releases: Callable[[Any], object]) -> tuple[bool, list[Exception]]:

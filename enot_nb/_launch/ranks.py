@@ -30,6 +30,7 @@ from enot_nb._processes.protocol import (
     ErrorReport,
     FencedMessage,
     FrontEndMessage,
+    Imported,
     MessageKind,
     Partial,
     Payload,
@@ -54,6 +55,7 @@ class Rank:
     outcome: MessageKind | None = None  # RESULT, DONE or ERROR
     payload: Payload | None = None  # rank 0's result (its Result message)
     partial: Payload | None = None  # rank 0's state at an interrupt or failure (Partial)
+    imported: tuple[str, ...] = ()  # what a cell's master imported (Imported; see preload)
     stack_text: str = ""
     stop_signals: set[int] = field(default_factory=set)  # the stop signals we sent it
     connected: bool = False  # it got past init_process_group (Connected)
@@ -176,7 +178,7 @@ class RankIO:
             case ErrorReport():
                 r.outcome = message.kind
                 self.on_error(r, message)
-            case Connected() | Partial() | Display() | ClearOutput() | CommMessage():
+            case Connected() | Partial() | Imported() | Display() | ClearOutput() | CommMessage():
                 self._fenced_message(r, message)
             case _:
                 assert_never(message)
@@ -192,6 +194,8 @@ class RankIO:
                 log.debug("rank %d: connected (past init_process_group)", r.rank)
             case Partial(payload):
                 r.partial = payload
+            case Imported(modules):
+                r.imported = modules
             case Display() | ClearOutput() | CommMessage():
                 if self.on_message and r.sinks["out"].show:
                     self.on_message(message)

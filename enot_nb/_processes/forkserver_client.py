@@ -19,7 +19,7 @@ from enot_nb._processes import framing
 from enot_nb._processes.clean_thread import on_clean_thread
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.interrupts import interrupts_deferred
-from enot_nb._processes.protocol import Launch, ServerMessage, Started, StartFailed
+from enot_nb._processes.protocol import Launch, Preload, ServerMessage, Started, StartFailed
 from enot_nb._processes.starts import hook, start_error
 from enot_nb.errors import LaunchError
 
@@ -92,6 +92,8 @@ class ForkServer:
             self.sock.settimeout(SERVER_START_TIMEOUT)
             framing.recv_message(self.sock, self.reader)  # Ready
             self.state = ServerState.IN_STEP
+            if _preloads:
+                self.preload(list(_preloads))  # what earlier cells imported, for its workers
         except (OSError, EOFError) as err:
             self.close()
             if self.process is None:
@@ -109,6 +111,12 @@ class ForkServer:
 
     def alive(self) -> bool:
         return self.state.is_usable() and self.process is not None and self.process.poll() is None
+
+    def preload(self, modules: list[str]) -> None:
+        """Ask the server to import ``modules`` before its next fork."""
+        self.state = ServerState.SENDING  # until the whole request is out
+        framing.send_message(self.sock, Preload(tuple(modules)))
+        self.state = ServerState.IN_STEP
 
     def next_launch_id(self) -> int:
         self._launch_id += 1
@@ -210,3 +218,18 @@ class _Servers:
 _servers = _Servers()
 fork_server = _servers.get
 shutdown_server = _servers.shutdown
+
+_preloads: dict[str, None] = {}
+"""Every module a cell's master imported, in order: a new server is asked for them all."""
+
+
+def preload(modules: list[str]) -> None:
+    """Spawned workers get what the cells' masters imported: told to the running server (if it is
+    in step; else the next one is told at its start)."""
+    _preloads.update(dict.fromkeys(modules))
+    server = _servers.current
+    if server is not None and server.alive():
+        try:
+            server.preload(modules)
+        except OSError:
+            server.state = ServerState.LOST  # replaced at the next launch, which tells its successor

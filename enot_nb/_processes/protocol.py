@@ -30,7 +30,7 @@ from enot_nb._processes.framing import LaunchFds
 class MessageKind(enum.Enum):
     """Every kind of worker message, in the order a worker sends them::
 
-        CONNECTED -> (DISPLAY | CLEAR_OUTPUT | COMM | PARTIAL)* -> RESULT | DONE | ERROR
+        CONNECTED -> (DISPLAY | CLEAR_OUTPUT | COMM | PARTIAL | IMPORTED)* -> RESULT | DONE | ERROR
 
     The last three are a rank's outcome (``Rank.outcome``); a worker fences its output before
     each of the others (see OUTPUT_FENCE)."""
@@ -40,6 +40,7 @@ class MessageKind(enum.Enum):
     CLEAR_OUTPUT = "clear_output"
     COMM = "comm"
     PARTIAL = "partial"
+    IMPORTED = "imported"
     RESULT = "result"
     DONE = "done"
     ERROR = "error"
@@ -130,6 +131,17 @@ class Partial(NamedTuple):
         return MessageKind.PARTIAL
 
 
+class Imported(NamedTuple):
+    """The modules a cell's master imported while the cell ran, that the kernel may import too
+    (see preload): sent once the cell ended, whether it failed or not."""
+
+    modules: tuple[str, ...]
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.IMPORTED
+
+
 class Result(NamedTuple):
     """Rank 0's outcome: what the function returned (or the cell's changes)."""
 
@@ -167,7 +179,7 @@ class ErrorReport(NamedTuple):
 
 FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage
 """What the kernel publishes for the ranks whose output is shown (relay.show)."""
-FencedMessage: TypeAlias = Connected | Partial | FrontEndMessage
+FencedMessage: TypeAlias = Connected | Partial | Imported | FrontEndMessage
 """What a worker fences its output for: shown between what it printed before and after."""
 WorkerMessage: TypeAlias = FencedMessage | Result | Done | ErrorReport
 
@@ -188,6 +200,16 @@ class Launch(NamedTuple):
     specs: list
     job_bytes: bytes
     layout: LaunchFds
+
+
+class Preload(NamedTuple):
+    """launcher -> fork server: import these modules before the next launch (see preload)."""
+
+    modules: tuple[str, ...]
+
+
+CallerMessage: TypeAlias = Launch | Preload
+"""What the launcher sends the fork server."""
 
 
 class Started(NamedTuple):

@@ -147,6 +147,11 @@ _result_fd: int | None = None
 _fence_fds: tuple[int, int] | None = None
 
 
+def in_launch() -> bool:
+    """Whether this process is a launched worker (it has a launcher to send messages to)."""
+    return _message_fd is not None
+
+
 def send(message: FencedMessage) -> None:
     """Send a message (display data, ...) to the launcher, after the output written so far (an
     outcome goes straight to the pipe: nothing is fenced after it)."""

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from enot_nb._processes import preload
+from enot_nb._processes.protocol import Imported
 from enot_nb._state import collect, reach
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
@@ -116,6 +118,7 @@ def run_cell(
             registry = reach.reach(namespace, code, hidden).registry
         tracker = _Tracker(registry, namespace, hidden)
     figures_before = _open_figures()
+    modules_before = set(sys.modules)
     try:
         exec(compile(body, CELL_FILENAME, "exec"), namespace)  # running the user's cell is the point
         value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
@@ -123,6 +126,9 @@ def run_cell(
         if tracker is not None and (isinstance(exc, KeyboardInterrupt) or options.keep_on_error):
             _send_partial(tracker, options)
         raise
+    finally:
+        if rank == 0:
+            _report_imports(modules_before, body, last)
     _show_new_figures(figures_before, rank == 0 and options.shown)
     has_value = last is not None and not suppressed and value is not None
     if tracker is None:
@@ -131,6 +137,27 @@ def run_cell(
         # --no-return: nothing comes back, but the cell's value is shown, as a local cell shows it
         return CellOutcome(has_value=has_value, value_bundle=_bundle(value, shell) if has_value else None)
     return tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
+
+
+def _report_imports(before: set[str], *trees: ast.AST | None) -> None:
+    """Tell the kernel which modules the cell imported that it may import too (preload's rule),
+    in the order they were imported; outside a launch (an exported script) there is no one to
+    tell."""
+    if not bootstrap.in_launch():
+        return
+    named = {
+        (a.name if isinstance(n, ast.Import) else n.module or "").split(".")[0]
+        for tree in trees
+        if tree is not None
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }
+    modules = tuple(
+        n for n in list(sys.modules) if n not in before and preload.importable(n) and preload.may_keep(n, named)
+    )
+    if modules:
+        bootstrap.send(Imported(modules))
 
 
 def _bundle(value: Any, shell: Any) -> tuple[dict, dict] | None:

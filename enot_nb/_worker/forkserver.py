@@ -11,6 +11,8 @@ Protocol on the socket (the records of protocol, framed pickles, descriptors in 
 their message: see framing; the kernel's end is forkserver_client)::
 
     server -> caller  Ready(pid)
+    caller -> server  Preload(modules)   what a cell's master imported: imported on a helper
+                                         thread, joined before the next fork (see preload)
     caller -> server  Launch(id, [WorkerSpec], job_bytes, LaunchFds)   + the descriptors
     server -> caller  Started(id, {rank: pid})          + a pidfd per rank, in rank order
                    or StartFailed(id, errno, reason)    (nothing of the launch is left)
@@ -28,9 +30,9 @@ import signal
 import socket
 import sys
 
-from enot_nb._processes import framing
+from enot_nb._processes import framing, preload
 from enot_nb._processes.framing import LaunchFds
-from enot_nb._processes.protocol import Exit, Launch, Ready, Started, StartFailed
+from enot_nb._processes.protocol import CallerMessage, Exit, Preload, Ready, Started, StartFailed
 from enot_nb._serialize import picklers
 from enot_nb._worker import bootstrap
 
@@ -96,10 +98,14 @@ def _kill_group(pid: int) -> None:
 
 def serve(sock: socket.socket) -> None:
     """Answer launch requests until the caller closes the socket."""
-    reader: framing.MessageReader[Launch] = framing.MessageReader()
+    reader: framing.MessageReader[CallerMessage] = framing.MessageReader()
     while True:
         try:
-            launch = framing.recv_message(sock, reader)  # the caller sends nothing else
+            message = framing.recv_message(sock, reader)
+            if isinstance(message, Preload):
+                preload.PRELOADER.start(list(message.modules))  # joined by the fork's own hook
+                continue
+            launch = message
             fds = framing.recv_fds(sock, reader, launch.layout.total)
         except EOFError:
             return
