@@ -29,6 +29,7 @@ from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
 from enot_nb._launch.notes import NOTES, Note
 from enot_nb._launch.options import LaunchOptions
+from enot_nb._processes import preload
 from enot_nb._state import apply, reach
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap
@@ -209,6 +210,15 @@ def run_distributed_cell(
     )
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
     _check_sync(shell.user_ns, options.sync)
+    try:
+        return _run_cell_job(shell, code, args, options, plan)
+    finally:
+        preload.PRELOADER.start_pending()  # what the master imported; the next cell waits for it
+
+
+def _run_cell_job(
+    shell: InteractiveShell, code: str, args: argparse.Namespace, options: _cell.CellOptions, plan: LaunchPlan
+) -> Any:
     namespace = shell.user_ns
     job, registry = _cell_job(shell, code, options, plan.start_method)
     failure: BaseException | None = None
@@ -429,11 +439,19 @@ def check_cell_syntax(lines: list[str]) -> list[str]:
     return lines
 
 
+def _wait_for_imports(info: Any = None) -> None:
+    """Before any cell: the imports a distributed cell's master left (see preload) are done, so
+    that the cell never imports beside them."""
+    preload.PRELOADER.wait()
+
+
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext enot_nb``: register ``%%enot_distributed``."""
     if ipython is None:
         raise UsageError("enot_nb's magic needs IPython: run `%load_ext enot_nb` in a notebook")
     ipython.register_magics(EnotMagics)
+    if _wait_for_imports not in ipython.events.callbacks["pre_run_cell"]:
+        ipython.events.register("pre_run_cell", _wait_for_imports)
     cleanup = ipython.input_transformers_cleanup
     if check_cell_syntax not in cleanup:
         cleanup.append(check_cell_syntax)

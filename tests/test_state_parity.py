@@ -759,3 +759,73 @@ def test_tensors_that_come_back_own_their_memory_and_pin_no_result(kernel, metho
         "print([h.tolist() for h in history], float(keep), big.untyped_storage().resizable(), arr.flags.owndata)"
     )
     assert check.stdout == "[[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]] 2.0 True True\n"
+
+
+FSDP_CELL = (
+    "from torch.distributed.fsdp import fully_shard\n"
+    "fully_shard(model[0])\nfully_shard(model)\n"
+    "opt = torch.optim.Adam(model.parameters(), lr=0.1)\n"
+    "for _ in range(3):\n    model(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+)
+FSDP_VALUES = [
+    "[(p.full_tensor() if hasattr(p, 'full_tensor') else p).tolist() for p in model.parameters()]",
+    "model(torch.ones(1, 4)).tolist()",
+    "len(opt.state)",
+    "sorted(opt.state[next(iter(opt.state))])",
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_model_sharded_by_fsdp2_comes_back_whole(kernels, method):
+    """FSDP2 (fully_shard, gloo on the CPU) left the notebook a half-converted module: some
+    parameters DTensors, FSDP's hooks on it, and model(x) raised "mixed torch.Tensor and
+    DTensor". Compared with the same training in a local kernel that is a world of one (the
+    ranks see the same data, so the averaged gradients are the same), and then: the notebook's
+    own module, class and parameter objects, FSDP's hooks gone, the optimizer over them."""
+    local, dist = kernels
+    setup = "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+    one = (
+        "import torch.distributed as td, socket\ns = socket.socket(); s.bind(('127.0.0.1', 0))\n"
+        "port = s.getsockname()[1]; s.close()\n"
+        "td.is_initialized() or td.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)"
+    )
+    results = []
+    for kernel, header, prepare in ((local, "", one), (dist, f"{MAGIC} --start-method {method}\n", "")):
+        _fresh(kernel)
+        kernel.ok(setup + "w0, cls0 = model[0].weight, type(model)\n" + prepare)
+        run = kernel.run(header + FSDP_CELL)
+        assert run.error is None, run.traceback + run.stderr
+        results.append(json.loads(kernel.ok(_probe_code(FSDP_VALUES)).stdout))
+    assert results[1] == results[0]
+    plain = kernel.ok(
+        _probe_code(
+            [
+                "type(model) is cls0 and type(model[0]) is torch.nn.Linear",
+                "model[0].weight is w0 and type(w0) is torch.nn.Parameter",
+                "[len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks) for m in model.modules()]",
+                "[k for m in model.modules() for k in vars(m) if 'fsdp' in k or 'composable' in k]",
+                "opt.param_groups[0]['params'][0] is model[0].weight",
+                "tuple(opt.state[model[0].weight]['exp_avg'].shape)",
+            ]
+        )
+    ).stdout
+    assert json.loads(plain) == ["True", "True", "[0, 0, 0, 0]", "[]", "True", "(8, 4)"]
+
+
+def test_a_sharded_model_stays_as_before_when_only_the_master_saves_its_state(kernel):
+    """--on-error keep (as an interrupt): only the master runs, no collective can gather the
+    shards, so the module stays as it was before the cell, plain, and one line says so."""
+    _fresh(kernel)
+    kernel.ok(
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "w0, before = model[0].weight, model[0].weight.tolist()\nkept = 0"
+    )
+    cell = f"{FSDP_CELL}kept = 1\nif ed.get_rank() == 0:\n    raise ValueError('after training')"
+    run = kernel.run(f"{MAGIC} --on-error keep\n{cell}")
+    assert run.error["ename"] == "WorkerFailedError"
+    assert "'model' was not brought back: it was sharded (FSDP)" in run.stdout + run.stderr
+    check = kernel.ok(
+        "print(type(model) is torch.nn.Sequential, model[0].weight is w0, model[0].weight.tolist() == before, kept,"
+        " len(model[0]._forward_pre_hooks), 'opt' in dir())"
+    )
+    assert check.stdout == "True True True 1 0 False\n"

@@ -345,11 +345,12 @@ class Attempt:
 
 
 def keep_imports(ranks: list[Rank]) -> None:
-    """What the master imported is imported here and in the fork server too, in the background
-    (see preload), whether the cell failed or not."""
+    """What the master imported, whether the cell failed or not: the fork server imports it now;
+    this process once the caller is done with the launch (preload.start_pending: loading the
+    result imports too, and two threads importing at once can deadlock)."""
     modules = [m for r in ranks if r.rank == 0 for m in r.imported]
     if modules:
-        preload.PRELOADER.start(modules)
+        preload.PRELOADER.add_pending(modules)
         forkserver_client.preload(modules)
 
 

@@ -8,11 +8,17 @@ imported (``protocol.Imported``, the difference of ``sys.modules`` around the ce
 and the kernel, and the fork server for spawned workers, import the same modules::
 
     master: sys.modules before and after the cell -> Imported(modules) -> kernel
-    kernel: Preloader.start(modules)  (a helper thread)        -> the next fork inherits them
-            fork server: Preload(modules) -> its helper thread -> its next fork inherits them
+    kernel: fork server: Preload(modules) -> its helper thread -> its next fork inherits them
+            the cell done: PRELOADER.start_pending() (a helper thread) -> the next cell waits for
+            it, the next fork inherits them
 
 Three rules keep it safe:
 
+* Nothing else imports meanwhile: two threads importing at once can deadlock (importlib raises
+  ``_DeadlockError`` on a cycle of torch's circular imports) and a rollback would remove what the
+  other imported. So the kernel starts the import once the cell is done with (its result loaded,
+  its changes applied), and the next cell waits for it first (an IPython ``pre_run_cell``
+  event); the fork server only forks and reads its socket between launches.
 * Every fork waits for the helper thread first (``os.register_at_fork(before=...)``): the
   launcher's forks and the user's own. A fork halfway through an import would leave the child a
   half-made module and the import lock held.
@@ -140,6 +146,17 @@ class Preloader:
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        self.pending: dict[str, None] = {}
+
+    def add_pending(self, names: list[str]) -> None:
+        """Import ``names`` at the next ``start_pending``."""
+        self.pending.update(dict.fromkeys(names))
+
+    def start_pending(self) -> None:
+        """Start importing what is pending: called when this process imports nothing else (a
+        cell's end; the next cell waits for it, see wait)."""
+        names, self.pending = list(self.pending), {}
+        self.start(names)
 
     def start(self, names: list[str]) -> None:
         """Import ``names`` in the background (after any import still running)."""

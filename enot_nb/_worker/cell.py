@@ -26,7 +26,7 @@ from enot_nb._processes.protocol import Imported
 from enot_nb._state import collect, reach
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
-from enot_nb._worker import bootstrap, frontend
+from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import figures as _figures
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -111,12 +111,13 @@ def run_cell(
     hidden = reach.hidden_names(namespace)
     namespace.setdefault("get_ipython", lambda: shell)
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
-    _sync_models(namespace, reach.names_used(code), options)
+    used = reach.names_used(code)
+    _sync_models(namespace, used, options)
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back
         if registry is None:
             registry = reach.reach(namespace, code, hidden).registry
-        tracker = _Tracker(registry, namespace, hidden)
+        tracker = _Tracker(registry, namespace, hidden, sharded.originals(namespace, used))
     figures_before = _open_figures()
     modules_before = set(sys.modules)
     try:
@@ -129,6 +130,10 @@ def run_cell(
     finally:
         if rank == 0:
             _report_imports(modules_before, body, last)
+    if not options.no_return:  # every rank: sharded modules come back whole (collectives)
+        whole_before = tracker.sharded_before if tracker is not None else {}
+        for line in sharded.gather_whole(namespace, sorted(used & set(namespace)), whole_before):
+            print(f"enot_nb: {line}", file=sys.stderr)
     _show_new_figures(figures_before, rank == 0 and options.shown)
     has_value = last is not None and not suppressed and value is not None
     if tracker is None:
@@ -199,8 +204,12 @@ def run_shipped_cell(
 class _Tracker:
     """The master's view of the notebook's objects: a snapshot before, the changes after."""
 
-    def __init__(self, registry: Registry, namespace: dict[str, Any], hidden: Any) -> None:
+    def __init__(
+        self, registry: Registry, namespace: dict[str, Any], hidden: Any, sharded_before: dict[str, Any]
+    ) -> None:
         self.registry, self.namespace, self.hidden = registry, namespace, hidden
+        self.sharded_before = sharded_before
+        """Each used module's tensors before the cell, by name (see sharded.originals)."""
         self.names_before = user_variables(namespace, hidden)
         self.snapshot = Snapshot.take(registry)
 
@@ -264,7 +273,10 @@ def _send_partial(tracker: _Tracker, options: CellOptions) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second stop press must not cut this short
     try:
-        bootstrap.send_partial(tracker.outcome(options, None, False, None, None))
+        kept = sharded.restore_as_before(tracker.namespace, tracker.sharded_before, tracker.names_before)
+        outcome = tracker.outcome(options, None, False, None, None)
+        outcome.not_returned.update(kept)
+        bootstrap.send_partial(outcome)
     except Exception as err:  # noqa: BLE001 - the original error matters more
         print(f"enot_nb: the master's state could not be saved ({err})", file=sys.stderr)
     finally:
