@@ -327,10 +327,12 @@ def _cell_job(
             registry = Registry.of_namespace(namespace, [])
         else:
             registry = reach.reach(namespace, code, shell.user_ns_hidden).registry
-        return bootstrap.Job(_cell.run_cell, (code, namespace, options, registry)), registry
+        return bootstrap.Job(_cell.run_cell, (code, namespace, options, registry), gather_shards=False), registry
     values, left_out, registry = reach.shippable_namespace(namespace, code)
     objects = reach.shippable_objects(registry, namespace)
-    return bootstrap.Job(_cell.run_shipped_cell, (values, left_out, objects, code, options)), registry
+    return bootstrap.Job(
+        _cell.run_shipped_cell, (values, left_out, objects, code, options), gather_shards=False
+    ), registry
 
 
 def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> None:

@@ -177,3 +177,33 @@ def test_export_without_nprocs_leaves_the_count_to_torchrun(tmp_path):
 def test_load_results_before_a_run_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="run the exported script with torchrun"):
         enot_nb.load_results(tmp_path / "never_run.py")
+
+
+def test_an_exported_cell_brings_a_sharded_model_back_whole(tmp_path):
+    """FSDP2 under torchrun: the results file holds the plain module (its own class, plain
+    parameters with the full trained values), as a cell's notebook gets it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    code = (
+        "from torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\nfully_shard(model)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model(torch.ones(3, 4)).sum().backward()\nopt.step()\n"
+    )
+    exported = enot_nb.export_cell(
+        code, tmp_path / "job.py", {"model": model, "torch": torch}, nprocs=2, backend="gloo"
+    )
+    proc = subprocess.Popen(
+        torchrun_cmd("--standalone", "--nproc-per-node", "2", str(exported.script)),
+        env=clean_env(PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    (out,) = run_all([proc], timeout=120)
+    assert proc.returncode == 0, out
+    back = enot_nb.load_results(exported.script)["model"]
+    model(torch.ones(3, 4)).sum().backward()  # the same step here, in one process
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert type(back) is torch.nn.Sequential and all(type(p) is torch.nn.Parameter for p in back.parameters())
+    for got, want in zip(back.parameters(), model.parameters()):
+        assert torch.allclose(got, want, atol=1e-6)

@@ -477,3 +477,19 @@ def test_no_multiprocessing_folder_is_left_by_dataloader_workers(method, job, ou
     got, left = json.loads(run.stdout)
     assert got == outcome
     assert [name for name in left if name.startswith("pymp-")] == []
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_returned_sharded_model_comes_back_whole(method):
+    """notebook_launcher's result as a cell's state: FSDP2's module plain again, with the full
+    trained values, and its optimizer over those parameters with its state unsharded."""
+    back = launch(jobs.train_sharded, 3, start_method=method)
+    want = jobs.train_plain(3)
+    model, opt = back["model"], back["opt"]
+    assert type(model) is torch.nn.Sequential and all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    for got, expected in zip(model.parameters(), want["model"].parameters()):
+        assert torch.allclose(got, expected, atol=1e-6)
+    assert torch.allclose(model(torch.ones(1, 4)), want["model"](torch.ones(1, 4)), atol=1e-6)
+    assert all(p is q for p, q in zip(opt.param_groups[0]["params"], model.parameters()))
+    assert torch.allclose(opt.state[model[0].weight]["exp_avg"], want["opt"].state[want["model"][0].weight]["exp_avg"])

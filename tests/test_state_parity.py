@@ -787,7 +787,8 @@ def test_a_model_sharded_by_fsdp2_comes_back_whole(kernels, method):
     one = (
         "import torch.distributed as td, socket\ns = socket.socket(); s.bind(('127.0.0.1', 0))\n"
         "port = s.getsockname()[1]; s.close()\n"
-        "td.is_initialized() or td.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)"
+        "td.is_initialized() or td.init_process_group(\n"
+        "    'gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)"
     )
     results = []
     for kernel, header, prepare in ((local, "", one), (dist, f"{MAGIC} --start-method {method}\n", "")):
@@ -802,7 +803,8 @@ def test_a_model_sharded_by_fsdp2_comes_back_whole(kernels, method):
             [
                 "type(model) is cls0 and type(model[0]) is torch.nn.Linear",
                 "model[0].weight is w0 and type(w0) is torch.nn.Parameter",
-                "[len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks) for m in model.modules()]",
+                "[len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)"
+                " for m in model.modules()]",
                 "[k for m in model.modules() for k in vars(m) if 'fsdp' in k or 'composable' in k]",
                 "opt.param_groups[0]['params'][0] is model[0].weight",
                 "tuple(opt.state[model[0].weight]['exp_avg'].shape)",

@@ -52,6 +52,8 @@ class Job:
     fn: Callable[..., Any]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    gather_shards: bool = True
+    """Make the sharded modules of the result whole on the master (a cell does it itself)."""
 
 
 @dataclass
@@ -192,6 +194,10 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
         connecting = False
         send(Connected())
         result = job.fn(*job.args, **job.kwargs)
+        if job.gather_shards:
+            from enot_nb._worker import sharded
+
+            result = sharded.whole_result(result)
         _send_result(spec, result)
         exitcode = 0
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, SystemExit included

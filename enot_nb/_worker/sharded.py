@@ -93,6 +93,21 @@ def optimizers_over(namespace: dict[str, Any], names: list[str], modules: list[s
     return found
 
 
+def whole_result(result: Any) -> Any:
+    """Every rank, once a launched function returned: the sharded modules in its result (the
+    result itself, or an item of a returned dict, list or tuple) made whole on the master, as a
+    cell's are (see gather_whole). The ranks must return the same shape of result."""
+    if isinstance(result, dict):
+        top = {f"[{k!r}]": v for k, v in result.items()}
+    elif isinstance(result, (list, tuple)):
+        top = {f"[{i}]": v for i, v in enumerate(result)}
+    else:
+        top = {"the result": result}
+    for line in gather_whole(top, sorted(top), {}):
+        print(f"enot_nb: {line}", file=sys.stderr)
+    return result
+
+
 def _agreed(plan: dict[str, list[str]]) -> bool:
     """Whether every rank found the same modules and optimizers: a digest of their names, reduced
     as a tensor (min and max), never exchanged as pickled objects."""
@@ -100,7 +115,8 @@ def _agreed(plan: dict[str, list[str]]) -> bool:
     import torch.distributed as dist
 
     text = ";".join(f"{m}:{','.join(o)}" for m, o in sorted(plan.items()))
-    digest = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64)
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    digest = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64, device=device)
     low, high = digest.clone(), digest.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
