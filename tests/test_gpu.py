@@ -320,3 +320,23 @@ def test_a_module_a_cell_imported_that_initializes_cuda_is_not_kept_in_the_kerne
         assert after.stdout == "False False\n"
         again = k.ok("%%enot_distributed -n 2 --backend gloo --start-method fork\nprint('forked')")
         assert again.stdout == "forked\n"
+
+
+def test_a_model_sharded_by_fsdp2_on_cuda_comes_back_whole():
+    """FSDP2 over nccl (a world of one: NCCL refuses two ranks on one GPU): the notebook's
+    module comes back plain, on the CPU (the kernel never initializes CUDA), trained."""
+    with running_kernel(
+        "%load_ext enot_nb\nimport torch\ntorch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "w0, before = model[0].weight, model[0].weight.detach().clone()"
+    ) as k:
+        k.ok(
+            "%%enot_distributed -n 1 --backend nccl\nfrom torch.distributed.fsdp import fully_shard\n"
+            "model.cuda()\nfully_shard(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "model(torch.ones(3, 4, device='cuda')).sum().backward()\nopt.step()"
+        )
+        check = k.ok(
+            "print(type(model) is torch.nn.Sequential, model[0].weight is w0, w0.device.type,"
+            " bool((w0 != before).any()), torch.cuda.is_initialized())"
+        )
+        assert check.stdout == "True True cpu True False\n"
