@@ -831,3 +831,39 @@ def test_a_sharded_model_stays_as_before_when_only_the_master_saves_its_state(ke
         " len(model[0]._forward_pre_hooks), 'opt' in dir())"
     )
     assert check.stdout == "True True True 1 0 False\n"
+
+
+FSDP1_CELL = (
+    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+    "fsdp = FSDP(model, device_id=torch.device('cpu'))\nopt = torch.optim.SGD(fsdp.parameters(), lr=0.1)\n"
+    "for _ in range(3):\n    fsdp(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+)
+PLAIN_CELL = (
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "for _ in range(3):\n    model(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_model_wrapped_by_fsdp1_comes_back_whole(kernels, method):
+    """FSDP1 (FullyShardedDataParallel, gloo on the CPU) moves the parameters into flat ones on
+    its wrapper and leaves views as plain attributes: the notebook's model comes back with its
+    own parameter objects, the trained values (those of the same training in one process), and
+    the optimizer over them; the wrapper stays the workers', as DDP does."""
+    local, dist = kernels
+    setup = "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+    probes = [
+        "[p.tolist() for p in model.parameters()]",
+        "model(torch.ones(1, 4)).tolist()",
+        "model[0].weight is w0 and type(w0) is torch.nn.Parameter",
+        "[p is q for p, q in zip(opt.param_groups[0]['params'], model.parameters())]",
+        "[k for m in model.modules() for k in vars(m) if 'fsdp' in k]",
+    ]
+    results = []
+    for kernel, cell in ((local, PLAIN_CELL), (dist, f"{MAGIC} --start-method {method}\n{FSDP1_CELL}")):
+        _fresh(kernel)
+        kernel.ok(setup + "w0 = model[0].weight")
+        run = kernel.run(cell)
+        assert run.error is None, run.traceback + run.stderr
+        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
+    assert results[1] == results[0]

@@ -8,8 +8,8 @@ hooks on it. Sent back as it is, the notebook got a half-converted module that f
 
     the sharded modules the cell's names hold, and the optimizers over their parameters
       -> the ranks agree on them (a digest of their names, as tensors: nothing unpickled)
-      -> get_model_state_dict / get_optimizer_state_dict, full and offloaded to the CPU
-         (collectives: only rank 0 receives the values)
+      -> get_model_state_dict / get_optimizer_state_dict, full, offloaded to the CPU from GPUs
+         (collectives: only rank 0 keeps the values)
     master: each module back to its own class (FSDP's is ``FSDP<Class>(FSDPModule, Class)``),
             FSDP's hooks and flags removed, every parameter the notebook's original object again
             (matched by name) holding the full trained values; each optimizer over those
@@ -22,6 +22,7 @@ put back as they were before the cell (``restore_as_before``), and one line says
 from __future__ import annotations
 
 import sys
+import warnings
 import zlib
 from collections import defaultdict
 from typing import Any
@@ -72,9 +73,16 @@ def originals(namespace: dict[str, Any], names: set[str]) -> dict[str, dict[str,
 
 
 def sharded_names(namespace: dict[str, Any], names: list[str]) -> list[str]:
+    """The names holding a sharded module (FSDP2, DTensors) or an FSDP1 wrapper."""
     import torch
 
-    return [n for n in sorted(names) if isinstance(namespace.get(n), torch.nn.Module) and is_sharded(namespace[n])]
+    wrapper = _fsdp1_type()
+    return [
+        n
+        for n in sorted(names)
+        if isinstance(namespace.get(n), torch.nn.Module)
+        and (is_sharded(namespace[n]) or wrapper is not None and isinstance(namespace[n], wrapper))
+    ]
 
 
 def optimizers_over(namespace: dict[str, Any], names: list[str], modules: list[str]) -> dict[str, list[str]]:
@@ -145,17 +153,83 @@ def gather_whole(namespace: dict[str, Any], names: list[str], before: dict[str, 
         get_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     for name in modules:
         module = namespace[name]
-        full = get_model_state_dict(module, options=options)
-        opt_states = {o: get_optimizer_state_dict(module, namespace[o], options=options) for o in plan[name]}
+        # Offloaded to the CPU (and to rank 0 alone) from GPUs; FSDP1 over CPU tensors fails
+        # to offload ("setStorage ... out of bounds", torch 2.13), and needs no copy anyway.
+        on_gpu = any(p.device.type != "cpu" for p in module.parameters())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+        with warnings.catch_warnings():  # FSDP's own deprecations: a local cell would not see them
+            warnings.simplefilter("ignore")
+            full = get_model_state_dict(module, options=options)
+            opt_states = {o: get_optimizer_state_dict(module, namespace[o], options=options) for o in plan[name]}
         if dist.get_rank() == 0:
-            by_id = {id(p): q for q, p in module.named_parameters(remove_duplicate=False)}
-            made = make_plain(module, before.get(name, {}), full)
+            made = _make_whole(namespace, name, before, full)
             for opt_name, state in opt_states.items():
-                _unshard_optimizer(namespace[opt_name], by_id, made, state)
+                _unshard_optimizer(namespace[opt_name], made, state)
     return []
+
+
+def _make_whole(namespace: dict[str, Any], name: str, before: dict[str, dict[str, Any]], full: dict[str, Any]) -> Any:
+    """The master: the module at ``name`` made plain with ``full``'s values. An FSDP1 wrapper
+    (``FullyShardedDataParallel(model)``) stays the worker's, as DDP does; the module it wraps,
+    the notebook's ``model``, is made plain."""
+    module, wrapper = namespace[name], _fsdp1_type()
+    if wrapper is not None and isinstance(module, wrapper):
+        inner = _unwrapped(module)
+        held = next((n for n, v in namespace.items() if v is inner and n in before), None)
+        return _unflatten(inner, before.get(held, {}) if held else {}, full)
+    return make_plain(module, before.get(name, {}), full)
+
+
+def _fsdp1_type() -> Any:
+    module = sys.modules.get("torch.distributed.fsdp")
+    return getattr(module, "FullyShardedDataParallel", None)
+
+
+def _unwrapped(module: Any) -> Any:
+    """The module an FSDP1 wrapper wraps, with the wrappers FSDP put in place of its submodules
+    (an auto-wrap policy) replaced by the submodules they wrap."""
+    wrapper = _fsdp1_type()
+    while isinstance(module, wrapper):
+        module = module.module
+    for sub in module.modules():
+        for key, child in list(sub._modules.items()):
+            while isinstance(child, wrapper):
+                child = child.module
+            sub._modules[key] = child
+    return module
+
+
+def _unflatten(module: Any, originals: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
+    """FSDP1 moved the parameters into flat ones on its wrappers and left views as plain
+    attributes: each original (by qualified name) is put back, holding ``full``'s values (None:
+    the values it had before the cell)."""
+    import torch
+
+    flat = getattr(sys.modules.get("torch.distributed.fsdp._flat_param"), "FlatParameter", None)
+    for sub in module.modules():
+        for key in [k for k in sub.__dict__ if k in _FSDP_KEYS or k.startswith(_COMPOSABLE_KEY)]:
+            del sub.__dict__[key]
+        for key in [k for k, p in sub._parameters.items() if flat is not None and isinstance(p, flat)]:
+            del sub._parameters[key]  # FSDP1's flat parameter, registered on the module it wraps
+    now: dict[str, Any] = {}
+    for qualified, values in (full if full is not None else dict.fromkeys(originals)).items():
+        prefix, _, leaf = qualified.rpartition(".")
+        sub = module.get_submodule(prefix) if prefix else module
+        original = originals.get(qualified)
+        if original is None:
+            if values is None:
+                continue
+            original = torch.nn.Parameter(values) if qualified not in dict(module.named_buffers()) else values
+        elif values is not None:
+            with torch.no_grad():
+                original.data = values
+        sub.__dict__.pop(leaf, None)
+        table = sub._parameters if isinstance(original, torch.nn.Parameter) else sub._buffers
+        table[leaf] = original
+        now[qualified] = original
+    return now
 
 
 def make_plain(module: Any, originals: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
@@ -212,17 +286,15 @@ def _remove_fsdp_hooks(module: Any) -> None:
                     vars(module).get(extra, {}).pop(key, None)
 
 
-def _unshard_optimizer(optimizer: Any, qualified_of: dict[int, str], now: dict[str, Any], full: dict[str, Any]) -> None:
-    """The optimizer over the plain parameters, its state the full (unsharded) state by name."""
-    for group in optimizer.param_groups:
-        group["params"] = [now.get(qualified_of.get(id(p), ""), p) for p in group["params"]]
-    name_of = {id(t): q for q, t in now.items()}
+def _unshard_optimizer(optimizer: Any, now: dict[str, Any], full: dict[str, Any]) -> None:
+    """The optimizer over the plain parameters, in the full state's groups (its parameters by
+    qualified name: an FSDP1 flat parameter was many), its state unsharded."""
+    for group, named in zip(optimizer.param_groups, full.get("param_groups", [])):
+        group["params"] = [now[q] for q in named["params"] if q in now]
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = name_of.get(id(p))
-            if name is not None and name in full.get("state", {}):
-                state[p] = dict(full["state"][name])
+    for qualified, values in full.get("state", {}).items():
+        if qualified in now:
+            state[now[qualified]] = dict(values)
     optimizer.state = state
 
 
@@ -234,7 +306,12 @@ def restore_as_before(
     new sharded module, or to an optimizer over shards, gets its old value back (or none).
     Returns each such name with why."""
     modules = sharded_names(namespace, list(namespace))
+    wrapper = _fsdp1_type()
     for name in modules:
+        if wrapper is not None and isinstance(namespace[name], wrapper):
+            inner = _unwrapped(namespace[name])
+            held = next((n for n, v in namespace.items() if v is inner and n in before), None)
+            _unflatten(inner, before.get(held, {}) if held else {}, None)
         if name in before and namespace[name] is bound_before.get(name):
             make_plain(namespace[name], before[name], None)
         elif name in bound_before:
@@ -255,14 +332,16 @@ def restore_as_before(
 
 
 def _optimizers_over_shards(namespace: dict[str, Any]) -> list[str]:
+    """Optimizers over DTensors (FSDP2) or FSDP1's flat parameters."""
     import torch
 
-    dtensor = _dtensor_type()
-    if dtensor is None:
+    flat = getattr(sys.modules.get("torch.distributed.fsdp._flat_param"), "FlatParameter", None)
+    shard_types = tuple(t for t in (_dtensor_type(), flat) if t is not None)
+    if not shard_types:
         return []
     return [
         name
         for name, value in namespace.items()
         if isinstance(value, torch.optim.Optimizer)
-        and any(isinstance(p, dtensor) for group in value.param_groups for p in group["params"])
+        and any(isinstance(p, shard_types) for group in value.param_groups for p in group["params"])
     ]
