@@ -9,6 +9,7 @@ pickled by reference to this module).
 
 from __future__ import annotations
 
+import struct
 from typing import Any, NamedTuple
 
 ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
@@ -149,14 +150,23 @@ def tensor_state(t: Any) -> TensorState:
 def same_value(a: Any, b: Any) -> bool:
     """Whether a slot still holds the same value: the same object, or an equal atom (two equal
     floats or strings, dtypes or devices, are the same value). A new list equal to the old one is
-    not the same value: other references still see the old one."""
+    not the same value: other references still see the old one. Floats and complex numbers are
+    the same when their bits are: ``-0.0 == 0.0``, yet the cell that wrote -0.0 changed the slot,
+    and ``nan != nan``, yet a NaN with the same bits is no change."""
     if a is b:
         return True
     if type(a) is not type(b):
         return False
+    if type(a) is float or type(a) is complex:
+        return _bits(a) == _bits(b)
     if type(a) in ATOMS:
         return a == b
     return type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in ("torch", "numpy") and a == b
+
+
+def _bits(x: float | complex) -> bytes:
+    """A float's or complex number's IEEE 754 bits (the sign of a zero, a NaN's payload)."""
+    return struct.pack("<dd", x.real, x.imag) if type(x) is complex else struct.pack("<d", x)
 
 
 def same_pairs(a: Any, b: Any) -> bool:

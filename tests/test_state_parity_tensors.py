@@ -1,0 +1,82 @@
+"""A distributed cell is a local cell, for the tensors that are not plain strided views.
+
+The differential suite of test_state_parity (its kernels, prelude and probes), over the tensors
+and values that came back wrong: conjugate and negative views, sparse tensors changed in place,
+quantized and inference-mode tensors, tensor hooks, -0.0 written where 0.0 was, and lazy
+modules. Each probe reads what the bug lost, so the unfixed code fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from enot_nb._state.states import same_value
+from tests._util import METHODS
+from tests.test_state_parity import _fresh, _probe_code, kernels  # noqa: F401 - the module's fixture
+
+SPARSE = "dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])\n"
+
+# (id, set-up, cell, probes, code run in both kernels after the cell and before the probes)
+CASES = [
+    (
+        "negative-zero-written-where-zero-was",
+        "class Cfg:\n    pass\ncfg = Cfg()\ncfg.x = 0.0\nd = {'k': 0.0}\nitems = [0.0, 1.0]\n"
+        "t = torch.zeros(2)\nzs = [0j]\n",
+        "cfg.x = -0.0\nd['k'] = -0.0\nitems[0] = -0.0\nt[1] = -0.0\nzs[0] = complex(0.0, -0.0)",
+        ["cfg.x", "d", "items", "t.tolist()", "zs"],
+        "",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case_id, setup, cell, probes, after", CASES, ids=[c[0] for c in CASES])
+def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell, probes, after):  # noqa: F811
+    local, dist = kernels
+    results = []
+    for kernel, header in ((local, ""), (dist, f"%%enot_distributed -n 2 --backend gloo --start-method {method}\n")):
+        _fresh(kernel)
+        if setup:
+            kernel.ok(setup)
+        run = kernel.run(header + cell)
+        assert run.error is None, run.traceback + run.stderr
+        if after:
+            kernel.ok(after)
+        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
+    assert results[1] == results[0], f"{case_id} differs: local {results[0]}, distributed {results[1]}"
+
+
+# ----------------------------------------------------------------------------- same_value, fast
+
+
+def _float(bits: int) -> float:
+    """A new float object with these IEEE 754 bits."""
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+ZERO, NEGATIVE_ZERO, NAN, OTHER_NAN = 0, 1 << 63, 0x7FF8_0000_0000_0000, 0x7FF8_0000_0000_0001
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        (_float(ZERO), _float(NEGATIVE_ZERO), False),  # == says equal
+        (_float(NEGATIVE_ZERO), _float(NEGATIVE_ZERO), True),
+        (_float(NAN), _float(NAN), True),  # == says different
+        (_float(NAN), _float(OTHER_NAN), False),  # another payload
+        (float("1.5"), float("1.5"), True),
+        (_float(ZERO), 0, False),  # another type
+        (complex(_float(ZERO), 1.0), complex(_float(NEGATIVE_ZERO), 1.0), False),
+        (complex(1.0, _float(NAN)), complex(1.0, _float(NAN)), True),
+        (complex(1.0, 2.0), complex(1.0, -2.0), False),
+    ],
+)
+def test_floats_are_the_same_value_when_their_bits_are(a, b, same):
+    assert a is not b  # two objects: identity cannot decide
+    assert same_value(a, b) is same
+    assert same_value([a], [a]) is False  # containers still compare by identity
