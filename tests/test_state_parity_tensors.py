@@ -29,6 +29,28 @@ CASES = [
         ["cfg.x", "d", "items", "t.tolist()", "zs"],
         "",
     ),
+    (
+        "lazy-module-left-alone",
+        "lazy = torch.nn.LazyLinear(3)\n",
+        "x = 1",
+        ["x", "type(lazy).__name__", "type(lazy.weight).__name__"],
+        "",
+    ),
+    (
+        "lazy-module-materialized",
+        "lazy = torch.nn.LazyLinear(3)\nweight = lazy.weight\n",
+        "torch.manual_seed(2)\nout = lazy(torch.ones(2, 5))",
+        [
+            "type(lazy).__name__",
+            "type(lazy.weight).__name__",
+            "weight is lazy.weight",
+            "lazy.in_features",
+            "lazy.weight.tolist()",
+            "lazy.bias.tolist()",
+            "torch.equal(lazy(torch.ones(2, 5)), out)",
+        ],
+        "",
+    ),
 ]
 
 
@@ -80,3 +102,23 @@ def test_floats_are_the_same_value_when_their_bits_are(a, b, same):
     assert a is not b  # two objects: identity cannot decide
     assert same_value(a, b) is same
     assert same_value([a], [a]) is False  # containers still compare by identity
+
+
+# ----------------------------------------------------------------------------- tensors, fast
+
+
+def test_an_uninitialized_parameter_is_tracked_and_takes_the_masters_materialized_state():
+    import torch
+
+    from enot_nb._state.kinds import apply_tensor
+    from enot_nb._state.registry import Registry
+    from enot_nb._state.snapshot import Snapshot
+    from enot_nb._state.states import tensor_state
+
+    lazy = torch.nn.LazyLinear(3)
+    registry = Registry.of_namespace({"lazy": lazy}, ["lazy"])  # raised ValueError
+    weight = lazy.weight
+    assert registry.find(weight) is not None and Snapshot.take(registry).states[registry.find(weight)] is not None
+    master = torch.nn.Parameter(torch.arange(6.0).view(3, 2))
+    apply_tensor(weight, tensor_state(master), lambda text: pytest.fail(text))
+    assert type(weight) is torch.nn.Parameter and weight.tolist() == master.tolist()

@@ -96,6 +96,16 @@ def _to_device(storage: torch.UntypedStorage, device: str) -> torch.UntypedStora
 # ----------------------------------------------------------------------------- tensors
 
 
+def storage_of(tensor: Any) -> torch.UntypedStorage | None:
+    """A tensor's untyped storage, or None where it has none that can be read: a sparse tensor
+    (its indices and values have theirs), an uninitialized parameter of a lazy module (torch
+    raises ValueError), other exotic tensors."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+
+
 def travels_by_view(tensor: Any) -> bool:
     """Whether ``tensor`` (any object) is a tensor that travels as a view of its storage: a
     strided torch.Tensor, Parameter or Python subclass (exotic tensors keep torch's pickling)."""

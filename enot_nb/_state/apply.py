@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from enot_nb._serialize.tensors import _rebuild_storage
+from enot_nb._serialize.tensors import _rebuild_storage, storage_of
 from enot_nb._state.collect import Changes, PickledState
 from enot_nb._state.kinds import OPS, Kind, apply_grad
 from enot_nb._state.registry import Registry
@@ -96,8 +96,5 @@ def shared_memory_tensors(registry: Registry) -> int:
     torch = sys.modules.get("torch")
     if torch is None:
         return 0
-    return sum(
-        1
-        for obj, kind in zip(registry.objects, registry.kinds)
-        if kind is Kind.TENSOR and obj.device.type == "cpu" and obj.is_shared()
-    )
+    storages = [storage_of(obj) for obj, kind in zip(registry.objects, registry.kinds) if kind is Kind.TENSOR]
+    return sum(1 for s in storages if s is not None and s.device.type == "cpu" and s.is_shared())

@@ -451,6 +451,8 @@ def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
             rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
         with torch.no_grad():
             tensor.data = rebuilt
+    if type(tensor) is not state.type:  # a lazy module's parameter, materialized: now a Parameter
+        tensor.__class__ = state.type
     if tensor.requires_grad != state.requires_grad:
         if tensor.is_leaf:
             tensor.requires_grad_(state.requires_grad)

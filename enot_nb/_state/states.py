@@ -12,6 +12,8 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
+from enot_nb._serialize.tensors import storage_of
+
 ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
 """Immutable values: never registered, compared by value."""
 
@@ -125,11 +127,14 @@ def class_attributes(cls: type) -> dict[str, Any]:
 
 
 def tensor_state(t: Any) -> TensorState:
-    try:
-        storage = t.untyped_storage()
+    """A tensor's state; one without a storage that can be read (see storage_of) is tracked by
+    its identity, type and flags (``size()``, not ``shape``: a lazy module's uninitialized
+    parameter refuses the latter)."""
+    storage = storage_of(t)
+    if storage is not None:
         offset, size, stride = t.storage_offset(), tuple(t.shape), t.stride()
-    except (RuntimeError, NotImplementedError):
-        storage, offset, size, stride = None, 0, tuple(t.shape), None
+    else:
+        offset, size, stride = 0, tuple(t.size()), None
     return TensorState(
         type(t),
         storage,
