@@ -22,6 +22,39 @@ SPARSE = "dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])\n"
 # (id, set-up, cell, probes, code run in both kernels after the cell and before the probes)
 CASES = [
     (
+        "conj-and-neg-views-made-in-cell",
+        "",
+        "z = torch.tensor([1 + 2j, 3 - 4j]).conj()\n"
+        "mh = torch.tensor([[1 + 1j, 2j], [3 + 0j, 4 - 1j]]).mH\n"
+        "nv = torch._neg_view(torch.tensor([1.0, 2.0]))",
+        ["z.is_conj()", "z.tolist()", "mh.is_conj()", "mh.tolist()", "nv.is_neg()", "nv.tolist()"],
+        "",
+    ),
+    (
+        "conj-and-neg-views-of-notebook-tensors",
+        "x = torch.tensor([1 + 2j, 3 - 4j])\nr = torch.tensor([1.0, 2.0])\nw = torch.tensor([1j])\n",
+        "zc = x.conj()\nxh = x.view(2, 1).mH\nnv = torch._neg_view(r)\nw.data = w.conj()",
+        # Written after the cell: the views still share the notebook's memory.
+        [
+            "zc.is_conj()",
+            "zc.tolist()",
+            "xh.is_conj()",
+            "xh.tolist()",
+            "nv.is_neg()",
+            "nv.tolist()",
+            "w.is_conj()",
+            "w.tolist()",
+        ],
+        "x[0] = 5 + 6j\nr[1] = 7.0",
+    ),
+    (
+        "inference-tensors",
+        "with torch.inference_mode():\n    kept = torch.zeros(2)\n",
+        "with torch.inference_mode():\n    inf = torch.ones(2) * 3\n    kept.add_(1)",
+        ["inf.is_inference()", "inf.tolist()", "kept.is_inference()", "kept.tolist()"],
+        "",
+    ),
+    (
         "negative-zero-written-where-zero-was",
         "class Cfg:\n    pass\ncfg = Cfg()\ncfg.x = 0.0\nd = {'k': 0.0}\nitems = [0.0, 1.0]\n"
         "t = torch.zeros(2)\nzs = [0j]\n",
@@ -122,3 +155,21 @@ def test_an_uninitialized_parameter_is_tracked_and_takes_the_masters_materialize
     master = torch.nn.Parameter(torch.arange(6.0).view(3, 2))
     apply_tensor(weight, tensor_state(master), lambda text: pytest.fail(text))
     assert type(weight) is torch.nn.Parameter and weight.tolist() == master.tolist()
+
+
+@pytest.mark.parametrize("make", ["conj", "neg", "inference"])
+def test_a_tensor_keeps_its_conjugate_negative_and_inference_bits_through_its_reduction(make):
+    import torch
+
+    from enot_nb._serialize.tensors import reduce_tensor
+
+    if make == "inference":
+        with torch.inference_mode():
+            t = torch.tensor([1.0, -2.0])
+    else:
+        base = torch.tensor([1 + 2j, 3 - 4j])
+        t = base.conj() if make == "conj" else torch._neg_view(base)
+    rebuild, args = reduce_tensor(t)[:2]
+    back = rebuild(*args)
+    assert (back.is_conj(), back.is_neg(), back.is_inference()) == (t.is_conj(), t.is_neg(), t.is_inference())
+    assert back.tolist() == t.tolist() and back.untyped_storage() is t.untyped_storage()

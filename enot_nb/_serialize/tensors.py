@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from enot_nb._serialize.shm import SHARED_FD, SHM_MIN_BYTES, map_private
 
@@ -106,6 +106,24 @@ def storage_of(tensor: Any) -> torch.UntypedStorage | None:
         return None
 
 
+class TensorBits(NamedTuple):
+    """What a tensor's storage and view do not say about its values: a conjugate view
+    (``z.conj()``, ``z.mH``) reads its storage conjugated, a negative view (``torch._neg_view``)
+    negated; an inference tensor (made under ``torch.inference_mode()``) is one autograd never
+    records. Flags of the tensor, not of its bytes: they travel beside its view."""
+
+    conj: bool = False
+    neg: bool = False
+    inference: bool = False
+
+
+PLAIN = TensorBits()
+
+
+def tensor_bits(tensor: torch.Tensor) -> TensorBits:
+    return TensorBits(tensor.is_conj(), tensor.is_neg(), tensor.is_inference())
+
+
 def travels_by_view(tensor: Any) -> bool:
     """Whether ``tensor`` (any object) is a tensor that travels as a view of its storage: a
     strided torch.Tensor, Parameter or Python subclass (exotic tensors keep torch's pickling)."""
@@ -143,6 +161,9 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
         type(tensor) is torch.nn.Parameter,
         type(tensor) if type(tensor) not in (torch.Tensor, torch.nn.Parameter) else None,
     )
+    bits = tensor_bits(tensor)
+    if bits != PLAIN:
+        args += (bits,)
     attributes = dict(getattr(tensor, "__dict__", {}))
     grad = tensor.grad if tensor.is_leaf else None
     if grad is None and not attributes:
@@ -159,14 +180,20 @@ def _rebuild_tensor(
     requires_grad: bool,
     parameter: bool,
     subclass: type[torch.Tensor] | None = None,
+    bits: TensorBits = PLAIN,
 ) -> torch.Tensor:
     import torch
 
-    tensor = torch.empty(0, dtype=dtype, device=storage.device)
-    if storage.nbytes():
-        tensor.set_(storage, offset, size, stride)
-    else:
-        tensor = tensor.new_empty(size)
+    with torch.inference_mode(bits.inference):
+        tensor = torch.empty(0, dtype=dtype, device=storage.device)
+        if storage.nbytes():
+            tensor.set_(storage, offset, size, stride)
+        else:
+            tensor = tensor.new_empty(size)
+    if bits.conj:
+        torch._C._set_conj(tensor, True)
+    if bits.neg:
+        torch._C._set_neg(tensor, True)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     tensor.requires_grad_(requires_grad)

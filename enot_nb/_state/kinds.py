@@ -425,7 +425,7 @@ def _same_tensor(a: TensorState, b: TensorState) -> bool:
     return (
         a.type is b.type
         and a.storage is b.storage
-        and (a.offset, a.size, a.stride) == (b.offset, b.size, b.stride)
+        and (a.offset, a.size, a.stride, a.bits) == (b.offset, b.size, b.stride, b.bits)
         and a.dtype == b.dtype
         and a.device == b.device
         and a.requires_grad == b.requires_grad
@@ -442,11 +442,13 @@ def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
     current = tensor_state(tensor)
     if state.storage is not None and not (
         state.storage is current.storage
-        and (state.offset, state.size, state.stride, state.dtype)
-        == (current.offset, current.size, current.stride, current.dtype)
+        and (state.offset, state.size, state.stride, state.dtype, state.bits)
+        == (current.offset, current.size, current.stride, current.dtype, current.bits)
     ):
         assert state.stride is not None  # a tensor with a storage has strides (see tensor_state)
-        rebuilt = _rebuild_tensor(state.storage, state.offset, state.size, state.stride, state.dtype, False, False)
+        rebuilt = _rebuild_tensor(
+            state.storage, state.offset, state.size, state.stride, state.dtype, False, False, None, state.bits
+        )
         if state.device.type != "cpu" and tensor.device.type != "cpu":
             rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
         with torch.no_grad():

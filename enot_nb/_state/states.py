@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
-from enot_nb._serialize.tensors import storage_of
+from enot_nb._serialize.tensors import PLAIN, TensorBits, storage_of, tensor_bits
 
 ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
 """Immutable values: never registered, compared by value."""
@@ -60,6 +60,7 @@ class TensorState(NamedTuple):
     requires_grad: bool
     grad: Any
     attributes: dict[str, Any]
+    bits: TensorBits  # conjugate, negative, inference: how its values read its storage
 
 
 class FunctionState(NamedTuple):
@@ -132,9 +133,9 @@ def tensor_state(t: Any) -> TensorState:
     parameter refuses the latter)."""
     storage = storage_of(t)
     if storage is not None:
-        offset, size, stride = t.storage_offset(), tuple(t.shape), t.stride()
+        offset, size, stride, bits = t.storage_offset(), tuple(t.shape), t.stride(), tensor_bits(t)
     else:
-        offset, size, stride = 0, tuple(t.size()), None
+        offset, size, stride, bits = 0, tuple(t.size()), None, PLAIN
     return TensorState(
         type(t),
         storage,
@@ -146,6 +147,7 @@ def tensor_state(t: Any) -> TensorState:
         t.requires_grad,
         t.grad if t.is_leaf else None,
         dict(object_dict(t) or {}),
+        bits,
     )
 
 
