@@ -48,6 +48,24 @@ CASES = [
         "x[0] = 5 + 6j\nr[1] = 7.0",
     ),
     (
+        "quantized-made-in-cell",
+        "",
+        "q = torch.quantize_per_tensor(torch.tensor([1.0, 2.0, -3.0]), 0.1, 0, torch.qint8)\n"
+        "pc = torch.quantize_per_channel(torch.ones(2, 2), torch.tensor([0.1, 0.2]), "
+        "torch.tensor([0, 1]), 0, torch.quint8)",
+        [
+            "q.int_repr().tolist()",
+            "q.q_scale()",
+            "q.q_zero_point()",
+            "q.dtype",
+            "pc.int_repr().tolist()",
+            "pc.q_per_channel_scales().tolist()",
+            "pc.q_per_channel_zero_points().tolist()",
+            "pc.dtype",
+        ],
+        "",
+    ),
+    (
         "inference-tensors",
         "with torch.inference_mode():\n    kept = torch.zeros(2)\n",
         "with torch.inference_mode():\n    inf = torch.ones(2) * 3\n    kept.add_(1)",

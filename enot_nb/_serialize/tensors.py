@@ -126,7 +126,8 @@ def tensor_bits(tensor: torch.Tensor) -> TensorBits:
 
 def travels_by_view(tensor: Any) -> bool:
     """Whether ``tensor`` (any object) is a tensor that travels as a view of its storage: a
-    strided torch.Tensor, Parameter or Python subclass (exotic tensors keep torch's pickling)."""
+    strided torch.Tensor, Parameter or Python subclass (exotic tensors keep torch's pickling, and
+    so do quantized ones: their scales and zero points are no part of a view)."""
     import torch
 
     t = type(tensor)
@@ -134,6 +135,7 @@ def travels_by_view(tensor: Any) -> bool:
         (t in (torch.Tensor, torch.nn.Parameter) or _plain_subclass(t))
         and tensor.layout == torch.strided
         and tensor.device.type != "meta"
+        and not tensor.is_quantized
     )
 
 
