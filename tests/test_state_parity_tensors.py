@@ -48,6 +48,34 @@ CASES = [
         "x[0] = 5 + 6j\nr[1] = 7.0",
     ),
     (
+        "sparse-coo-changed-in-place",
+        SPARSE + "s = dense.to_sparse()\nalias = s\nv = dense.to_sparse().coalesce()\n",
+        "s.mul_(2)\nv.values().fill_(7)",
+        ["s.to_dense().tolist()", "alias is s", "v.to_dense().tolist()", "s.layout"],
+        "",
+    ),
+    (
+        "sparse-coo-gains-entries",
+        SPARSE + "s = dense.to_sparse()\nalias = s\n",
+        "s.add_(torch.eye(2).to_sparse())",
+        ["s.to_dense().tolist()", "alias is s", "s._nnz()"],
+        "",
+    ),
+    (
+        "sparse-csr-changed-in-place",
+        SPARSE + "c = dense.to_sparse_csr()\nalias = c\ngrown = dense.to_sparse_csr()\n",
+        "c.values().mul_(3)\ngrown.add_(torch.eye(2).to_sparse_csr())",
+        ["c.to_dense().tolist()", "alias is c", "c.layout", "grown.to_dense().tolist()", "grown._nnz()"],
+        "",
+    ),
+    (
+        "sparse-made-in-cell",
+        SPARSE,
+        "n = dense.to_sparse()\nnc = (dense * 2).to_sparse_csr()",
+        ["n.to_dense().tolist()", "n.layout", "nc.to_dense().tolist()", "nc.layout"],
+        "",
+    ),
+    (
         "quantized-made-in-cell",
         "",
         "q = torch.quantize_per_tensor(torch.tensor([1.0, 2.0, -3.0]), 0.1, 0, torch.qint8)\n"
@@ -191,3 +219,21 @@ def test_a_tensor_keeps_its_conjugate_negative_and_inference_bits_through_its_re
     back = rebuild(*args)
     assert (back.is_conj(), back.is_neg(), back.is_inference()) == (t.is_conj(), t.is_neg(), t.is_inference())
     assert back.tolist() == t.tolist() and back.untyped_storage() is t.untyped_storage()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_tensor_takes_new_parts_in_place(layout):
+    import torch
+
+    from enot_nb._state.kinds import apply_tensor
+    from enot_nb._state.states import tensor_state
+
+    def make(dense):
+        return dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+
+    notebook, master = make(torch.tensor([[0.0, 1.0], [2.0, 0.0]])), make(torch.tensor([[3.0, 0.0], [4.0, 5.0]]))
+    before = tensor_state(notebook)
+    assert before.storage is None and before.sparse is not None
+    apply_tensor(notebook, tensor_state(master), lambda text: pytest.fail(text))
+    assert notebook.layout == master.layout and notebook.to_dense().tolist() == [[3.0, 0.0], [4.0, 5.0]]

@@ -106,6 +106,50 @@ def storage_of(tensor: Any) -> torch.UntypedStorage | None:
         return None
 
 
+def tensor_storages(tensor: Any) -> list[torch.UntypedStorage]:
+    """The storages that hold a tensor's values: its own, or a sparse tensor's parts' (see
+    sparse_parts); none where none can be read."""
+    storage = storage_of(tensor)
+    if storage is not None:
+        return [storage]
+    return [s for s in map(storage_of, sparse_parts(tensor)) if s is not None]
+
+
+def sparse_parts(tensor: Any) -> tuple[torch.Tensor, ...]:
+    """A sparse tensor's indices and values, strided tensors over the storages that hold it, in
+    the order its layout's constructor takes them (see sparse_tensor); () for other tensors."""
+    import torch
+
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return ()
+
+
+def coalesced(tensor: torch.Tensor) -> bool:
+    """Whether a sparse COO tensor is coalesced (False for other layouts: they have no such flag)."""
+    import torch
+
+    return tensor.layout == torch.sparse_coo and tensor.is_coalesced()
+
+
+def sparse_tensor(
+    layout: torch.layout, parts: list[torch.Tensor], size: tuple[int, ...], coalesced: bool
+) -> torch.Tensor:
+    """The sparse tensor of ``layout`` over ``parts`` (sparse_parts' order), sharing their memory.
+    Its invariants are not checked again (they held for the tensor the parts came from), as
+    torch's own unpickling does not: and so torch does not warn that the checks are off."""
+    import torch
+
+    if layout == torch.sparse_coo:
+        return torch.sparse_coo_tensor(*parts, size, is_coalesced=coalesced, check_invariants=False)
+    return torch.sparse_compressed_tensor(*parts, size, layout=layout, check_invariants=False)
+
+
 class TensorBits(NamedTuple):
     """What a tensor's storage and view do not say about its values: a conjugate view
     (``z.conj()``, ``z.mH``) reads its storage conjugated, a negative view (``torch._neg_view``)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._serialize.tensors import _rebuild_tensor
+from enot_nb._serialize.tensors import _rebuild_tensor, sparse_tensor
 from enot_nb._state.digests import array_changed, array_digest, digest
 from enot_nb._state.states import (
     ATOMS,
@@ -49,6 +49,7 @@ from enot_nb._state.states import (
     FunctionState,
     ItemsState,
     ObjectState,
+    SparseView,
     TensorState,
     class_attributes,
     object_dict,
@@ -431,6 +432,18 @@ def _same_tensor(a: TensorState, b: TensorState) -> bool:
         and a.requires_grad == b.requires_grad
         and a.grad is b.grad
         and same_dict(a.attributes, b.attributes)
+        and _same_sparse(a.sparse, b.sparse)
+    )
+
+
+def _same_sparse(a: SparseView | None, b: SparseView | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (
+        a.layout == b.layout
+        and a.coalesced == b.coalesced
+        and len(a.parts) == len(b.parts)
+        and all(map(_same_tensor, a.parts, b.parts))
     )
 
 
@@ -453,6 +466,8 @@ def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
             rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
         with torch.no_grad():
             tensor.data = rebuilt
+    if state.sparse is not None and not _same_sparse(state.sparse, current.sparse):
+        _set_sparse(tensor, state, state.sparse)
     if type(tensor) is not state.type:  # a lazy module's parameter, materialized: now a Parameter
         tensor.__class__ = state.type
     if tensor.requires_grad != state.requires_grad:
@@ -463,6 +478,26 @@ def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
     if not same_dict(state.attributes, getattr(tensor, "__dict__", None) or {}):
         tensor.__dict__.clear()
         tensor.__dict__.update(state.attributes)
+
+
+def _set_sparse(tensor: Any, state: TensorState, sparse: SparseView) -> None:
+    """A sparse tensor's new parts, in place. A COO tensor takes them as they are (``.data``: it
+    shares their memory, as the master's did); torch ignores ``.data =`` on a compressed layout
+    (CSR, CSC, BSR, BSC) without a word, so theirs are copied in (``resize_as_sparse_``, ``copy_``)."""
+    import torch
+
+    parts = [_rebuild_tensor(p.storage, p.offset, p.size, p.stride, p.dtype, False, False) for p in sparse.parts]
+    new = sparse_tensor(sparse.layout, parts, state.size, sparse.coalesced)
+    if state.device.type != "cpu" and tensor.device.type != "cpu":
+        new = new.to(tensor.device)
+    if new.layout != tensor.layout or new.dtype != tensor.dtype:
+        raise ValueError(f"it became a {new.dtype} {new.layout} tensor, which cannot be done in place")
+    with torch.no_grad():
+        if new.layout == torch.sparse_coo:
+            tensor.data = new
+        else:
+            tensor.resize_as_sparse_(new)
+            tensor.copy_(new)
 
 
 def apply_grad(tensor: Any, state: TensorState) -> None:

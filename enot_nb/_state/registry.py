@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._serialize.tensors import storage_of
+from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.states import ATOMS
 
@@ -95,10 +95,10 @@ class Registry:
         return i
 
     def _add_storage(self, tensor: Any) -> None:
-        storage = storage_of(tensor)
-        if storage is not None and self.find_storage(storage) is None:
-            self.storage_index[id(storage)] = len(self.storages)
-            self.storages.append(storage)
+        for storage in tensor_storages(tensor):
+            if self.find_storage(storage) is None:
+                self.storage_index[id(storage)] = len(self.storages)
+                self.storages.append(storage)
 
     @classmethod
     def of_user_variables(cls, namespace: dict[str, Any], hidden: Any = ()) -> Registry:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
-from enot_nb._serialize.tensors import PLAIN, TensorBits, storage_of, tensor_bits
+from enot_nb._serialize.tensors import PLAIN, TensorBits, coalesced, sparse_parts, storage_of, tensor_bits
 
 ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
 """Immutable values: never registered, compared by value."""
@@ -47,8 +47,9 @@ class ObjectState(NamedTuple):
 
 
 class TensorState(NamedTuple):
-    """A tensor's view of its storage (storage None: a tensor without one, e.g. sparse), its
-    flags, its grad and its attributes."""
+    """A tensor's view of its storage (storage None: a tensor without one that can be read: a
+    sparse tensor, whose parts are in ``sparse``, or a lazy module's uninitialized parameter),
+    its flags, its grad and its attributes."""
 
     type: type
     storage: Any
@@ -61,6 +62,18 @@ class TensorState(NamedTuple):
     grad: Any
     attributes: dict[str, Any]
     bits: TensorBits  # conjugate, negative, inference: how its values read its storage
+    sparse: SparseView | None  # a sparse tensor's
+
+
+class SparseView(NamedTuple):
+    """A sparse tensor's layout and parts (its indices and values, strided tensors whose storages
+    the registry holds, as tensors' states: see sparse_parts), and whether a COO one is
+    coalesced. Its values change in place as those storages' bytes; new parts (``s.add_(...)``
+    can change how many values it has) are a new view."""
+
+    layout: Any
+    parts: tuple[TensorState, ...]
+    coalesced: bool
 
 
 class FunctionState(NamedTuple):
@@ -136,6 +149,8 @@ def tensor_state(t: Any) -> TensorState:
         offset, size, stride, bits = t.storage_offset(), tuple(t.shape), t.stride(), tensor_bits(t)
     else:
         offset, size, stride, bits = 0, tuple(t.size()), None, PLAIN
+    parts = sparse_parts(t) if storage is None else ()
+    sparse = SparseView(t.layout, tuple(map(tensor_state, parts)), coalesced(t)) if parts else None
     return TensorState(
         type(t),
         storage,
@@ -148,6 +163,7 @@ def tensor_state(t: Any) -> TensorState:
         t.grad if t.is_leaf else None,
         dict(object_dict(t) or {}),
         bits,
+        sparse,
     )
 
 
