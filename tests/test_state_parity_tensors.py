@@ -101,6 +101,31 @@ CASES = [
         "",
     ),
     (
+        "hooks-registered-in-cell",
+        "import torch.utils.hooks as th\nt = torch.ones(2, requires_grad=True)\nseen = []\n",
+        # The worker's hook counter ahead of the notebook's, as after hooks it made itself: the
+        # notebook's next hook must still not take the id of one the cell made (and replace it).
+        # u's hook is the last made, and no handle to it comes back (its unpickling moves the
+        # counter past its id).
+        "th.RemovableHandle.next_id += 1000\nh = t.register_hook(lambda g: g * 2)\n"
+        "u = torch.ones(2, requires_grad=True)\nu.register_hook(lambda g: seen.append(g.tolist()) or g * 3)\n"
+        "u.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.tolist()))\ndone = True",
+        # (1 * 2) + 1, then (h removed) 1 + 1; (1 * 3) + 1
+        ["first", "second", "u.grad.tolist()", "seen"],
+        "u.register_hook(lambda g: g + 1)\nt.register_hook(lambda g: g + 1)\n(t * 1).sum().backward()\n"
+        "first = t.grad.tolist()\nh.remove()\nt.grad = None\n(t * 1).sum().backward()\n"
+        "second = t.grad.tolist()\n(u * 1).sum().backward()",
+    ),
+    (
+        "hook-added-to-a-tensor-with-hooks",
+        # A fresh kernel's first hook: a spawned worker's counter starts there too.
+        "import torch.utils.hooks as th\nth.RemovableHandle.next_id = 0\n"
+        "t = torch.ones(2, requires_grad=True)\nt.register_hook(lambda g: g * 2)\n",
+        "t.register_hook(lambda g: g + 1)",
+        ["t.grad.tolist()", "len(t._backward_hooks)"],  # in order: (1 * 2) + 1, not (1 + 1) * 2
+        "(t * 1).sum().backward()",
+    ),
+    (
         "negative-zero-written-where-zero-was",
         "class Cfg:\n    pass\ncfg = Cfg()\ncfg.x = 0.0\nd = {'k': 0.0}\nitems = [0.0, 1.0]\n"
         "t = torch.zeros(2)\nzs = [0j]\n",
@@ -150,6 +175,24 @@ def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell,
             kernel.ok(after)
         results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
     assert results[1] == results[0], f"{case_id} differs: local {results[0]}, distributed {results[1]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+def test_a_hook_that_cannot_be_pickled_is_named_and_the_rest_comes_back(kernels, method):  # noqa: F811
+    _, dist = kernels
+    _fresh(dist)
+    dist.ok("import threading\nt = torch.ones(2, requires_grad=True)")
+    dist.ok(
+        f"%%enot_distributed -n 2 --backend gloo --start-method {method}\nlock = threading.Lock()\n"
+        "t.register_hook(lambda g, lock=lock: g * 2)\nt.data.mul_(3)\nkept = 1"
+    )
+    notes = dist.ok("import enot_nb as __e\nprint(__e.last_notes())").stdout
+    assert "was not brought back" in notes and "_thread.lock" in notes
+    if method == "fork":  # a spawned master's registry has no paths: it names the change ''
+        assert "'t' was not brought back" in notes
+    assert dist.ok("print(t.tolist(), t._backward_hooks, kept)").stdout == "[3.0, 3.0] None 1\n"
 
 
 # ----------------------------------------------------------------------------- same_value, fast
@@ -237,3 +280,19 @@ def test_a_sparse_tensor_takes_new_parts_in_place(layout):
     assert before.storage is None and before.sparse is not None
     apply_tensor(notebook, tensor_state(master), lambda text: pytest.fail(text))
     assert notebook.layout == master.layout and notebook.to_dense().tolist() == [[3.0, 0.0], [4.0, 5.0]]
+
+
+def test_a_tensor_keeps_its_hooks_through_its_reduction_and_their_ids_stay_taken():
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
+    from enot_nb._serialize.tensors import reduce_tensor
+
+    t = torch.ones(2, requires_grad=True)
+    handle = t.register_hook(lambda g: g * 2)
+    rebuild, args, state, _, _, set_state = reduce_tensor(t)
+    RemovableHandle.next_id = handle.id  # a process whose counter is behind the hooks' ids
+    back = set_state(rebuild(*args), state)
+    assert back._backward_hooks is t._backward_hooks and RemovableHandle.next_id == handle.id + 1
+    (back * 1).sum().backward()
+    assert back.grad.tolist() == [2.0, 2.0]

@@ -146,8 +146,10 @@ def sparse_tensor(
     import torch
 
     if layout == torch.sparse_coo:
-        return torch.sparse_coo_tensor(*parts, size, is_coalesced=coalesced, check_invariants=False)
-    return torch.sparse_compressed_tensor(*parts, size, layout=layout, check_invariants=False)
+        indices, values = parts
+        return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=False)
+    compressed, plain, values = parts
+    return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=False)
 
 
 class TensorBits(NamedTuple):
@@ -166,6 +168,36 @@ PLAIN = TensorBits()
 
 def tensor_bits(tensor: torch.Tensor) -> TensorBits:
     return TensorBits(tensor.is_conj(), tensor.is_neg(), tensor.is_inference())
+
+
+class TensorHooks(NamedTuple):
+    """A tensor's hook dicts, each None where it has none: ``register_hook``'s
+    (``_backward_hooks``) and ``register_post_accumulate_grad_hook``'s; and the ids of the hooks
+    in them (``RemovableHandle`` numbers hooks from one counter per process)."""
+
+    backward: Any
+    post_accumulate_grad: Any
+    ids: tuple[int, ...]
+
+
+def tensor_hooks(tensor: torch.Tensor) -> TensorHooks:
+    backward, post = tensor._backward_hooks, tensor._post_accumulate_grad_hooks
+    ids = tuple(k for hooks in (backward, post) if hooks for k in hooks if type(k) is int)
+    return TensorHooks(backward, post, ids)
+
+
+def set_tensor_hooks(tensor: torch.Tensor, hooks: TensorHooks) -> None:
+    """Give a tensor these hook dicts (setting one is what registers it with autograd), and move
+    this process's hook counter past their ids: they were numbered by another process's counter,
+    and a hook registered here later with the same id would replace one of them."""
+    from torch.utils.hooks import RemovableHandle
+
+    if tensor._backward_hooks is not hooks.backward:
+        tensor._backward_hooks = hooks.backward
+    if tensor._post_accumulate_grad_hooks is not hooks.post_accumulate_grad:
+        tensor._post_accumulate_grad_hooks = hooks.post_accumulate_grad
+    if hooks.ids:
+        RemovableHandle.next_id = max(RemovableHandle.next_id, max(hooks.ids) + 1)
 
 
 def travels_by_view(tensor: Any) -> bool:
@@ -197,7 +229,7 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     """A tensor (see travels_by_view) as its storage and its view of it."""
     import torch
 
-    args = (
+    args: tuple[Any, ...] = (
         tensor.untyped_storage(),
         tensor.storage_offset(),
         tuple(tensor.shape),
@@ -212,9 +244,12 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
         args += (bits,)
     attributes = dict(getattr(tensor, "__dict__", {}))
     grad = tensor.grad if tensor.is_leaf else None
-    if grad is None and not attributes:
-        return _rebuild_tensor, args
-    return _rebuild_tensor, args, (grad, attributes), None, None, _set_tensor_state
+    hooks = tensor_hooks(tensor)
+    if hooks.backward is None and hooks.post_accumulate_grad is None:
+        if grad is None and not attributes:
+            return _rebuild_tensor, args
+        return _rebuild_tensor, args, (grad, attributes), None, None, _set_tensor_state
+    return _rebuild_tensor, args, (grad, attributes, hooks), None, None, _set_tensor_state
 
 
 def _rebuild_tensor(
@@ -246,11 +281,15 @@ def _rebuild_tensor(
     return tensor if subclass is None else tensor.as_subclass(subclass)
 
 
-def _set_tensor_state(tensor: torch.Tensor, state: tuple[torch.Tensor | None, dict[str, Any]]) -> torch.Tensor:
-    grad, attributes = state
+def _set_tensor_state(tensor: torch.Tensor, state: tuple[Any, ...]) -> torch.Tensor:
+    """A rebuilt tensor's grad, attributes and, if it has any, its hooks (a state of two: a
+    results file written before hooks travelled)."""
+    grad, attributes, *hooks = state
     if grad is not None:
         tensor.grad = grad
     tensor.__dict__.update(attributes)
+    if hooks:
+        set_tensor_hooks(tensor, hooks[0])
     return tensor
 
 

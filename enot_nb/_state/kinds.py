@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._serialize.tensors import _rebuild_tensor, sparse_tensor
+from enot_nb._serialize.tensors import _rebuild_tensor, set_tensor_hooks, sparse_tensor, tensor_hooks
 from enot_nb._state.digests import array_changed, array_digest, digest
 from enot_nb._state.states import (
     ATOMS,
@@ -417,8 +417,19 @@ def _partial_children(obj: functools.partial) -> Steps:
 
 
 def _tensor_children(obj: Any) -> Steps:
+    """Its grad, attributes and hook dicts (registered, so that a hook added to one in the cell
+    comes back into the notebook's dict, where its ``RemovableHandle`` looks)."""
     grad = obj.grad if obj.is_leaf else None
     steps = [(".grad", grad)] if grad is not None else []
+    hooks = tensor_hooks(obj)
+    steps += [
+        (step, d)
+        for step, d in (
+            ("._backward_hooks", hooks.backward),
+            ("._post_accumulate_grad_hooks", hooks.post_accumulate_grad),
+        )
+        if d is not None
+    ]
     return steps + [(f".{k}", v) for k, v in (object_dict(obj) or {}).items()]
 
 
@@ -433,6 +444,9 @@ def _same_tensor(a: TensorState, b: TensorState) -> bool:
         and a.grad is b.grad
         and same_dict(a.attributes, b.attributes)
         and _same_sparse(a.sparse, b.sparse)
+        and a.hooks.backward is b.hooks.backward
+        and a.hooks.post_accumulate_grad is b.hooks.post_accumulate_grad
+        and a.hooks.ids == b.hooks.ids
     )
 
 
@@ -478,6 +492,7 @@ def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
     if not same_dict(state.attributes, getattr(tensor, "__dict__", None) or {}):
         tensor.__dict__.clear()
         tensor.__dict__.update(state.attributes)
+    set_tensor_hooks(tensor, state.hooks)  # their contents: the dicts' own changes (DICT)
 
 
 def _set_sparse(tensor: Any, state: TensorState, sparse: SparseView) -> None:
@@ -486,7 +501,10 @@ def _set_sparse(tensor: Any, state: TensorState, sparse: SparseView) -> None:
     (CSR, CSC, BSR, BSC) without a word, so theirs are copied in (``resize_as_sparse_``, ``copy_``)."""
     import torch
 
-    parts = [_rebuild_tensor(p.storage, p.offset, p.size, p.stride, p.dtype, False, False) for p in sparse.parts]
+    parts = []
+    for part in sparse.parts:
+        assert part.stride is not None  # a sparse tensor's parts are strided (see sparse_parts)
+        parts.append(_rebuild_tensor(part.storage, part.offset, part.size, part.stride, part.dtype, False, False))
     new = sparse_tensor(sparse.layout, parts, state.size, sparse.coalesced)
     if state.device.type != "cpu" and tensor.device.type != "cpu":
         new = new.to(tensor.device)

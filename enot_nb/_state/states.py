@@ -12,7 +12,16 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
-from enot_nb._serialize.tensors import PLAIN, TensorBits, coalesced, sparse_parts, storage_of, tensor_bits
+from enot_nb._serialize.tensors import (
+    PLAIN,
+    TensorBits,
+    TensorHooks,
+    coalesced,
+    sparse_parts,
+    storage_of,
+    tensor_bits,
+    tensor_hooks,
+)
 
 ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
 """Immutable values: never registered, compared by value."""
@@ -63,6 +72,7 @@ class TensorState(NamedTuple):
     attributes: dict[str, Any]
     bits: TensorBits  # conjugate, negative, inference: how its values read its storage
     sparse: SparseView | None  # a sparse tensor's
+    hooks: TensorHooks
 
 
 class SparseView(NamedTuple):
@@ -164,6 +174,7 @@ def tensor_state(t: Any) -> TensorState:
         dict(object_dict(t) or {}),
         bits,
         sparse,
+        tensor_hooks(t),
     )
 
 
