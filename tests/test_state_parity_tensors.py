@@ -195,6 +195,17 @@ def test_a_hook_that_cannot_be_pickled_is_named_and_the_rest_comes_back(kernels,
     assert dist.ok("print(t.tolist(), t._backward_hooks, kept)").stdout == "[3.0, 3.0] None 1\n"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+def test_a_sparse_tensor_made_in_a_cell_is_freed_when_the_notebook_drops_it(kernels, method):  # noqa: F811
+    _, dist = kernels
+    _fresh(dist)
+    dist.ok(f"%%enot_distributed -n 2 --backend gloo --start-method {method}\nn = torch.eye(2).to_sparse()")
+    check = dist.ok("import gc, weakref\nref = weakref.ref(n)\ndel n\ngc.collect()\nprint(ref() is None)")
+    assert check.stdout == "True\n"
+
+
 # ----------------------------------------------------------------------------- same_value, fast
 
 

@@ -35,7 +35,20 @@ def load(state: PickledState, registry: Registry) -> Changes:
     # what the cell's own code warned; a local cell would show nothing more.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+        try:
+            return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+        finally:
+            _end_sparse_loading()
+
+
+def _end_sparse_loading() -> None:
+    """torch's unpickling of a sparse tensor keeps it in a list, to check at the end of a
+    ``torch.load`` (``torch._utils._sparse_tensors_to_validate``); a plain pickle never ends one,
+    so every sparse tensor that came back stayed alive there after the notebook dropped it. The
+    list is checked (where the user turned the checks on) and emptied, as torch.load does."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch._utils._validate_loaded_sparse_tensors()
 
 
 def apply_changes(
