@@ -96,13 +96,17 @@ def _to_device(storage: torch.UntypedStorage, device: str) -> torch.UntypedStora
 # ----------------------------------------------------------------------------- tensors
 
 
+UNREADABLE = (RuntimeError, NotImplementedError, ValueError)
+"""What torch raises where a tensor has no storage or strided view that can be read: a sparse
+tensor (its indices and values have theirs), an uninitialized parameter of a lazy module
+(ValueError), other exotic tensors."""
+
+
 def storage_of(tensor: Any) -> torch.UntypedStorage | None:
-    """A tensor's untyped storage, or None where it has none that can be read: a sparse tensor
-    (its indices and values have theirs), an uninitialized parameter of a lazy module (torch
-    raises ValueError), other exotic tensors."""
+    """A tensor's untyped storage, or None where it has none that can be read (UNREADABLE)."""
     try:
         return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, ValueError):
+    except UNREADABLE:
         return None
 
 

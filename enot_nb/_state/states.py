@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 from enot_nb._serialize.tensors import (
     PLAIN,
+    UNREADABLE,
     TensorBits,
     TensorHooks,
     coalesced,
     sparse_parts,
-    storage_of,
     tensor_bits,
     tensor_hooks,
 )
@@ -151,14 +151,14 @@ def class_attributes(cls: type) -> dict[str, Any]:
 
 
 def tensor_state(t: Any) -> TensorState:
-    """A tensor's state; one without a storage that can be read (see storage_of) is tracked by
-    its identity, type and flags (``size()``, not ``shape``: a lazy module's uninitialized
-    parameter refuses the latter)."""
-    storage = storage_of(t)
-    if storage is not None:
+    """A tensor's state; one without a storage or strided view that can be read (UNREADABLE) is
+    tracked by its identity, type, flags and, if sparse, its parts (``size()``, not ``shape``: a
+    lazy module's uninitialized parameter refuses the latter)."""
+    try:
+        storage = t.untyped_storage()
         offset, size, stride, bits = t.storage_offset(), tuple(t.shape), t.stride(), tensor_bits(t)
-    else:
-        offset, size, stride, bits = 0, tuple(t.size()), None, PLAIN
+    except UNREADABLE:
+        storage, offset, size, stride, bits = None, 0, tuple(t.size()), None, PLAIN
     parts = sparse_parts(t) if storage is None else ()
     sparse = SparseView(t.layout, tuple(map(tensor_state, parts)), coalesced(t)) if parts else None
     return TensorState(
