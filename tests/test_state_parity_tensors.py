@@ -126,6 +126,13 @@ CASES = [
         "(t * 1).sum().backward()",
     ),
     (
+        "notebook-hook-runs-in-cell",
+        "p = torch.nn.Parameter(torch.ones(2))\np.register_hook(lambda g: g * 2)\nopt = torch.optim.SGD([p], lr=1.0)\n",
+        "(p * 1).sum().backward()\nopt.step()",  # the hook runs in the worker: it travelled there
+        ["p.grad.tolist()", "p.tolist()"],
+        "",
+    ),
+    (
         "negative-zero-written-where-zero-was",
         "class Cfg:\n    pass\ncfg = Cfg()\ncfg.x = 0.0\nd = {'k': 0.0}\nitems = [0.0, 1.0]\n"
         "t = torch.zeros(2)\nzs = [0j]\n",
