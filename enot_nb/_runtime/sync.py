@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parameter import is_lazy
 
 from enot_nb.errors import DistributedRuntimeException
 
@@ -103,7 +104,9 @@ def _collect(
 
     def add(named: Iterable[tuple[str, torch.Tensor]], reduce: bool) -> None:
         for name, tensor in named:
-            if tensor is None or id(tensor) in seen or tensor.numel() == 0:
+            # A lazy module's uninitialized parameter holds nothing yet: each rank materializes
+            # its own on the first forward (the master's comes back to the notebook).
+            if tensor is None or id(tensor) in seen or is_lazy(tensor) or tensor.numel() == 0:
                 continue
             seen.add(id(tensor))
             floating = tensor.is_floating_point() or tensor.is_complex()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from enot_nb._serialize.shm import SHARED_FD, map_private
 
@@ -109,9 +109,118 @@ def _to_device(storage: torch.UntypedStorage, device: str) -> torch.UntypedStora
 # ----------------------------------------------------------------------------- tensors
 
 
+UNREADABLE = (RuntimeError, NotImplementedError, ValueError)
+"""What torch raises where a tensor has no storage or strided view that can be read: a sparse
+tensor (its indices and values have theirs), an uninitialized parameter of a lazy module
+(ValueError), other exotic tensors."""
+
+
+def storage_of(tensor: Any) -> torch.UntypedStorage | None:
+    """A tensor's untyped storage, or None where it has none that can be read (UNREADABLE)."""
+    try:
+        return tensor.untyped_storage()
+    except UNREADABLE:
+        return None
+
+
+def tensor_storages(tensor: Any) -> list[torch.UntypedStorage]:
+    """The storages that hold a tensor's values: its own, or a sparse tensor's parts' (see
+    sparse_parts); none where none can be read."""
+    storage = storage_of(tensor)
+    if storage is not None:
+        return [storage]
+    return [s for s in map(storage_of, sparse_parts(tensor)) if s is not None]
+
+
+def sparse_parts(tensor: Any) -> tuple[torch.Tensor, ...]:
+    """A sparse tensor's indices and values, strided tensors over the storages that hold it, in
+    the order its layout's constructor takes them (see sparse_tensor); () for other tensors."""
+    import torch
+
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return ()
+
+
+def coalesced(tensor: torch.Tensor) -> bool:
+    """Whether a sparse COO tensor is coalesced (False for other layouts: they have no such flag)."""
+    import torch
+
+    return tensor.layout == torch.sparse_coo and tensor.is_coalesced()
+
+
+def sparse_tensor(
+    layout: torch.layout, parts: list[torch.Tensor], size: tuple[int, ...], coalesced: bool
+) -> torch.Tensor:
+    """The sparse tensor of ``layout`` over ``parts`` (sparse_parts' order), sharing their memory.
+    Its invariants are not checked again (they held for the tensor the parts came from), as
+    torch's own unpickling does not: and so torch does not warn that the checks are off."""
+    import torch
+
+    if layout == torch.sparse_coo:
+        indices, values = parts
+        return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=False)
+    compressed, plain, values = parts
+    return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=False)
+
+
+class TensorBits(NamedTuple):
+    """What a tensor's storage and view do not say about its values: a conjugate view
+    (``z.conj()``, ``z.mH``) reads its storage conjugated, a negative view (``torch._neg_view``)
+    negated; an inference tensor (made under ``torch.inference_mode()``) is one autograd never
+    records. Flags of the tensor, not of its bytes: they travel beside its view."""
+
+    conj: bool = False
+    neg: bool = False
+    inference: bool = False
+
+
+PLAIN = TensorBits()
+
+
+def tensor_bits(tensor: torch.Tensor) -> TensorBits:
+    return TensorBits(tensor.is_conj(), tensor.is_neg(), tensor.is_inference())
+
+
+class TensorHooks(NamedTuple):
+    """A tensor's hook dicts, each None where it has none: ``register_hook``'s
+    (``_backward_hooks``) and ``register_post_accumulate_grad_hook``'s; and the ids of the hooks
+    in them (``RemovableHandle`` numbers hooks from one counter per process)."""
+
+    backward: Any
+    post_accumulate_grad: Any
+    ids: tuple[int, ...]
+
+
+def tensor_hooks(tensor: torch.Tensor) -> TensorHooks:
+    backward, post = tensor._backward_hooks, tensor._post_accumulate_grad_hooks
+    ids = tuple(k for hooks in (backward, post) if hooks for k in hooks if type(k) is int)
+    return TensorHooks(backward, post, ids)
+
+
+def set_tensor_hooks(tensor: torch.Tensor, hooks: TensorHooks) -> None:
+    """Give a tensor these hook dicts (setting one is what registers it with autograd), and move
+    this process's hook counter past their ids: they were numbered by another process's counter,
+    and a hook registered here later with the same id would replace one of them."""
+    from torch.utils.hooks import RemovableHandle
+
+    if tensor._backward_hooks is not hooks.backward:
+        tensor._backward_hooks = hooks.backward
+    if tensor._post_accumulate_grad_hooks is not hooks.post_accumulate_grad:
+        tensor._post_accumulate_grad_hooks = hooks.post_accumulate_grad
+    if hooks.ids:
+        RemovableHandle.next_id = max(RemovableHandle.next_id, max(hooks.ids) + 1)
+
+
 def travels_by_view(tensor: Any) -> bool:
     """Whether ``tensor`` (any object) is a tensor that travels as a view of its storage: a
-    strided torch.Tensor, Parameter or Python subclass (exotic tensors keep torch's pickling)."""
+    strided torch.Tensor, Parameter or Python subclass (exotic tensors keep torch's pickling, and
+    so do quantized ones: their scales and zero points are no part of a view)."""
     import torch
 
     t = type(tensor)
@@ -119,6 +228,7 @@ def travels_by_view(tensor: Any) -> bool:
         (t in (torch.Tensor, torch.nn.Parameter) or _plain_subclass(t))
         and tensor.layout == torch.strided
         and tensor.device.type != "meta"
+        and not tensor.is_quantized
     )
 
 
@@ -136,7 +246,7 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     """A tensor (see travels_by_view) as its storage and its view of it."""
     import torch
 
-    args = (
+    args: tuple[Any, ...] = (
         tensor.untyped_storage(),
         tensor.storage_offset(),
         tuple(tensor.shape),
@@ -146,11 +256,17 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
         type(tensor) is torch.nn.Parameter,
         type(tensor) if type(tensor) not in (torch.Tensor, torch.nn.Parameter) else None,
     )
+    bits = tensor_bits(tensor)
+    if bits != PLAIN:
+        args += (bits,)
     attributes = dict(getattr(tensor, "__dict__", {}))
     grad = tensor.grad if tensor.is_leaf else None
-    if grad is None and not attributes:
-        return _rebuild_tensor, args
-    return _rebuild_tensor, args, (grad, attributes), None, None, _set_tensor_state
+    hooks = tensor_hooks(tensor)
+    if hooks.backward is None and hooks.post_accumulate_grad is None:
+        if grad is None and not attributes:
+            return _rebuild_tensor, args
+        return _rebuild_tensor, args, (grad, attributes), None, None, _set_tensor_state
+    return _rebuild_tensor, args, (grad, attributes, hooks), None, None, _set_tensor_state
 
 
 def _rebuild_tensor(
@@ -162,25 +278,35 @@ def _rebuild_tensor(
     requires_grad: bool,
     parameter: bool,
     subclass: type[torch.Tensor] | None = None,
+    bits: TensorBits = PLAIN,
 ) -> torch.Tensor:
     import torch
 
-    tensor = torch.empty(0, dtype=dtype, device=storage.device)
-    if storage.nbytes():
-        tensor.set_(storage, offset, size, stride)
-    else:
-        tensor = tensor.new_empty(size)
+    with torch.inference_mode(bits.inference):
+        tensor = torch.empty(0, dtype=dtype, device=storage.device)
+        if storage.nbytes():
+            tensor.set_(storage, offset, size, stride)
+        else:
+            tensor = tensor.new_empty(size)
+    if bits.conj:
+        torch._C._set_conj(tensor, True)
+    if bits.neg:
+        torch._C._set_neg(tensor, True)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     tensor.requires_grad_(requires_grad)
     return tensor if subclass is None else tensor.as_subclass(subclass)
 
 
-def _set_tensor_state(tensor: torch.Tensor, state: tuple[torch.Tensor | None, dict[str, Any]]) -> torch.Tensor:
-    grad, attributes = state
+def _set_tensor_state(tensor: torch.Tensor, state: tuple[Any, ...]) -> torch.Tensor:
+    """A rebuilt tensor's grad, attributes and, if it has any, its hooks (a state of two: a
+    results file written before hooks travelled)."""
+    grad, attributes, *hooks = state
     if grad is not None:
         tensor.grad = grad
     tensor.__dict__.update(attributes)
+    if hooks:
+        set_tensor_hooks(tensor, hooks[0])
     return tensor
 
 

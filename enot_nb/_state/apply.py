@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enot_nb._processes.interrupts import interrupts_deferred
-from enot_nb._serialize.tensors import bytes_view
+from enot_nb._serialize.tensors import bytes_view, storage_of
 from enot_nb._state.collect import Changes, PickledState, StorageBytes
 from enot_nb._state.kinds import OPS, Kind, apply_grad
 from enot_nb._state.registry import Registry
@@ -36,7 +36,20 @@ def load(state: PickledState, registry: Registry) -> Changes:
     # what the cell's own code warned; a local cell would show nothing more.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+        try:
+            return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+        finally:
+            _end_sparse_loading()
+
+
+def _end_sparse_loading() -> None:
+    """torch's unpickling of a sparse tensor keeps it in a list, to check at the end of a
+    ``torch.load`` (``torch._utils._sparse_tensors_to_validate``); a plain pickle never ends one,
+    so every sparse tensor that came back stayed alive there after the notebook dropped it. The
+    list is checked (where the user turned the checks on) and emptied, as torch.load does."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch._utils._validate_loaded_sparse_tensors()
 
 
 def apply_changes(
@@ -108,8 +121,5 @@ def shared_memory_tensors(registry: Registry) -> int:
     torch = sys.modules.get("torch")
     if torch is None:
         return 0
-    return sum(
-        1
-        for obj, kind in zip(registry.objects, registry.kinds)
-        if kind is Kind.TENSOR and obj.device.type == "cpu" and obj.is_shared()
-    )
+    storages = [storage_of(obj) for obj, kind in zip(registry.objects, registry.kinds) if kind is Kind.TENSOR]
+    return sum(1 for s in storages if s is not None and s.device.type == "cpu" and s.is_shared())

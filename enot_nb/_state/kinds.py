@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._serialize.tensors import _rebuild_tensor
+from enot_nb._serialize.tensors import _rebuild_tensor, set_tensor_hooks, sparse_tensor, tensor_hooks
 from enot_nb._state.digests import array_changed, array_digest, digest
 from enot_nb._state.states import (
     ATOMS,
@@ -50,6 +50,7 @@ from enot_nb._state.states import (
     FunctionState,
     ItemsState,
     ObjectState,
+    SparseView,
     TensorState,
     class_attributes,
     object_dict,
@@ -447,8 +448,19 @@ def _partial_children(obj: functools.partial) -> Steps:
 
 
 def _tensor_children(obj: Any) -> Steps:
+    """Its grad, attributes and hook dicts (registered, so that a hook added to one in the cell
+    comes back into the notebook's dict, where its ``RemovableHandle`` looks)."""
     grad = obj.grad if obj.is_leaf else None
     steps = [(".grad", grad)] if grad is not None else []
+    hooks = tensor_hooks(obj)
+    steps += [
+        (step, d)
+        for step, d in (
+            ("._backward_hooks", hooks.backward),
+            ("._post_accumulate_grad_hooks", hooks.post_accumulate_grad),
+        )
+        if d is not None
+    ]
     return steps + [(f".{k}", v) for k, v in (object_dict(obj) or {}).items()]
 
 
@@ -456,12 +468,27 @@ def _same_tensor(a: TensorState, b: TensorState) -> bool:
     return (
         a.type is b.type
         and a.storage is b.storage
-        and (a.offset, a.size, a.stride) == (b.offset, b.size, b.stride)
+        and (a.offset, a.size, a.stride, a.bits) == (b.offset, b.size, b.stride, b.bits)
         and a.dtype == b.dtype
         and a.device == b.device
         and a.requires_grad == b.requires_grad
         and a.grad is b.grad
         and same_dict(a.attributes, b.attributes)
+        and _same_sparse(a.sparse, b.sparse)
+        and a.hooks.backward is b.hooks.backward
+        and a.hooks.post_accumulate_grad is b.hooks.post_accumulate_grad
+        and a.hooks.ids == b.hooks.ids
+    )
+
+
+def _same_sparse(a: SparseView | None, b: SparseView | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (
+        a.layout == b.layout
+        and a.coalesced == b.coalesced
+        and len(a.parts) == len(b.parts)
+        and all(map(_same_tensor, a.parts, b.parts))
     )
 
 
@@ -473,15 +500,21 @@ def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
     current = tensor_state(tensor)
     if state.storage is not None and not (
         state.storage is current.storage
-        and (state.offset, state.size, state.stride, state.dtype)
-        == (current.offset, current.size, current.stride, current.dtype)
+        and (state.offset, state.size, state.stride, state.dtype, state.bits)
+        == (current.offset, current.size, current.stride, current.dtype, current.bits)
     ):
         assert state.stride is not None  # a tensor with a storage has strides (see tensor_state)
-        rebuilt = _rebuild_tensor(state.storage, state.offset, state.size, state.stride, state.dtype, False, False)
+        rebuilt = _rebuild_tensor(
+            state.storage, state.offset, state.size, state.stride, state.dtype, False, False, None, state.bits
+        )
         if state.device.type != "cpu" and tensor.device.type != "cpu":
             rebuilt = rebuilt.to(tensor.device)  # stays on the GPU of a kernel that uses CUDA
         with torch.no_grad():
             tensor.data = rebuilt
+    if state.sparse is not None and not _same_sparse(state.sparse, current.sparse):
+        _set_sparse(tensor, state, state.sparse)
+    if type(tensor) is not state.type:  # a lazy module's parameter, materialized: now a Parameter
+        tensor.__class__ = state.type
     if tensor.requires_grad != state.requires_grad:
         if tensor.is_leaf:
             tensor.requires_grad_(state.requires_grad)
@@ -490,6 +523,30 @@ def apply_tensor(tensor: Any, state: TensorState, note: Note) -> None:
     if not same_dict(state.attributes, getattr(tensor, "__dict__", None) or {}):
         tensor.__dict__.clear()
         tensor.__dict__.update(state.attributes)
+    set_tensor_hooks(tensor, state.hooks)  # their contents: the dicts' own changes (DICT)
+
+
+def _set_sparse(tensor: Any, state: TensorState, sparse: SparseView) -> None:
+    """A sparse tensor's new parts, in place. A COO tensor takes them as they are (``.data``: it
+    shares their memory, as the master's did); torch ignores ``.data =`` on a compressed layout
+    (CSR, CSC, BSR, BSC) without a word, so theirs are copied in (``resize_as_sparse_``, ``copy_``)."""
+    import torch
+
+    parts = []
+    for part in sparse.parts:
+        assert part.stride is not None  # a sparse tensor's parts are strided (see sparse_parts)
+        parts.append(_rebuild_tensor(part.storage, part.offset, part.size, part.stride, part.dtype, False, False))
+    new = sparse_tensor(sparse.layout, parts, state.size, sparse.coalesced)
+    if state.device.type != "cpu" and tensor.device.type != "cpu":
+        new = new.to(tensor.device)
+    if new.layout != tensor.layout or new.dtype != tensor.dtype:
+        raise ValueError(f"it became a {new.dtype} {new.layout} tensor, which cannot be done in place")
+    with torch.no_grad():
+        if new.layout == torch.sparse_coo:
+            tensor.data = new
+        else:
+            tensor.resize_as_sparse_(new)
+            tensor.copy_(new)
 
 
 def apply_grad(tensor: Any, state: TensorState) -> None:

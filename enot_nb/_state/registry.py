@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.states import ATOMS
 
@@ -94,13 +95,10 @@ class Registry:
         return i
 
     def _add_storage(self, tensor: Any) -> None:
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse, meta-less or exotic tensors
-            return
-        if self.find_storage(storage) is None:
-            self.storage_index[id(storage)] = len(self.storages)
-            self.storages.append(storage)
+        for storage in tensor_storages(tensor):
+            if self.find_storage(storage) is None:
+                self.storage_index[id(storage)] = len(self.storages)
+                self.storages.append(storage)
 
     @classmethod
     def of_user_variables(cls, namespace: dict[str, Any], hidden: Any = ()) -> Registry:

@@ -9,7 +9,19 @@ pickled by reference to this module).
 
 from __future__ import annotations
 
+import struct
 from typing import Any, NamedTuple
+
+from enot_nb._serialize.tensors import (
+    PLAIN,
+    UNREADABLE,
+    TensorBits,
+    TensorHooks,
+    coalesced,
+    sparse_parts,
+    tensor_bits,
+    tensor_hooks,
+)
 
 ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
 """Immutable values: never registered, compared by value."""
@@ -44,8 +56,9 @@ class ObjectState(NamedTuple):
 
 
 class TensorState(NamedTuple):
-    """A tensor's view of its storage (storage None: a tensor without one, e.g. sparse), its
-    flags, its grad and its attributes."""
+    """A tensor's view of its storage (storage None: a tensor without one that can be read: a
+    sparse tensor, whose parts are in ``sparse``, or a lazy module's uninitialized parameter),
+    its flags, its grad and its attributes."""
 
     type: type
     storage: Any
@@ -57,6 +70,20 @@ class TensorState(NamedTuple):
     requires_grad: bool
     grad: Any
     attributes: dict[str, Any]
+    bits: TensorBits  # conjugate, negative, inference: how its values read its storage
+    sparse: SparseView | None  # a sparse tensor's
+    hooks: TensorHooks
+
+
+class SparseView(NamedTuple):
+    """A sparse tensor's layout and parts (its indices and values, strided tensors whose storages
+    the registry holds, as tensors' states: see sparse_parts), and whether a COO one is
+    coalesced. Its values change in place as those storages' bytes; new parts (``s.add_(...)``
+    can change how many values it has) are a new view."""
+
+    layout: Any
+    parts: tuple[TensorState, ...]
+    coalesced: bool
 
 
 class FunctionState(NamedTuple):
@@ -124,11 +151,16 @@ def class_attributes(cls: type) -> dict[str, Any]:
 
 
 def tensor_state(t: Any) -> TensorState:
+    """A tensor's state; one without a storage or strided view that can be read (UNREADABLE) is
+    tracked by its identity, type, flags and, if sparse, its parts (``size()``, not ``shape``: a
+    lazy module's uninitialized parameter refuses the latter)."""
     try:
         storage = t.untyped_storage()
-        offset, size, stride = t.storage_offset(), tuple(t.shape), t.stride()
-    except (RuntimeError, NotImplementedError):
-        storage, offset, size, stride = None, 0, tuple(t.shape), None
+        offset, size, stride, bits = t.storage_offset(), tuple(t.shape), t.stride(), tensor_bits(t)
+    except UNREADABLE:
+        storage, offset, size, stride, bits = None, 0, tuple(t.size()), None, PLAIN
+    parts = sparse_parts(t) if storage is None else ()
+    sparse = SparseView(t.layout, tuple(map(tensor_state, parts)), coalesced(t)) if parts else None
     return TensorState(
         type(t),
         storage,
@@ -140,6 +172,9 @@ def tensor_state(t: Any) -> TensorState:
         t.requires_grad,
         t.grad if t.is_leaf else None,
         dict(object_dict(t) or {}),
+        bits,
+        sparse,
+        tensor_hooks(t),
     )
 
 
@@ -149,14 +184,23 @@ def tensor_state(t: Any) -> TensorState:
 def same_value(a: Any, b: Any) -> bool:
     """Whether a slot still holds the same value: the same object, or an equal atom (two equal
     floats or strings, dtypes or devices, are the same value). A new list equal to the old one is
-    not the same value: other references still see the old one."""
+    not the same value: other references still see the old one. Floats and complex numbers are
+    the same when their bits are: ``-0.0 == 0.0``, yet the cell that wrote -0.0 changed the slot,
+    and ``nan != nan``, yet a NaN with the same bits is no change."""
     if a is b:
         return True
     if type(a) is not type(b):
         return False
+    if type(a) is float or type(a) is complex:
+        return _bits(a) == _bits(b)
     if type(a) in ATOMS:
         return a == b
     return type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in ("torch", "numpy") and a == b
+
+
+def _bits(x: float | complex) -> bytes:
+    """A float's or complex number's IEEE 754 bits (the sign of a zero, a NaN's payload)."""
+    return struct.pack("<dd", x.real, x.imag) if type(x) is complex else struct.pack("<d", x)
 
 
 def same_pairs(a: Any, b: Any) -> bool:
