@@ -36,6 +36,7 @@ import importlib
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -95,7 +96,9 @@ class Imports(NamedTuple):
 def import_all(names: list[str]) -> Imports:
     """Import each module (in order), CUDA refused meanwhile; one that fails is rolled back."""
     done = Imports([], {})
-    with _cuda_refused():
+    # The master already showed what the imports warned, as a local cell shows it once.
+    with _cuda_refused(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         for name in names:
             if name in sys.modules:
                 continue
