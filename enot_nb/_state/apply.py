@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enot_nb._serialize.tensors import _rebuild_storage
+from enot_nb._state import salvage
 from enot_nb._state.collect import Changes, PickledState
 from enot_nb._state.kinds import OPS, Kind, apply_grad
 from enot_nb._state.registry import Registry
@@ -35,14 +36,21 @@ def load(state: PickledState, registry: Registry) -> Changes:
     # what the cell's own code warned; a local cell would show nothing more.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+        unpickler = StateUnpickler(io.BytesIO(state.main), registry, state.buffers)
+        try:
+            return unpickler.load()
+        except Exception:  # noqa: BLE001 - one object that cannot be rebuilt here: load the rest
+            salvaging = salvage.SalvagingUnpickler(state.main, state.buffers, unpickler.persistent_load)
+            changes = salvaging.load()
+    changes.unloaded = salvage.leave_out(changes, registry, salvaging.unloadable)
+    return changes
 
 
 def apply_changes(
     namespace: dict[str, Any], registry: Registry, changes: Changes, returns: list[str] | None
 ) -> list[str]:
     """Make the notebook hold what the master held; returns a line per thing left unchanged."""
-    problems: list[str] = []
+    problems: list[str] = list(changes.unloaded)
 
     def attempt(what: str, change: Callable[..., None], *args: Any) -> None:
         try:
