@@ -30,7 +30,7 @@ from enot_nb._serialize.tensors import array_owner, storage_array
 from enot_nb._state.kinds import OPS, Kind
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
-from enot_nb._state.states import ATOMS
+from enot_nb._state.states import ATOMS, Lost, Replaced
 
 
 @dataclass
@@ -45,6 +45,9 @@ class Changes:
     """(storage index, its new bytes)."""
     value: Any = None
     has_value: bool = False
+    unloaded: list[str] = field(default_factory=list)
+    """Set by the notebook (see salvage): what could not be rebuilt there, a line each; the
+    notebook keeps its own."""
 
 
 @dataclass
@@ -72,7 +75,17 @@ def collect(
     changes.deleted = [n for n in names_before if n not in now]
     changed = snapshot.changed_objects(registry)
     for i in changed:
-        changes.objects.append((i, OPS[registry.kinds[i]].new_state(registry.objects[i])))
+        state = OPS[registry.kinds[i]].new_state(registry.objects[i])
+        if isinstance(state, Replaced):
+            holders = [n for n, v in now.items() if v is registry.objects[i]]
+            changes.bound.update(dict.fromkeys(holders, state.copy))
+            if holders:
+                continue
+            state = Lost(
+                "it changed in the cell but cannot change in place (it has no __setstate__), and no "
+                "variable holds it that could be bound to a copy: the notebook's is as before the cell"
+            )
+        changes.objects.append((i, state))
     # By value, as a buffer: the storage itself would travel as a reference to the notebook's.
     # (numpy declares the buffer protocol to type checkers for Python 3.12+ only.)
     changes.storages = [
