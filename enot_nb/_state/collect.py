@@ -30,7 +30,7 @@ from enot_nb._serialize.tensors import array_owner, storage_array
 from enot_nb._state.kinds import OPS, Kind
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
-from enot_nb._state.states import ATOMS, Lost, Replaced
+from enot_nb._state.states import ATOMS, Attributes, DictState, ItemsState, Lost, Replaced
 
 
 @dataclass
@@ -74,18 +74,17 @@ def collect(
     changes.bound = {n: v for n, v in now.items() if names_before.get(n, _MISSING) is not v}
     changes.deleted = [n for n in names_before if n not in now]
     changed = snapshot.changed_objects(registry)
-    for i in changed:
-        state = OPS[registry.kinds[i]].new_state(registry.objects[i])
+    objects = {i: OPS[registry.kinds[i]].new_state(registry.objects[i]) for i in changed}
+    for i, state in list(objects.items()):
         if isinstance(state, Replaced):
-            holders = [n for n, v in now.items() if v is registry.objects[i]]
-            changes.bound.update(dict.fromkeys(holders, state.copy))
-            if holders:
-                continue
-            state = Lost(
-                "it changed in the cell but cannot change in place (it has no __setstate__), and no "
-                "variable holds it that could be bound to a copy: the notebook's is as before the cell"
-            )
-        changes.objects.append((i, state))
+            del objects[i]
+            if not _hold_copy(registry, registry.objects[i], state.copy, now, changes.bound, objects):
+                objects[i] = Lost(
+                    "it changed in the cell but cannot change in place (it has no __setstate__), and "
+                    "nothing holds it that could hold a copy instead: the notebook keeps its own (the "
+                    "objects it refers to come back changed)"
+                )
+    changes.objects = list(objects.items())
     # By value, as a buffer: the storage itself would travel as a reference to the notebook's.
     # (numpy declares the buffer protocol to type checkers for Python 3.12+ only.)
     changes.storages = [
@@ -96,6 +95,44 @@ def collect(
 
 
 _MISSING = object()
+
+_HOLDERS = (Kind.LIST, Kind.DEQUE, Kind.DICT, Kind.OBJECT)
+
+
+def _hold_copy(
+    registry: Registry, obj: Any, copy: Any, now: dict[str, Any], bound: dict[str, Any], objects: dict[int, Any]
+) -> bool:
+    """An object that could not take its new state in place (see states.Replaced): the names, and
+    the registered lists, dicts and objects, that hold it hold ``copy`` instead, as their new
+    states. Whether anything held it."""
+    names = [n for n, v in now.items() if v is obj]
+    bound.update(dict.fromkeys(names, copy))
+    held = bool(names)
+    for j, kind in enumerate(registry.kinds):
+        ops, holder = OPS[kind], registry.objects[j]
+        if kind not in _HOLDERS or ops.children is None or holder is obj:
+            continue
+        if any(child is obj for _, child in ops.children(holder)):
+            objects[j] = _swap(objects[j] if j in objects else ops.new_state(holder), obj, copy)
+            held = True
+    return held
+
+
+def _swap(state: Any, old: Any, new: Any) -> Any:
+    """A list's, dict's or object's state (see states) with ``new`` wherever it held ``old``."""
+
+    def one(value: Any) -> Any:
+        return new if value is old else value
+
+    def attributes(a: Attributes) -> Attributes:
+        values = None if a.vars is None else {k: one(v) for k, v in a.vars.items()}
+        return Attributes(values, {k: one(v) for k, v in a.slots.items()})
+
+    if isinstance(state, ItemsState):
+        return ItemsState([one(v) for v in state.items], attributes(state.attributes))
+    if isinstance(state, DictState):
+        return state._replace(items=[(k, one(v)) for k, v in state.items], attributes=attributes(state.attributes))
+    return state._replace(attributes=attributes(state.attributes))  # ObjectState
 
 
 class StatePickler(ResultPickler):
