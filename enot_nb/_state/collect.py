@@ -27,7 +27,7 @@ from typing import Any
 from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
 from enot_nb._serialize.tensors import array_owner, storage_array
-from enot_nb._state.kinds import OPS, Kind
+from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
 from enot_nb._state.states import ATOMS, Attributes, DictState, ItemsState, Lost, Replaced
@@ -184,6 +184,11 @@ def _extent(array: Any) -> tuple[int, int]:
 
 def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> tuple[PickledState, int]:
     """Pickle the changes; what cannot be pickled is left out and named in ``not_returned``."""
+    for name, value in changes.bound.items():
+        if kind_of(value) is Kind.CACHE and value.cache_info().currsize:
+            not_returned[f"{name}'s cache"] = (
+                "the cached results live in C (functools.lru_cache): the function came back with an empty cache"
+            )
     try:
         off_cpu = _dry(changes, registry)
     except Exception:  # noqa: BLE001 - find the culprits, then pickle the rest

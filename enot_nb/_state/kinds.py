@@ -18,6 +18,13 @@ snapshot, the master and the notebook do with an object of a kind is that kind's
 
 Adding a kind: a member of ``Kind``, a rule in ``kind_of``, a row in ``OPS``.
 
+State that no ``__dict__`` shows: a pandas object's (its BlockManager's C-level fields) travels by
+value, compared as a digest of its pickle; a C iterator's or ``decimal.Context``'s through its
+``__reduce__``, taken in place where ``__setstate__`` (or a Context's fields) allows, else a copy
+held wherever the object was (states.Replaced); a weakref is walked into its referent, so that
+under spawn it travels too. What cannot come back at all (a generator's frame, a notebook
+function's lru_cache entries) travels as states.Lost: the notebook names it, a line each.
+
 The boundary (README, "What comes back"): user objects are the namespace's values and
 everything reachable from them, except Python modules, functions and classes defined outside
 the notebook, and process plumbing (files, locks, sockets, threads, loggers, IPython and
@@ -94,7 +101,7 @@ class Kind(enum.Enum):
     REDUCED = "reduced"  # a C iterator, a decimal.Context: its state only its pickle shows
     WEAKREF = "weakref"  # walked into its referent while that is alive; never changes itself
     GENERATOR = "generator"  # its frame cannot travel: a change is named, never brought back
-    CACHE = "cache"  # a functools.lru_cache wrapper: its entries live in C, they stay in the worker
+    CACHE = "cache"  # a notebook function's functools.lru_cache: its entries live in C, stay in the worker
     OBJECT = "object"  # anything else with a __dict__ or slots
 
 
@@ -125,7 +132,6 @@ _EXACT: dict[type, Kind | None] = {
     types.MethodType: Kind.METHOD,
     weakref.ReferenceType: Kind.WEAKREF,
     types.GeneratorType: Kind.GENERATOR,
-    functools._lru_cache_wrapper: Kind.CACHE,
     **dict.fromkeys(_ITERATORS, Kind.REDUCED),
 }
 
@@ -208,6 +214,8 @@ def kind_of(obj: Any) -> Kind | None:
         return Kind.FUNCTION if defined_in_notebook(obj) else Kind.OPAQUE
     if isinstance(obj, type):
         return Kind.CLASS if defined_in_notebook(obj) else Kind.OPAQUE
+    if isinstance(obj, functools._lru_cache_wrapper):  # its __module__ is its function's
+        return Kind.CACHE if defined_in_notebook(obj) else Kind.OPAQUE
     if isinstance(obj, types.MethodType):
         return Kind.METHOD
     if isinstance(obj, types.CellType):
