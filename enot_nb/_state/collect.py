@@ -112,7 +112,11 @@ def _hold_copy(
         ops, holder = OPS[kind], registry.objects[j]
         if kind not in _HOLDERS or ops.children is None or holder is obj:
             continue
-        if any(child is obj for _, child in ops.children(holder)):
+        try:
+            steps = ops.children(holder)
+        except Exception:  # noqa: BLE001 - an object that resists inspection, as in the registry's walk
+            continue
+        if any(child is obj for _, child in steps):
             objects[j] = _swap(objects[j] if j in objects else ops.new_state(holder), obj, copy)
             held = True
     return held

@@ -319,12 +319,12 @@ def _apply_attributes(obj: Any, attributes: Attributes) -> None:
         merged = _merge(current, attributes.vars)
         current.clear()
         current.update(merged)
+    present = slots(obj)
     for name in slot_names(type(obj)):
         value = attributes.slots.get(name, _MISSING)
-        if value is _MISSING:  # unset in the master (``del obj.a``)
-            if name in slots(obj):
-                object.__delattr__(obj, name)
-        elif value is not KEEP:
+        if value is _MISSING and name in present:  # unset in the master (``del obj.a``)
+            object.__delattr__(obj, name)
+        elif value is not _MISSING and value is not KEEP:
             object.__setattr__(obj, name, value)
 
 
