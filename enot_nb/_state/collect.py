@@ -189,7 +189,7 @@ def _extent(array: Any) -> tuple[int, int]:
 def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> tuple[PickledState, int]:
     """Pickle the changes; what cannot be pickled is left out and named in ``not_returned``."""
     for name, value in changes.bound.items():
-        if kind_of(value) is Kind.CACHE and value.cache_info().currsize:
+        if _cached_entries(value):
             not_returned[f"{name}'s cache"] = (
                 "the cached results live in C (functools.lru_cache): the function came back with an empty cache"
             )
@@ -202,6 +202,14 @@ def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> 
     stream = io.BytesIO()
     StatePickler(stream, buffer_callback=buffers.append, registry=registry).dump(changes)
     return PickledState(stream.getvalue(), buffers), off_cpu
+
+
+def _cached_entries(value: Any) -> int:
+    """How many results a notebook function's lru_cache holds (0 for anything else)."""
+    try:
+        return value.cache_info().currsize if kind_of(value) is Kind.CACHE else 0
+    except Exception:  # noqa: BLE001 - an object that resists inspection holds no cache we know of
+        return 0
 
 
 def _dry(obj: Any, registry: Registry) -> int:
