@@ -42,6 +42,12 @@ CASES = [
         ["s.tolist()", "s.name", "alias is s", "idx.name", "pos", "d.attrs", "d.flags.allows_duplicate_labels"],
     ),
     (
+        "pandas-object-column-keeps-identity",
+        "import pandas as pd\nlst = [1]\ndf = pd.DataFrame({'o': [lst, None], 'f': [1.0, 2.0]})\n",
+        "df.loc[1, 'o'] = 'x'\ndf.loc[0, 'o'].append(2)",
+        ["df.loc[0, 'o'] is lst", "lst", "df.to_dict()"],
+    ),
+    (
         "decimal-context",
         "import decimal\nctx = decimal.Context()\n",
         "ctx.prec = 5\nctx.traps[decimal.Inexact] = True",

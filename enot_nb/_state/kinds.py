@@ -671,6 +671,19 @@ def _apply_rng(obj: Any, state: Any, note: Note) -> None:
 # pandas objects ------------------------------------------------------------------
 
 
+def _pandas_children(obj: Any) -> Steps:
+    """The Python objects in its object columns (a Series' or Index's, in its values): registered,
+    so they keep their identity when it travels (under spawn they travel with it)."""
+    pandas = sys.modules["pandas"]
+    if isinstance(obj, pandas.DataFrame):
+        objects = obj.select_dtypes(include=["object"]).to_numpy()
+    elif obj.dtype == object:
+        objects = obj.to_numpy()
+    else:
+        return []
+    return [(f".<item {i}>", v) for i, v in enumerate(objects.ravel(order="K").tolist())]
+
+
 def _apply_pandas(obj: Any, new: Any, note: Note) -> None:
     """A DataFrame's, Series' or Index's state is its ``__dict__`` (its BlockManager, name,
     attrs and flags; an Index's data and names): ``new``'s, which nothing else holds, is moved
@@ -828,7 +841,7 @@ OPS: dict[Kind, KindOps] = {
     ),
     # By value: compared as a digest of its pickle; a deep copy travels (the object itself would
     # travel as a reference), whose state replaces the notebook's object's.
-    Kind.PANDAS: KindOps(snapshot=pickle_digest, travels=lambda obj: obj.copy(deep=True), apply=_apply_pandas),
+    Kind.PANDAS: KindOps(_pandas_children, pickle_digest, travels=lambda obj: obj.copy(deep=True), apply=_apply_pandas),
     Kind.REDUCED: KindOps(
         _reduced_children, reduced_state, _same_reduced, travels=_reduced_travels, apply=_apply_reduced
     ),
