@@ -16,6 +16,7 @@ what the kernel pickled, the kernel loads only what its own workers wrote.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -74,7 +75,11 @@ class TensorPickler(cloudpickle.Pickler):
     def _reducers(self) -> dict[type, Reducer]:
         """This pickler's entries of the dispatch table, by exact type. Only types that exist
         here can be met: torch's and NumPy's are looked up in sys.modules, never imported."""
-        table: dict[type, Reducer] = {types.CellType: self._reduce_cell, weakref.ReferenceType: self._reduce_weakref}
+        table: dict[type, Reducer] = {
+            types.CellType: self._reduce_cell,
+            weakref.ReferenceType: self._reduce_weakref,
+            functools._lru_cache_wrapper: self._reduce_lru_cache,
+        }
         torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
         if torch is not None:
             table[torch.UntypedStorage] = self._reduce_storage
@@ -99,7 +104,10 @@ class TensorPickler(cloudpickle.Pickler):
         if type(obj) is types.FunctionType and self.namespace is not None and obj.__globals__ is self.namespace:
             return self._reduce_function(obj)
         _refuse_process_bound(obj)
-        return super().reducer_override(obj)
+        reduced = super().reducer_override(obj)
+        if isinstance(obj, type) and "__slots__" in obj.__dict__ and type(reduced) is tuple:
+            return _with_slots(obj, reduced)
+        return reduced
 
     def _reduce_storage(self, storage: Any) -> Reduction:
         held = self._memory.array_holding(storage)
@@ -142,6 +150,19 @@ class TensorPickler(cloudpickle.Pickler):
         if referent is None:  # raises, as pickle's own attempt would: a dead reference
             return ref.__reduce_ex__(PROTOCOL)
         return _make_weakref, (referent,)
+
+    def _reduce_lru_cache(self, wrapper: Any) -> Reduction:
+        """A notebook function wrapped by ``functools.lru_cache`` or ``functools.cache`` travels as
+        the function it wraps (by value, see _reduce_function), wrapped again on arrival with the
+        same parameters and attributes; its cache does not travel. Any other is pickled by name,
+        as pickle would (its wrapper says it is ``module.qualname``)."""
+        wrapped = getattr(wrapper, "__wrapped__", None)
+        if not (isinstance(wrapped, types.FunctionType) and self.namespace is not None):
+            return wrapper.__reduce_ex__(PROTOCOL)
+        if wrapped.__globals__ is not self.namespace:
+            return wrapper.__reduce_ex__(PROTOCOL)
+        parameters = wrapper.cache_parameters()
+        return _make_lru_cache, (wrapped, parameters["maxsize"], parameters["typed"]), dict(wrapper.__dict__)
 
     def _reduce_function(self, function: types.FunctionType) -> Reduction:
         # The cells themselves travel (empty, filled by the state): one cell shared by two
@@ -235,6 +256,25 @@ _CLOUDPICKLE_CELL: Reducer = cloudpickle.Pickler.dispatch_table[types.CellType]
 """The entry ours chains to for the cells that are no function's of the notebook."""
 
 
+def _with_slots(cls: type, reduced: tuple) -> tuple:
+    """A class pickled by value keeps its ``__slots__``: cloudpickle (3.1) makes the class first
+    without them and sets ``__slots__`` later as a plain attribute, so the copy has no slot
+    descriptors (its instances hold the attributes in a ``__dict__``, ``del obj.a`` and
+    ``getattr(cls, 'a')`` fail). Here they are among the arguments the class is made with."""
+    make, args, *rest = reduced
+    if make is not _MAKE_SKELETON_CLASS:
+        return reduced
+    type_constructor, name, bases, type_kwargs, *more = args
+    return (
+        make,
+        (type_constructor, name, bases, {**type_kwargs, "__slots__": cls.__dict__["__slots__"]}, *more),
+        *rest,
+    )
+
+
+_MAKE_SKELETON_CLASS = cloudpickle.cloudpickle._make_skeleton_class
+
+
 def _refuse_process_bound(obj: Any) -> None:
     import torch
 
@@ -292,6 +332,10 @@ class _EmptyCell:
 
 
 _EMPTY_CELL = _EmptyCell()
+
+
+def _make_lru_cache(function: types.FunctionType, maxsize: int | None, typed: bool) -> Any:
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(function)
 
 
 def _make_weakref(referent: Any) -> weakref.ReferenceType:

@@ -9,4 +9,5 @@ digests   whether memory changed (digests, and pages a worker wrote: pagemap)
 snapshot  the master's record before the cell, and what changed since
 collect   the changes, pickled against the registry (master)
 apply     the changes resolved to the notebook's own objects and applied in place (kernel)
+salvage   when one object fails to load in the kernel: the rest loaded, that one named (kernel)
 """

@@ -16,6 +16,7 @@ from typing import Any
 
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._serialize.tensors import bytes_view, storage_of
+from enot_nb._state import salvage
 from enot_nb._state.collect import Changes, PickledState, StorageBytes
 from enot_nb._state.kinds import OPS, Kind, apply_grad
 from enot_nb._state.registry import Registry
@@ -36,10 +37,17 @@ def load(state: PickledState, registry: Registry) -> Changes:
     # what the cell's own code warned; a local cell would show nothing more.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        unpickler = StateUnpickler(io.BytesIO(state.main), registry, state.buffers)
         try:
-            return StateUnpickler(io.BytesIO(state.main), registry, state.buffers).load()
+            try:
+                return unpickler.load()
+            except Exception:  # noqa: BLE001 - one object that cannot be rebuilt here: load the rest
+                salvaging = salvage.SalvagingUnpickler(state.main, state.buffers, unpickler.persistent_load)
+                changes = salvaging.load()
         finally:
             _end_sparse_loading()
+    changes.unloaded = salvage.leave_out(changes, registry, salvaging.unloadable)
+    return changes
 
 
 def _end_sparse_loading() -> None:
@@ -65,7 +73,7 @@ def apply_changes(
 
 
 def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, returns: list[str] | None) -> list[str]:
-    problems: list[str] = []
+    problems: list[str] = list(changes.unloaded)
 
     def attempt(what: str, change: Callable[..., None], *args: Any) -> None:
         try:

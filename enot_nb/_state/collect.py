@@ -29,10 +29,10 @@ from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
 from enot_nb._serialize.tensors import array_owner, storage_array
 from enot_nb._state.digests import StorageDigest, written_parts
-from enot_nb._state.kinds import OPS, Kind
+from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
-from enot_nb._state.states import ATOMS
+from enot_nb._state.states import ATOMS, Attributes, DictState, ItemsState, Lost, Replaced
 
 
 class StorageBytes(NamedTuple):
@@ -59,6 +59,9 @@ class Changes:
     storages: list[StorageBytes] = field(default_factory=list)
     value: Any = None
     has_value: bool = False
+    unloaded: list[str] = field(default_factory=list)
+    """Set by the notebook (see salvage): what could not be rebuilt there, a line each; the
+    notebook keeps its own."""
 
 
 @dataclass
@@ -85,8 +88,17 @@ def collect(
     changes.bound = {n: v for n, v in now.items() if names_before.get(n, _MISSING) is not v}
     changes.deleted = [n for n in names_before if n not in now]
     changed = snapshot.changed_objects(registry)
-    for i in changed:
-        changes.objects.append((i, OPS[registry.kinds[i]].new_state(registry.objects[i])))
+    objects = {i: OPS[registry.kinds[i]].new_state(registry.objects[i]) for i in changed}
+    for i, state in list(objects.items()):
+        if isinstance(state, Replaced):
+            del objects[i]
+            if not _hold_copy(registry, registry.objects[i], state.copy, now, changes.bound, objects):
+                objects[i] = Lost(
+                    "it changed in the cell but cannot change in place (it has no __setstate__), and "
+                    "nothing holds it that could hold a copy instead: the notebook keeps its own (the "
+                    "objects it refers to come back changed)"
+                )
+    changes.objects = list(objects.items())
     changes.storages = [
         _new_bytes(j, registry.storages[j], snapshot.storages[j]) for j in snapshot.changed_storages(registry)
     ]
@@ -109,6 +121,48 @@ def _new_bytes(j: int, storage: Any, before: StorageDigest) -> StorageBytes:
 
 
 _MISSING = object()
+
+_HOLDERS = (Kind.LIST, Kind.DEQUE, Kind.DICT, Kind.OBJECT)
+
+
+def _hold_copy(
+    registry: Registry, obj: Any, copy: Any, now: dict[str, Any], bound: dict[str, Any], objects: dict[int, Any]
+) -> bool:
+    """An object that could not take its new state in place (see states.Replaced): the names, and
+    the registered lists, dicts and objects, that hold it hold ``copy`` instead, as their new
+    states. Whether anything held it."""
+    names = [n for n, v in now.items() if v is obj]
+    bound.update(dict.fromkeys(names, copy))
+    held = bool(names)
+    for j, kind in enumerate(registry.kinds):
+        ops, holder = OPS[kind], registry.objects[j]
+        if kind not in _HOLDERS or ops.children is None or holder is obj:
+            continue
+        try:
+            steps = ops.children(holder)
+        except Exception:  # noqa: BLE001 - an object that resists inspection, as in the registry's walk
+            continue
+        if any(child is obj for _, child in steps):
+            objects[j] = _swap(objects[j] if j in objects else ops.new_state(holder), obj, copy)
+            held = True
+    return held
+
+
+def _swap(state: Any, old: Any, new: Any) -> Any:
+    """A list's, dict's or object's state (see states) with ``new`` wherever it held ``old``."""
+
+    def one(value: Any) -> Any:
+        return new if value is old else value
+
+    def attributes(a: Attributes) -> Attributes:
+        values = None if a.vars is None else {k: one(v) for k, v in a.vars.items()}
+        return Attributes(values, {k: one(v) for k, v in a.slots.items()})
+
+    if isinstance(state, ItemsState):
+        return ItemsState([one(v) for v in state.items], attributes(state.attributes))
+    if isinstance(state, DictState):
+        return state._replace(items=[(k, one(v)) for k, v in state.items], attributes=attributes(state.attributes))
+    return state._replace(attributes=attributes(state.attributes))  # ObjectState
 
 
 class StatePickler(ResultPickler):
@@ -160,6 +214,11 @@ def _extent(array: Any) -> tuple[int, int]:
 
 def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> tuple[PickledState, int]:
     """Pickle the changes; what cannot be pickled is left out and named in ``not_returned``."""
+    for name, value in changes.bound.items():
+        if _cached_entries(value):
+            not_returned[f"{name}'s cache"] = (
+                "the cached results live in C (functools.lru_cache): the function came back with an empty cache"
+            )
     try:
         off_cpu = _dry(changes, registry)
     except Exception:  # noqa: BLE001 - find the culprits, then pickle the rest
@@ -169,6 +228,14 @@ def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> 
     stream = io.BytesIO()
     StatePickler(stream, buffer_callback=buffers.append, registry=registry).dump(changes)
     return PickledState(stream.getvalue(), buffers), off_cpu
+
+
+def _cached_entries(value: Any) -> int:
+    """How many results a notebook function's lru_cache holds (0 for anything else)."""
+    try:
+        return value.cache_info().currsize if kind_of(value) is Kind.CACHE else 0
+    except Exception:  # noqa: BLE001 - an object that resists inspection holds no cache we know of
+        return 0
 
 
 def _dry(obj: Any, registry: Registry) -> int:

@@ -11,6 +11,7 @@ digested whole.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import zlib
 from typing import Any, NamedTuple
@@ -64,6 +65,15 @@ def digest(buffer: Any) -> tuple[int, int]:
     """A content digest of a memory area (crc32 runs at ~4 GB/s here)."""
     view = memoryview(buffer).cast("B")
     return view.nbytes, zlib.crc32(view)
+
+
+def pickle_digest(obj: Any) -> list[tuple[int, int]]:
+    """A digest of an object's pickle, for objects whose state is theirs alone but lives where no
+    ``__dict__`` shows it (a pandas DataFrame's blocks): the pickle's own bytes and each
+    out-of-band buffer (an array's memory, digested where it lies, not copied)."""
+    buffers: list[pickle.PickleBuffer] = []
+    main = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return [digest(main)] + [digest(b.raw()) for b in buffers]
 
 
 # ----------------------------------------------------------------------------- storages

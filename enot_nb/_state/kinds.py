@@ -18,6 +18,13 @@ snapshot, the master and the notebook do with an object of a kind is that kind's
 
 Adding a kind: a member of ``Kind``, a rule in ``kind_of``, a row in ``OPS``.
 
+State that no ``__dict__`` shows: a pandas object's (its BlockManager's C-level fields) travels by
+value, compared as a digest of its pickle; a C iterator's or ``decimal.Context``'s through its
+``__reduce__``, taken in place where ``__setstate__`` (or a Context's fields) allows, else a copy
+held wherever the object was (states.Replaced); a weakref is walked into its referent, so that
+under spawn it travels too. What cannot come back at all (a generator's frame, a notebook
+function's lru_cache entries) travels as states.Lost: the notebook names it, a line each.
+
 The boundary (README, "What comes back"): user objects are the namespace's values and
 everything reachable from them, except Python modules, functions and classes defined outside
 the notebook, and process plumbing (files, locks, sockets, threads, loggers, IPython and
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import array
 import collections
+import copy
 import enum
 import functools
 import itertools
@@ -35,21 +43,28 @@ import operator
 import pickle
 import sys
 import types
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from enot_nb._serialize.tensors import _rebuild_tensor, set_tensor_hooks, sparse_tensor, tensor_hooks
-from enot_nb._state.digests import array_changed, array_digest, digest
+from enot_nb._state.digests import array_changed, array_digest, digest, pickle_digest
 from enot_nb._state.states import (
     ATOMS,
     KEEP,
     Attributes,
+    CacheState,
     CellState,
     DictState,
+    FrameState,
     FunctionState,
     ItemsState,
+    Lost,
     ObjectState,
+    ReducedState,
+    Replaced,
     SparseView,
     TensorState,
     class_attributes,
@@ -83,11 +98,25 @@ class Kind(enum.Enum):
     BYTEARRAY = "bytearray"
     ARRAY = "array"  # array.array
     PARTIAL = "partial"  # functools.partial
+    PANDAS = "pandas"  # a DataFrame, Series or Index: by value (its state is in C-level blocks)
+    REDUCED = "reduced"  # a C iterator, a decimal.Context: its state only its pickle shows
+    WEAKREF = "weakref"  # walked into its referent while that is alive; never changes itself
+    GENERATOR = "generator"  # its frame cannot travel: a change is named, never brought back
+    CACHE = "cache"  # a notebook function's functools.lru_cache: its entries live in C, stay in the worker
     OBJECT = "object"  # anything else with a __dict__ or slots
     ATOMS = "atoms"  # a large container of atoms: compared as a whole, never walked
 
 
 # ----------------------------------------------------------------------------- classification
+
+_SEQUENCES: list[Any] = [[], (), range(0), range(2**64), "", "\u00e9", b"", bytearray(), array.array("b")]
+_ITERATORS: set[type] = {type(iter(seq)) for seq in _SEQUENCES + [collections.deque()]} | {type(reversed([]))}
+_ITERATORS |= {reversed, enumerate, zip, map, filter} | {
+    getattr(itertools, name)
+    for name in ("count", "cycle", "repeat", "islice", "chain", "accumulate", "compress", "dropwhile", "takewhile")
+    + ("starmap", "zip_longest")
+}
+"""The C iterators whose position their pickle holds (one advanced in the cell comes back so)."""
 
 # By exact type, before the rules: the same answer as the rules, without running them.
 _EXACT: dict[type, Kind | None] = {
@@ -103,6 +132,9 @@ _EXACT: dict[type, Kind | None] = {
     functools.partial: Kind.PARTIAL,
     types.CellType: Kind.CELL,
     types.MethodType: Kind.METHOD,
+    weakref.ReferenceType: Kind.WEAKREF,
+    types.GeneratorType: Kind.GENERATOR,
+    **dict.fromkeys(_ITERATORS, Kind.REDUCED),
 }
 
 # Process plumbing: referenced by identity, never walked (their state is the worker's).
@@ -135,7 +167,6 @@ _PLUMBING_MODULES = (
 )
 _OPAQUE_TYPES = (
     types.ModuleType,
-    types.GeneratorType,
     types.CoroutineType,
     types.AsyncGeneratorType,
     types.FrameType,
@@ -173,6 +204,12 @@ def kind_of(obj: Any) -> Kind | None:
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.ndarray):
         return Kind.NDARRAY
+    pandas = sys.modules.get("pandas")
+    if pandas is not None and isinstance(obj, (pandas.DataFrame, pandas.Series, pandas.Index)):
+        return Kind.PANDAS
+    decimal = sys.modules.get("decimal")
+    if decimal is not None and isinstance(obj, decimal.Context):
+        return Kind.REDUCED
     if isinstance(obj, _OPAQUE_TYPES):
         return Kind.OPAQUE
     if _is_rng(obj):
@@ -181,6 +218,8 @@ def kind_of(obj: Any) -> Kind | None:
         return Kind.FUNCTION if defined_in_notebook(obj) else Kind.OPAQUE
     if isinstance(obj, type):
         return Kind.CLASS if defined_in_notebook(obj) else Kind.OPAQUE
+    if isinstance(obj, functools._lru_cache_wrapper):  # its __module__ is its function's
+        return Kind.CACHE if defined_in_notebook(obj) else Kind.OPAQUE
     if isinstance(obj, types.MethodType):
         return Kind.METHOD
     if isinstance(obj, types.CellType):
@@ -281,9 +320,10 @@ class KindOps:
 
 
 def _attribute_steps(obj: Any) -> Steps:
-    """Its attributes; and its class, if the notebook defined it: the class's methods read the
-    notebook's globals (see reach), and its identity must hold on both sides."""
-    steps = [("<class>", type(obj))] if defined_in_notebook(type(obj)) else []
+    """Its attributes; and its class, where the notebook defined it: the class's methods read the
+    notebook's globals (see reach), and registered, the class travels by reference even when no
+    name holds it any more (the class's cell was run again, a factory function made it)."""
+    steps = [(".__class__", type(obj))] if defined_in_notebook(type(obj)) else []
     steps += [(f".{k}", v) for k, v in (object_dict(obj) or {}).items()]
     return steps + [(f".{k}", v) for k, v in slots(obj).items()]
 
@@ -311,8 +351,12 @@ def _apply_attributes(obj: Any, attributes: Attributes) -> None:
         merged = _merge(current, attributes.vars)
         current.clear()
         current.update(merged)
-    for name, value in attributes.slots.items():
-        if value is not KEEP:
+    present = slots(obj)
+    for name in slot_names(type(obj)):
+        value = attributes.slots.get(name, _MISSING)
+        if value is _MISSING and name in present:  # unset in the master (``del obj.a``)
+            object.__delattr__(obj, name)
+        elif value is not _MISSING and value is not KEEP:
             object.__setattr__(obj, name, value)
 
 
@@ -745,6 +789,146 @@ def _apply_rng(obj: Any, state: Any, note: Note) -> None:
         obj.setstate(state)
 
 
+# pandas objects ------------------------------------------------------------------
+
+
+def _pandas_children(obj: Any) -> Steps:
+    """The Python objects in its object columns (a Series' or Index's, in its values): registered,
+    so they keep their identity when it travels (under spawn they travel with it)."""
+    pandas = sys.modules["pandas"]
+    if isinstance(obj, pandas.DataFrame):
+        objects = obj.select_dtypes(include=["object"]).to_numpy()
+    elif obj.dtype == object:
+        objects = obj.to_numpy()
+    else:
+        return []
+    return [(f".<item {i}>", v) for i, v in enumerate(objects.ravel(order="K").tolist())]
+
+
+def _apply_pandas(obj: Any, new: Any, note: Note) -> None:
+    """A DataFrame's, Series' or Index's state is its ``__dict__`` (its BlockManager, name,
+    attrs and flags; an Index's data and names): ``new``'s, which nothing else holds, is moved
+    over. Its flags refer back to their object (a weakref): made anew for ``obj``; an Index keeps
+    its identity token (``Index.is_``)."""
+    if type(obj) is not type(new):
+        obj.__class__ = type(new)
+    state = dict(object.__getattribute__(new, "__dict__"))
+    if "_flags" in state:
+        state["_flags"] = type(new.flags)(obj, allows_duplicate_labels=new.flags.allows_duplicate_labels)
+    current = object.__getattribute__(obj, "__dict__")
+    if "_id" in current:
+        state["_id"] = current["_id"]
+    current.clear()
+    current.update(state)
+
+
+# C iterators, decimal.Context ---------------------------------------------------------
+
+
+def reduced_state(obj: Any) -> ReducedState:
+    with warnings.catch_warnings():  # Python 3.12 and 3.13 deprecate pickling itertools' objects
+        warnings.simplefilter("ignore", DeprecationWarning)
+        reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return ReducedState(reduced[0], tuple(reduced[1]), reduced[2] if len(reduced) > 2 else None)
+
+
+def _reduced_children(obj: Any) -> Steps:
+    """What it iterates over (a list, the iterators a zip holds): tracked on their own, so a zip
+    whose iterators advanced is itself unchanged and they come back advanced in place."""
+    state = reduced_state(obj)
+    steps = [(f".<argument {k}>", v) for k, v in enumerate(state.args)]
+    return steps + ([(".<state>", state.state)] if state.state is not None else [])
+
+
+def _same_part(a: Any, b: Any) -> bool:
+    """A part of a pickled state: the same value, or a tuple or list that each pickle makes anew
+    (a Context's flags, a cycle's saved items) with the same values."""
+    if same_value(a, b):
+        return True
+    if type(a) is type(b) and type(a) in (tuple, list) and len(a) == len(b):
+        return all(_same_part(x, y) for x, y in zip(a, b))
+    return False
+
+
+def _same_reduced(a: ReducedState, b: ReducedState) -> bool:
+    return a.rebuild is b.rebuild and _same_part(a.args, b.args) and _same_part(a.state, b.state)
+
+
+def _is_context(obj: Any) -> bool:
+    decimal = sys.modules.get("decimal")
+    return decimal is not None and isinstance(obj, decimal.Context)
+
+
+def _reduced_travels(obj: Any) -> ReducedState | Replaced:
+    """The new state, where the notebook's object can take it in place (a list iterator's
+    ``__setstate__``, a Context's settable fields); else a copy (see Replaced)."""
+    state = reduced_state(obj)
+    if _is_context(obj) or state.state is not None and hasattr(obj, "__setstate__"):
+        return state
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return Replaced(copy.copy(obj))
+
+
+_CONTEXT_FIELDS = ("prec", "rounding", "Emin", "Emax", "capitals", "clamp", "flags", "traps")
+
+
+def _apply_reduced(obj: Any, state: ReducedState | Lost, note: Note) -> None:
+    if isinstance(state, Lost):
+        note(state.reason)
+    elif _is_context(obj):
+        new = state.rebuild(*state.args)
+        for name in _CONTEXT_FIELDS:
+            setattr(obj, name, getattr(new, name))
+    else:
+        obj.__setstate__(state.state)
+
+
+# generators, functools.lru_cache ----------------------------------------------------
+
+
+def _frame_state(gen: types.GeneratorType) -> FrameState:
+    frame = gen.gi_frame
+    if frame is None:
+        return FrameState(None, [])
+    return FrameState(frame.f_lasti, list(frame.f_locals.items()))
+
+
+def _same_frame(a: FrameState, b: FrameState) -> bool:
+    return a.position == b.position and same_pairs(a.locals, b.locals)
+
+
+_GENERATOR_LOST = Lost(
+    "it advanced in the cell, but a generator's frame cannot be pickled: in the notebook it is "
+    "where it was before the cell"
+)
+_CACHE_LOST = Lost(
+    "its cached results (functools.lru_cache keeps them in C) and any attribute the cell set on it "
+    "stay in the worker: the notebook's cache is as it was before the cell"
+)
+
+
+def _note_lost(obj: Any, state: Lost, note: Note) -> None:
+    """Named in the notebook, where the object's path is known (a spawned master's registry has
+    none)."""
+    note(state.reason)
+
+
+def _cache_state(obj: Any) -> CacheState:
+    return CacheState(obj.cache_info().currsize, _attributes(obj))
+
+
+def _same_cache(a: CacheState, b: CacheState) -> bool:
+    return a.entries == b.entries and _same_attributes(a.attributes, b.attributes)
+
+
+def _weakref_children(ref: weakref.ReferenceType) -> Steps:
+    """Its referent, while alive: registered, so that under spawn it travels with the weakref
+    (a hook's handle reaches its hooks' dict so) and what is done through it comes back."""
+    referent = ref()
+    return [("()", referent)] if referent is not None else []
+
+
 # -----------------------------------------------------------------------------
 
 OPS: dict[Kind, KindOps] = {
@@ -776,6 +960,17 @@ OPS: dict[Kind, KindOps] = {
     Kind.PARTIAL: KindOps(
         _partial_children, _object_state, _same_object, apply=_apply_object, trim=_object_that_pickles
     ),
+    # By value: compared as a digest of its pickle; a deep copy travels (the object itself would
+    # travel as a reference), whose state replaces the notebook's object's.
+    Kind.PANDAS: KindOps(_pandas_children, pickle_digest, travels=lambda obj: obj.copy(deep=True), apply=_apply_pandas),
+    Kind.REDUCED: KindOps(
+        _reduced_children, reduced_state, _same_reduced, travels=_reduced_travels, apply=_apply_reduced
+    ),
+    Kind.WEAKREF: KindOps(_weakref_children),
+    Kind.GENERATOR: KindOps(
+        snapshot=_frame_state, same=_same_frame, travels=lambda gen: _GENERATOR_LOST, apply=_note_lost
+    ),
+    Kind.CACHE: KindOps(_attribute_steps, _cache_state, _same_cache, travels=lambda obj: _CACHE_LOST, apply=_note_lost),
     Kind.OBJECT: KindOps(_attribute_steps, _object_state, _same_object, apply=_apply_object, trim=_object_that_pickles),
     Kind.ATOMS: KindOps(snapshot=_atoms_snapshot, same=_same_atoms, travels=_atoms_travel, apply=_apply_atoms),
 }

@@ -103,6 +103,47 @@ class CellState(NamedTuple):
     contents: Any
 
 
+class ReducedState(NamedTuple):
+    """A C object whose state only its pickle shows (a C iterator, a ``decimal.Context``): its
+    ``__reduce__``: the callable that rebuilds it, its arguments and the state given to
+    ``__setstate__`` (None: it takes none)."""
+
+    rebuild: Any
+    args: tuple[Any, ...]
+    state: Any
+
+
+class FrameState(NamedTuple):
+    """Where a generator is: its frame's last instruction and its locals (``position`` None:
+    it finished)."""
+
+    position: int | None
+    locals: list[tuple[str, Any]]
+
+
+class CacheState(NamedTuple):
+    """A functools.lru_cache wrapper: how many entries its cache holds (they live in C) and its
+    attributes."""
+
+    entries: int
+    attributes: Attributes
+
+
+class Lost(NamedTuple):
+    """What travels for an object whose change cannot come back (a generator's frame, a
+    functools.lru_cache's entries): why; the master names it in the cell's notes."""
+
+    reason: str
+
+
+class Replaced(NamedTuple):
+    """What travels for an object that cannot take its new state in place (an ``enumerate`` or
+    ``itertools.count`` that advanced: they have no ``__setstate__``): a copy holding it; the
+    names bound to the object are bound to the copy."""
+
+    copy: Any
+
+
 class _Keep:
     """Stands for an attribute or item that could not come back: the notebook keeps its own."""
 
