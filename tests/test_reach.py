@@ -251,3 +251,43 @@ def test_a_storage_comes_back_by_its_written_pages_even_with_a_live_child():
     expected = torch.zeros(2**22)
     expected[123_456], expected[3_000_000] = 1.0, 2.0
     assert torch.equal(big, expected)
+
+
+def test_attribute_names_are_not_globals():
+    """model.eval() and m.data name attributes: they neither make the walk whole (eval) nor pull
+    in a global of the same name (data)."""
+    namespace = _notebook("data = [0]\ndef evaluate(m):\n    m.eval()\n    return m.data\n")
+    found = reach(namespace, "evaluate(net)")
+    assert found.whole is None and "data" not in found.names
+
+
+@pytest.mark.parametrize(
+    "setup, cell, changed",
+    [
+        ("h = [1]\npush = h.append\n", "push(3)", "h"),  # a bound C method reaches its object
+        ("import torch\nacc = torch.zeros(2)\ninc = acc.add_\n", "inc(1)", "acc"),
+        (
+            "hist = []\ndef gen():\n    while True:\n        hist.append(1)\n        yield 1\ng = gen()\n",
+            "next(g)",
+            "hist",
+        ),
+        (
+            "box = {'k': [1]}\ndef gen(b):\n    while True:\n        b['k'].append(2)\n        yield\ng = gen(box)\n",
+            "next(g)",
+            "box",
+        ),
+    ],
+)
+def test_what_a_cell_changes_through_a_bound_method_or_a_generator_is_reached(setup, cell, changed):
+    namespace = _notebook(setup)
+    registry = reach(namespace, cell).registry
+    target = namespace[changed]
+    assert registry.find(target) is not None or any(registry.find(v) is not None for v in target.values())
+
+
+@pytest.mark.parametrize(
+    "setup, cell", [("h = [1]\n", "locals()['h'].append(1)"), ("ns = globals()\nd = {}\n", "ns['d']['k'] = 1")]
+)
+def test_a_cell_that_reaches_the_namespace_itself_walks_every_name(setup, cell):
+    found = reach(_notebook(setup), cell)
+    assert found.whole is not None

@@ -867,3 +867,21 @@ def test_a_model_wrapped_by_fsdp1_comes_back_whole(kernels, method):
         assert run.error is None, run.traceback + run.stderr
         results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
     assert results[1] == results[0]
+
+
+def test_a_model_sharded_inside_a_notebook_function_comes_back_whole(kernel):
+    """The cell names only train(); the module it shards is found through what the cell reaches."""
+    _fresh(kernel)
+    kernel.ok(
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "w0 = model[0].weight\n"
+        "def train():\n    from torch.distributed.fsdp import fully_shard\n    fully_shard(model)\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    model(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    return opt\n"
+    )
+    kernel.ok(f"{MAGIC}\nopt = train()")
+    check = kernel.ok(
+        "print(type(model) is torch.nn.Sequential, model[0].weight is w0, type(w0) is torch.nn.Parameter,"
+        " opt.param_groups[0]['params'][0] is w0, tuple(model(torch.ones(1, 4)).shape))"
+    )
+    assert check.stdout == "True True True True (1, 2)\n"

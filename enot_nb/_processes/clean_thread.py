@@ -98,11 +98,14 @@ def fork_all(
         # A forked child's first collection would walk every object the kernel holds (58 ms
         # over a million) and write to each one's header, copying the pages they sit on: frozen,
         # the child leaves them alone. The kernel unfreezes them at once.
-        gc.freeze()
+        ours = gc.get_freeze_count() == 0  # the user's own gc.freeze() stays as it was
+        if ours:
+            gc.freeze()
         try:
             _fork_each(children, started)
         finally:
-            gc.unfreeze()
+            if ours:
+                gc.unfreeze()
         hook("after_forks")
 
     return submit(run)

@@ -38,7 +38,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from enot_nb._log import log
 
@@ -124,22 +124,27 @@ class _cuda_refused:  # noqa: N801 - a context manager, named as the state it ma
 
     def __enter__(self) -> None:
         torch = sys.modules.get("torch")
-        self.cuda = getattr(torch, "cuda", None)
-        if self.cuda is None:
+        cuda = getattr(torch, "cuda", None)
+        self.patched: list[Any] = []
+        if cuda is None:
             return
-        self.original = self.cuda._lazy_init
-        me, original = threading.current_thread(), self.original
+        self.original = original = getattr(cuda, "_lazy_init")  # noqa: B009 - torch's private name
+        me = threading.current_thread()
 
         def lazy_init() -> None:
             if threading.current_thread() is me:
                 raise CudaRefused("enot_nb: a module preloaded after a cell would initialize CUDA; rolled back")
             original()
 
-        self.cuda._lazy_init = lazy_init
+        # torch.cuda's own modules (memory, random, ...) import _lazy_init by name: theirs too.
+        for name, module in list(sys.modules.items()):
+            if name.startswith("torch.cuda") and getattr(module, "_lazy_init", None) is original:
+                setattr(module, "_lazy_init", lazy_init)  # noqa: B010 - a module's private name
+                self.patched.append(module)
 
     def __exit__(self, *exc: object) -> None:
-        if self.cuda is not None:
-            self.cuda._lazy_init = self.original
+        for module in self.patched:
+            setattr(module, "_lazy_init", self.original)  # noqa: B010
 
 
 class Preloader:

@@ -171,7 +171,7 @@ class _ForkWatch:
 
     def __init__(self) -> None:
         self.masks: dict[Area, Any] = {}
-        self.children_before: set[str] = set()
+        self.children_before: set[str] | None = set()
         self.seen: set[str] = set()
 
     def reset(self) -> None:
@@ -190,24 +190,29 @@ class _ForkWatch:
 
     def after_fork(self) -> None:
         if self.masks:
-            self.seen |= _children()
+            self.seen |= _children() or set()
 
     def at_forks(self, area: Area) -> Any:
         """The pages of ``area`` owned at some fork since the snapshot (None: no fork)."""
         return self.masks.get(area)
 
     def unseen_children(self) -> bool:
-        return bool(_children() - self.children_before - self.seen)
+        """A child no fork of ours made (or /proc cannot tell): pages cannot be trusted."""
+        now = _children()
+        if now is None or self.children_before is None:
+            return True
+        return bool(now - self.children_before - self.seen)
 
 
-def _children() -> set[str]:
+def _children() -> set[str] | None:
+    """This process's children (their pids), or None where /proc cannot tell."""
     found: set[str] = set()
     try:
         for task in os.listdir("/proc/self/task"):
             with open(f"/proc/self/task/{task}/children") as f:
                 found.update(f.read().split())
     except OSError:
-        found.add("unknown")
+        return None
     return found
 
 

@@ -210,6 +210,8 @@ def kind_of(obj: Any) -> Kind | None:
     decimal = sys.modules.get("decimal")
     if decimal is not None and isinstance(obj, decimal.Context):
         return Kind.REDUCED
+    if _is_bound_builtin(obj):
+        return Kind.METHOD
     if isinstance(obj, _OPAQUE_TYPES):
         return Kind.OPAQUE
     if _is_rng(obj):
@@ -270,6 +272,16 @@ def holds_only_atoms(obj: Any) -> bool:
             if not set(map(type, nested)) <= _ATOM_TYPES:
                 return False
     return True
+
+
+def _is_bound_builtin(obj: Any) -> bool:
+    """A C method bound to an object (``log.append``, ``acc.add_``, ``x.__setitem__``): calling it
+    changes that object, so the walk goes on into it (a builtin function's ``__self__`` is its
+    module: that is no object of the user's)."""
+    if not isinstance(obj, (types.BuiltinMethodType, types.MethodWrapperType)):
+        return False
+    owner = getattr(obj, "__self__", None)
+    return owner is not None and not isinstance(owner, (types.ModuleType, type))
 
 
 def _is_rng(obj: Any) -> bool:
@@ -703,8 +715,10 @@ def _apply_class(cls: type, attributes: dict[str, Any], note: Note) -> None:
 _MISSING = object()
 
 
-def _method_children(obj: types.MethodType) -> Steps:
-    return [(".__self__", obj.__self__), (".__func__", obj.__func__)]
+def _method_children(obj: Any) -> Steps:
+    """A bound method's object (and function): ``push = log.append`` reaches ``log``."""
+    function = getattr(obj, "__func__", None)
+    return [(".__self__", obj.__self__)] + ([(".__func__", function)] if function is not None else [])
 
 
 def _cell_children(obj: types.CellType) -> Steps:
@@ -894,6 +908,13 @@ def _frame_state(gen: types.GeneratorType) -> FrameState:
     return FrameState(frame.f_lasti, list(frame.f_locals.items()))
 
 
+def _generator_children(gen: types.GeneratorType) -> Steps:
+    """The objects its suspended frame holds: what it changes when it runs on (its globals are
+    reached through its code, see reach)."""
+    frame = gen.gi_frame
+    return [] if frame is None else [(f".gi_frame.f_locals[{k!r}]", v) for k, v in frame.f_locals.items()]
+
+
 def _same_frame(a: FrameState, b: FrameState) -> bool:
     return a.position == b.position and same_pairs(a.locals, b.locals)
 
@@ -968,7 +989,12 @@ OPS: dict[Kind, KindOps] = {
     ),
     Kind.WEAKREF: KindOps(_weakref_children),
     Kind.GENERATOR: KindOps(
-        snapshot=_frame_state, same=_same_frame, travels=lambda gen: _GENERATOR_LOST, apply=_note_lost
+        _generator_children,
+        _frame_state,
+        _same_frame,
+        travels=lambda gen: _GENERATOR_LOST,
+        apply=_note_lost,
+        reads_globals=True,
     ),
     Kind.CACHE: KindOps(_attribute_steps, _cache_state, _same_cache, travels=lambda obj: _CACHE_LOST, apply=_note_lost),
     Kind.OBJECT: KindOps(_attribute_steps, _object_state, _same_object, apply=_apply_object, trim=_object_that_pickles),

@@ -24,6 +24,7 @@ notebook's object i.
 from __future__ import annotations
 
 import ast
+import dis
 import re
 import types
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from enot_nb._state.registry import Registry, is_user_name, user_variables
 
 DYNAMIC_NAMES = frozenset({"globals", "vars", "eval", "exec", "get_ipython", "__main__", "__import__"})
 """Names whose use lets code read any of the namespace's names (with ``sys.modules``)."""
+_CELL_DYNAMIC_NAMES = DYNAMIC_NAMES | {"locals"}
+"""At the cell's top level ``locals()`` is the namespace too (in a function, its own locals)."""
 
 _CODE_MAGICS = frozenset({"time", "timeit", "prun"})
 """Line magics whose argument is code run in the namespace; any other magic may read any name."""
@@ -71,7 +74,7 @@ def cell_names(code: str) -> CodeNames:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             names.add(node.id)
-            if node.id in DYNAMIC_NAMES and id(node) not in exempt:
+            if node.id in _CELL_DYNAMIC_NAMES and id(node) not in exempt:
                 dynamic = dynamic or f"{node.id}"
         elif _is_sys_modules(node):
             dynamic = dynamic or "sys.modules"
@@ -135,16 +138,27 @@ def _is_sys_modules(node: ast.AST) -> bool:
     )
 
 
-def global_names(function: types.FunctionType) -> CodeNames:
-    """The global names a function's code (and the code nested in it) may read."""
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "STORE_NAME", "DELETE_NAME"})
+"""The instructions that read or write a global (``*_NAME``: a class body's, which falls back to the
+globals); an attribute's name (``model.eval()``) is in ``co_names`` too, but is no global."""
+
+
+def global_names(function: Any) -> CodeNames:
+    """The global names a function's (or a generator's) code, and the code nested in it, reads
+    or writes; dynamic if it loads ``globals``, ``vars``, ``eval``... or ``sys`` and its
+    ``modules``."""
     names: set[str] = set()
-    todo = [function.__code__]
+    attributes: set[str] = set()
+    code = getattr(function, "__code__", None) or getattr(function, "gi_code", None)
+    todo = [code] if code is not None else []
     while todo:
         code = todo.pop()
-        names.update(code.co_names)
+        names.update(i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS)
+        attributes.update(code.co_names)
         todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    dynamic = sorted(names & DYNAMIC_NAMES) or (["sys.modules"] if {"sys", "modules"} <= names else [])
-    return CodeNames(frozenset(names), f"{function.__qualname__} uses {dynamic[0]}" if dynamic else None)
+    dynamic = sorted(names & DYNAMIC_NAMES) or (["sys.modules"] if "sys" in names and "modules" in attributes else [])
+    name = getattr(function, "__qualname__", type(function).__name__)
+    return CodeNames(frozenset(names), f"{name} uses {dynamic[0]}" if dynamic else None)
 
 
 def hidden_names(namespace: dict[str, Any]) -> Any:
@@ -184,12 +198,17 @@ def reach(namespace: dict[str, Any], code: str, hidden: Any = (), admit: Admit |
         names = sorted(n for n in todo - walked if n in namespace and is_user_name(n, hidden))
         walked |= todo
         todo = set()
+        if result.whole is None and any(namespace[n] is namespace for n in names):  # ns = globals()
+            result.whole = "a name bound to the namespace itself"
+            todo |= set(user_variables(namespace, hidden))
         refused = admit({n: namespace[n] for n in names}) if admit is not None else {}
         result.left_out.update(refused)
         fresh = [n for n in names if n not in refused]
         result.names += fresh
         result.registry.extend(fresh, namespace)
         for function in result.registry.notebook_functions[seen_functions:]:
+            if _globals_of(function) is not namespace:  # a library's generator
+                continue
             used = global_names(function)
             if used.dynamic and result.whole is None:
                 result.whole = used.dynamic
@@ -197,6 +216,11 @@ def reach(namespace: dict[str, Any], code: str, hidden: Any = (), admit: Admit |
             todo |= used.names
         seen_functions = len(result.registry.notebook_functions)
     return result
+
+
+def _globals_of(function: Any) -> Any:
+    frame = getattr(function, "gi_frame", None)
+    return getattr(function, "__globals__", None) or (frame.f_globals if frame is not None else None)
 
 
 def shippable_namespace(namespace: dict[str, Any], code: str) -> tuple[dict[str, Any], dict[str, str], Registry]:

@@ -117,7 +117,8 @@ def run_cell(
     if rank == 0 and not options.no_return:  # only the master's state goes back
         if registry is None:
             registry = reach.reach(namespace, code, hidden).registry
-        tracker = _Tracker(registry, namespace, hidden, sharded.originals(namespace, used))
+        reached = {n for n, v in list(namespace.items()) if registry.find(v) is not None}
+        tracker = _Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached))
     figures_before = _open_figures()
     modules_before = set(sys.modules)
     try:
@@ -130,9 +131,10 @@ def run_cell(
     finally:
         if rank == 0:
             _report_imports(modules_before, body, last)
-    if not options.no_return:  # every rank: sharded modules come back whole (collectives)
+    if not options.no_return and sharded.may_be_sharded():  # every rank: collectives
+        reached = used | set(reach.reach(namespace, code, hidden).names)  # train() may shard `model`
         whole_before = tracker.sharded_before if tracker is not None else {}
-        for line in sharded.gather_whole(namespace, sorted(used & set(namespace)), whole_before):
+        for line in sharded.gather_whole(namespace, sorted(reached & set(namespace)), whole_before):
             print(f"enot_nb: {line}", file=sys.stderr)
     _show_new_figures(figures_before, rank == 0 and options.shown)
     has_value = last is not None and not suppressed and value is not None

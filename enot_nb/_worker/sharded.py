@@ -43,6 +43,12 @@ def _fsdp_module_type() -> Any:
     return getattr(module, "FSDPModule", None)
 
 
+def may_be_sharded() -> bool:
+    """Whether FSDP or DTensor is imported here (as on every rank: forked from one kernel, and
+    running one cell): else nothing can be sharded, and no collective is spent on asking."""
+    return any(name in sys.modules for name in ("torch.distributed.fsdp", "torch.distributed.tensor"))
+
+
 def is_sharded(module: Any) -> bool:
     """A module that FSDP2 sharded, or that holds DTensor parameters or buffers."""
     fsdp, dtensor = _fsdp_module_type(), _dtensor_type()
@@ -147,6 +153,21 @@ def gather_whole(namespace: dict[str, Any], names: list[str], before: dict[str, 
         ]
     if not modules:
         return []
+
+    try:
+        _gather_each(namespace, modules, plan, before)
+    except Exception as err:  # noqa: BLE001 - the rest of the cell's state still comes back
+        return [
+            f"the sharded modules {', '.join(modules)} could not be gathered ({type(err).__name__}: {err}); "
+            "they come back as the master holds them"
+        ]
+    return []
+
+
+def _gather_each(
+    namespace: dict[str, Any], modules: list[str], plan: dict[str, list[str]], before: dict[str, dict[str, Any]]
+) -> None:
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -167,7 +188,6 @@ def gather_whole(namespace: dict[str, Any], names: list[str], before: dict[str, 
             made = _make_whole(namespace, name, before, full)
             for opt_name, state in opt_states.items():
                 _unshard_optimizer(namespace[opt_name], made, state)
-    return []
 
 
 def _make_whole(namespace: dict[str, Any], name: str, before: dict[str, dict[str, Any]], full: dict[str, Any]) -> Any:
@@ -289,9 +309,19 @@ def _remove_fsdp_hooks(module: Any) -> None:
 def _unshard_optimizer(optimizer: Any, now: dict[str, Any], full: dict[str, Any]) -> None:
     """The optimizer over the plain parameters, in the full state's groups (its parameters by
     qualified name: an FSDP1 flat parameter was many), its state unsharded."""
+    replaced: dict[int, Any] = {}  # id of the sharded parameter -> the plain one
     for group, named in zip(optimizer.param_groups, full.get("param_groups", [])):
-        group["params"] = [now[q] for q in named["params"] if q in now]
+        if len(named["params"]) == len(group["params"]):  # FSDP2: one name per parameter, in order
+            pairs = [(p, now.get(q, p)) for p, q in zip(group["params"], named["params"])]
+        else:  # FSDP1: a flat parameter was many; the group becomes its parameters, by name
+            pairs = [(None, now[q]) for q in named["params"] if q in now]
+        replaced.update((id(old), new) for old, new in pairs if old is not None)
+        group["params"] = [new for _, new in pairs]
+    in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+    for param, values in optimizer.state.items():  # those of another module's parameters stay
+        if id(param) in in_groups and id(param) not in replaced:
+            state[param] = values
     for qualified, values in full.get("state", {}).items():
         if qualified in now:
             state[now[qualified]] = dict(values)
