@@ -145,16 +145,15 @@ def gather_whole(namespace: dict[str, Any], names: list[str], before: dict[str, 
     if not dist.is_initialized():
         return []
     modules = sharded_names(namespace, names)
-    plan = optimizers_over(namespace, names, modules)
-    if not _agreed(plan):
-        return [
-            "the ranks hold different sharded modules or optimizers, so none was gathered; "
-            "they come back as the master holds them"
-        ]
-    if not modules:
+    if not modules:  # no collective: a rank that holds none may finish and exit at once
         return []
-
+    plan = optimizers_over(namespace, names, modules)
     try:
+        if not _agreed(plan):
+            return [
+                "the ranks hold different sharded modules or optimizers, so none was gathered; "
+                "they come back as the master holds them (return or keep the same ones on every rank)"
+            ]
         _gather_each(namespace, modules, plan, before)
     except Exception as err:  # noqa: BLE001 - the rest of the cell's state still comes back
         return [
