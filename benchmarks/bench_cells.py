@@ -224,34 +224,38 @@ digest = times(lambda: zlib.crc32(pickle.dumps(held_samples, 5)), {repeats})
 cleared()
 held_dicts = [{{"id": i, "label": i % 10}} for i in range(1_000_000)]
 with_dicts = times(cell("", TRIVIAL), {repeats})
+dicts_untracked = times(cell("--no-return", TRIVIAL), {repeats})
 cleared()
 held_big = torch.zeros(2**28)  # 1 GiB of float32
 WRITE = "held_big[12345] = 1.0"
 write_cost = paired_cost(cell("--no-return", WRITE), cell("", WRITE), {repeats})
-CHILD = ("import multiprocessing as _mp, time as _t\n_c = _mp.get_context('fork').Process(target=_t.sleep, "
-         "args=(60,), daemon=True)\n_c.start()\n" + WRITE + "\ndel _c")
+CHILD = ("import multiprocessing as _mp, time as _t\\n_c = _mp.get_context('fork').Process(target=_t.sleep, "
+         "args=(60,), daemon=True)\\n_c.start()\\n" + WRITE + "\\ndel _c")
 child_cost = paired_cost(cell("--no-return", CHILD), cell("", CHILD), {repeats})
-local_write = times(lambda: held_big.__setitem__(12345, 1.0), {repeats})
+whole = times(lambda: held_big.clone(), {repeats})
 cleared()
 before = tree_pss_kb()
 history = []
 for _ in range(3):
-    cell("", "step = torch.ones(2**26)\nhistory.append(step[:4].clone())")()
+    cell("", "step = torch.ones(2**26)\\nhistory.append(step[:4].clone())")()
     globals().pop("step", None)
 import gc; gc.collect()
 retained = (tree_pss_kb() - before) / 2**10
+peak_before, peak = peak_gib("step = torch.ones(2**26)\\nhistory.append(step[:4].clone())")
+globals().pop("step", None)
 history.clear()
-print("RESULT", json.dumps([empty, with_samples, reads, digest, with_dicts, write_cost, child_cost,
-                            local_write, retained]))""",
+print("RESULT", json.dumps([empty, with_samples, reads, digest, with_dicts, dicts_untracked, write_cost,
+                            child_cost, whole, retained, peak_before, peak]))""",
         timeout=1800,
     )
-    empty, with_samples, reads, digest, with_dicts, write_cost, child_cost, local_write, retained = found
-    empty, with_samples, reads, digest, with_dicts = map(median, (empty, with_samples, reads, digest, with_dicts))
-    write_cost, child_cost, local_write = map(median, (write_cost, child_cost, local_write))
+    (empty, with_samples, reads, digest, with_dicts, dicts_untracked, write_cost, child_cost, whole) = map(
+        median, found[:9]
+    )
+    retained, peak_before, peak = found[9:]
     trivial = "state cost: a trivial fork cell (x = 1) beside data it does not use"
     read = "state cost: a fork cell that reads the 500,000 samples (n = len(samples))"
     write = "state cost: one element written into a 1 GiB notebook tensor (fork)"
-    memory = "state cost: kernel memory kept after 3 cells, each making 256 MiB and keeping 16 bytes of it"
+    memory = "state cost: 3 cells, each making 256 MiB and keeping 16 bytes of it"
     return [
         Row(trivial, "an empty notebook (reference)", empty, "s", "empty notebook", 1.0, "", repeats),
         Row(
@@ -274,16 +278,35 @@ print("RESULT", json.dumps([empty, with_samples, reads, digest, with_dicts, writ
             "<= 1.2x",
             repeats,
         ),
+        Row(
+            trivial,
+            "1,000,000 small dicts, --no-return (nothing walked: the fork alone)",
+            dicts_untracked,
+            "s",
+            "empty notebook",
+            dicts_untracked / empty,
+            "",
+            repeats,
+        ),
         Row(read, "one digest of the samples, pickle + crc32 (reference)", digest, "s", "one digest", 1.0, "", repeats),
         Row(read, "extra time over the trivial cell", reads, "s", "one digest", reads / digest, "<= 1 digest", repeats),
-        Row(write, "the same write in a local cell (reference)", local_write, "s", "local write", 1.0, "", repeats),
+        Row(
+            write,
+            "one copy of the 1 GiB tensor: what sending it whole costs at least (reference)",
+            whole,
+            "s",
+            "one copy",
+            1.0,
+            "",
+            repeats,
+        ),
         Row(
             write,
             "bringing it back, over --no-return",
             write_cost,
             "s",
-            "local write",
-            write_cost / local_write,
+            "one copy",
+            write_cost / whole,
             "a few pages + a constant",
             repeats,
         ),
@@ -292,12 +315,41 @@ print("RESULT", json.dumps([empty, with_samples, reads, digest, with_dicts, writ
             "the same, with a live forked child of the master",
             child_cost,
             "s",
-            "local write",
-            child_cost / local_write,
+            "one copy",
+            child_cost / whole,
             "a few pages + a constant",
             repeats,
         ),
-        Row(memory, "kernel PSS growth (the 3 kept slices: 48 bytes)", retained, "MiB", "", None, "a few MiB", 1),
+        Row(
+            memory,
+            "kernel PSS kept after the 3 cells (the kept slices: 48 bytes)",
+            retained,
+            "MiB",
+            "",
+            None,
+            "a few MiB",
+            1,
+        ),
+        Row(
+            memory,
+            "one such cell: host memory before it (kernel PSS, reference)",
+            peak_before,
+            "GiB",
+            "kernel before",
+            1.0,
+            "",
+            1,
+        ),
+        Row(
+            memory,
+            "one such cell: peak (PSS of kernel + workers, sampled every 10 ms)",
+            peak,
+            "GiB",
+            "kernel before",
+            peak / peak_before,
+            "",
+            1,
+        ),
     ]
 
 

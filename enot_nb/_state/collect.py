@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
 from enot_nb._serialize.tensors import array_owner, storage_array
-from enot_nb._state.digests import StorageDigest, written_parts
+from enot_nb._state.digests import written_parts
 from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
@@ -99,17 +99,16 @@ def collect(
                     "objects it refers to come back changed)"
                 )
     changes.objects = list(objects.items())
-    changes.storages = [
-        _new_bytes(j, registry.storages[j], snapshot.storages[j]) for j in snapshot.changed_storages(registry)
-    ]
+    storages = snapshot.changed_storages(registry)
+    written = written_parts([registry.storages[j] for j in storages], [snapshot.storages[j] for j in storages])
+    changes.storages = [_new_bytes(j, registry.storages[j], parts) for j, parts in zip(storages, written)]
     return changes, changed
 
 
-def _new_bytes(j: int, storage: Any, before: StorageDigest) -> StorageBytes:
+def _new_bytes(j: int, storage: Any, parts: list[tuple[int, int]] | None) -> StorageBytes:
     """By value, as buffers (the storage itself would travel as a reference to the notebook's):
     only the pages written where pagemap tells them (one element of 1 GiB: a page or two)."""
     data = storage_array(storage)
-    parts = written_parts(storage, before)
     if parts is None or sum(n for _, n in parts) > WHOLE_ABOVE * data.nbytes:
         parts = [(0, data.nbytes)]
         whole = True

@@ -298,20 +298,30 @@ def _owned_since(areas: list[Area]) -> list[Any] | None:
     return [mask if FORKS.at_forks(area) is None else mask | FORKS.at_forks(area) for area, mask in zip(areas, masks)]
 
 
-def written_parts(storage: Any, before: StorageDigest) -> list[tuple[int, int]] | None:
-    """The (offset, length) byte ranges of a changed CPU storage that the cell may have written:
+def written_parts(storages: list[Any], befores: list[StorageDigest]) -> list[list[tuple[int, int]] | None]:
+    """For each changed CPU storage, the (offset, length) byte ranges the cell may have written:
     its pages owned now or at a fork since the snapshot, and those owned before it (compared as
-    one digest). None: all of it (it moved or was resized, it is on a GPU, or pages cannot
-    tell). Each range is a run of whole pages, clipped to the storage."""
+    one digest); each a run of whole pages, clipped to the storage. None: all of it (it is small,
+    it moved or was resized, it is on a GPU, or pages cannot tell). One read of pagemap for all."""
+    areas = [_storage_area(s) for s in storages]
+    paged = [
+        j
+        for j, (area, before) in enumerate(zip(areas, befores))
+        if isinstance(before, PagesDigest) and (before.start, before.size) == area and area[1] >= SCAN_MAX
+    ]
+    found: list[list[tuple[int, int]] | None] = [None] * len(storages)
+    masks = _owned_since([areas[j] for j in paged]) if paged else None
+    for j, mask in zip(paged, masks or ()):
+        before = befores[j]
+        assert isinstance(before, PagesDigest)
+        found[j] = _runs(areas[j], mask | before.mask)
+    return found
+
+
+def _runs(area: Area, pages: Any) -> list[tuple[int, int]]:
+    """The runs of marked pages of an area, as (offset, length) within it."""
     import numpy
 
-    area = _storage_area(storage)
-    if not isinstance(before, PagesDigest) or (before.start, before.size) != area or not area[1]:
-        return None
-    masks = _owned_since([area])
-    if masks is None:
-        return None
-    pages = masks[0] | before.mask
     edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], pages.view(numpy.int8), [0]))))
     base = area[0] // _pagemap.PAGE * _pagemap.PAGE - area[0]  # the first page's start, <= 0
     parts = []
