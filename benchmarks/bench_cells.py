@@ -361,44 +361,30 @@ DDP_CELL = (
 )
 
 
-def ddp_cell(kernel, repeats: int) -> list[Row]:
+def ddp_cell(kernel, repeats: int, method: str) -> list[Row]:
     """The README's DDP cell, second and later runs in one kernel: what the first run's workers
-    imported (torch._dynamo, 822 modules) is kept in the kernel and the fork server (preload)."""
+    imported (torch._dynamo, 822 modules) is kept in the kernel and the fork server (preload).
+    A fresh kernel per start method: its first run must be the first import of torch._dynamo."""
     found = kernel_json(
         kernel,
         f"""
 model = torch.nn.Linear(16, 4)
 from enot_nb._processes import preload
 out = {{}}
-for method in ("fork", "spawn"):
-    run = cell(f"--seed 0 --start-method {{method}}", {DDP_CELL!r})
-    out[method + " trivial"] = times(cell(f"--start-method {{method}}", "x = 1"), {repeats})
-    start = time.perf_counter(); run(); out[method + " first"] = [time.perf_counter() - start]
-    preload.PRELOADER.wait()
-    out[method] = times(run, {repeats}, warmup=0)
+run = cell("--seed 0 --start-method {method}", {DDP_CELL!r})
+out["trivial"] = times(cell("--start-method {method}", "x = 1"), {repeats})
+start = time.perf_counter(); run(); out["first"] = [time.perf_counter() - start]
+preload.PRELOADER.wait()
+out["later"] = times(run, {repeats}, warmup=0)
 print("RESULT", json.dumps(out))""",
     )
+    trivial, first, later = (median(found[k]) for k in ("trivial", "first", "later"))
     name = "the README's DDP cell in one kernel"
-    rows = []
-    for method in ("fork", "spawn"):
-        trivial, first, later = (median(found[k]) for k in (f"{method} trivial", f"{method} first", method))
-        rows += [
-            Row(name, f"{method}: a trivial cell (x = 1, reference)", trivial, "s", "trivial cell", 1.0, "", repeats),
-            Row(
-                name, f"{method}: first run (imports torch._dynamo)", first, "s", "trivial cell", first / trivial, "", 1
-            ),
-            Row(
-                name,
-                f"{method}: second and later runs",
-                later,
-                "s",
-                "trivial cell",
-                later / trivial,
-                "<= 0.5 s",
-                repeats,
-            ),
-        ]
-    return rows
+    return [
+        Row(name, f"{method}: a trivial cell (x = 1, reference)", trivial, "s", "trivial cell", 1.0, "", repeats),
+        Row(name, f"{method}: first run (imports torch._dynamo)", first, "s", "trivial cell", first / trivial, "", 1),
+        Row(name, f"{method}: second and later runs", later, "s", "trivial cell", later / trivial, "<= 0.5 s", repeats),
+    ]
 
 
 def big_tensor(kernel, repeats: int) -> list[Row]:
@@ -643,12 +629,15 @@ def _kernel() -> Iterator[Any]:
 
 
 def run(repeats: int = 5) -> list[Row]:
+    return run_ddp_cell(repeats) + _run_shared(repeats)
+
+
+def _run_shared(repeats: int) -> list[Row]:
     with _kernel() as kernel:
         return (
             state_return(kernel, repeats)
             + state_parity(kernel, repeats)
             + state_cost(kernel, repeats)
-            + ddp_cell(kernel, repeats)
             + big_tensor(kernel, max(3, repeats // 2))
             + output(kernel, max(3, repeats // 2))
             + widgets(kernel, max(3, repeats // 2))
@@ -669,10 +658,12 @@ def run_state(repeats: int = 5) -> list[Row]:
 
 
 def run_ddp_cell(repeats: int = 5) -> list[Row]:
-    """Only the README DDP cell rows (``run_all.py --only ddp``), in a fresh kernel: its first
-    run must be the first import of torch._dynamo."""
-    with _kernel() as kernel:
-        return ddp_cell(kernel, repeats)
+    """The README DDP cell rows (``run_all.py --only ddp``), a fresh kernel per start method."""
+    rows = []
+    for method in ("fork", "spawn"):
+        with _kernel() as kernel:
+            rows += ddp_cell(kernel, repeats, method)
+    return rows
 
 
 def run_state_cost(repeats: int = 5) -> list[Row]:
