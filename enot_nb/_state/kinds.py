@@ -920,8 +920,9 @@ def _same_frame(a: FrameState, b: FrameState) -> bool:
 
 
 _GENERATOR_LOST = Lost(
-    "it advanced in the cell, but a generator's frame cannot be pickled: in the notebook it is "
-    "where it was before the cell"
+    "it advanced in the cell, but a generator's frame cannot be pickled: in the notebook it resumes "
+    "where it was before the cell (the objects its frame holds, such as the iterator it reads, come "
+    "back as the cell left them)"
 )
 _CACHE_LOST = Lost(
     "its cached results (functools.lru_cache keeps them in C) and any attribute the cell set on it "
