@@ -1,4 +1,5 @@
-"""Shared fixtures: every test must leave no child process behind."""
+"""Shared fixtures: every test must leave no child process behind; the differential suites' pair
+of kernels."""
 
 from __future__ import annotations
 
@@ -9,10 +10,18 @@ import time
 import pytest
 
 from tests._util import descendants, is_fork_server_of
+from tests.kernel import running_kernel
 
 
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", help="run the 200-launch soak (slow)")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The differential suites' kernels: one runs cells plainly, the other under the magic."""
+    with running_kernel() as local, running_kernel("%load_ext enot_nb") as dist:
+        yield local, dist
 
 
 @pytest.fixture(autouse=True)

@@ -74,8 +74,9 @@ def check_same_model(script, magic_state):
     assert all(t.device.type == "cpu" for t in state.values())
 
 
-def test_torchrun_one_node_two_processes(exported):
-    script, magic_state = exported
+def _standalone_torchrun(script) -> str:
+    """Run an exported script under ``torchrun --standalone`` with 2 processes; its output, once
+    it succeeded."""
     proc = subprocess.Popen(
         torchrun_cmd("--standalone", "--nproc-per-node", "2", str(script)),
         env=clean_env(PYTHONPATH=str(ROOT)),
@@ -85,6 +86,12 @@ def test_torchrun_one_node_two_processes(exported):
     )
     (out,) = run_all([proc], timeout=120)
     assert proc.returncode == 0, out
+    return out
+
+
+def test_torchrun_one_node_two_processes(exported):
+    script, magic_state = exported
+    out = _standalone_torchrun(script)
     assert helper_lines(out) == {("0", "0", "True", "True"), ("1", "1", "False", "False")}, out
     check_same_model(script, magic_state)
 
@@ -156,15 +163,7 @@ def test_export_cell_without_ipython(tmp_path):
     assert exported.command.startswith("torchrun --nnodes 1 --nproc-per-node 2")
     header = exported.script.read_text()
     assert "Requirements:" in header and "enot_nb" in header
-    proc = subprocess.Popen(
-        torchrun_cmd("--standalone", "--nproc-per-node", "2", str(exported.script)),
-        env=clean_env(PYTHONPATH=str(ROOT)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    (out,) = run_all([proc], timeout=120)
-    assert proc.returncode == 0, out
+    _standalone_torchrun(exported.script)
     assert torch.equal(enot_nb.load_results(exported.script)["total"], torch.full((4,), 6.0))
 
 
@@ -192,15 +191,7 @@ def test_an_exported_cell_brings_a_sharded_model_back_whole(tmp_path):
     exported = enot_nb.export_cell(
         code, tmp_path / "job.py", {"model": model, "torch": torch}, nprocs=2, backend="gloo"
     )
-    proc = subprocess.Popen(
-        torchrun_cmd("--standalone", "--nproc-per-node", "2", str(exported.script)),
-        env=clean_env(PYTHONPATH=str(ROOT)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    (out,) = run_all([proc], timeout=120)
-    assert proc.returncode == 0, out
+    _standalone_torchrun(exported.script)
     back = enot_nb.load_results(exported.script)["model"]
     model(torch.ones(3, 4)).sum().backward()  # the same step here, in one process
     torch.optim.SGD(model.parameters(), lr=0.1).step()

@@ -21,6 +21,7 @@ PRELUDE = (
     "from enot_nb import distributed as ed\ntorch.manual_seed(0)\n"
 )
 LINEAR = "model = torch.nn.Linear(2, 2)\n"
+MAGIC = "%%enot_distributed -n 2 --backend gloo"
 
 # (id, set-up, cell, probes, code run in both kernels after the cell and before the probes)
 CASES = [
@@ -523,52 +524,56 @@ def _probe_code(probes: list[str]) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    with running_kernel() as local, running_kernel("%load_ext enot_nb") as dist:
-        yield local, dist
-
-
 def _fresh(kernel) -> None:
     kernel.ok("%reset -f\n" + PRELUDE)
+
+
+def under_magic(method: str) -> str:
+    """The header that runs a cell distributed, by ``method``."""
+    return f"{MAGIC} --start-method {method}\n"
+
+
+def probe_both(kernels, setups, cells, probes, after: str = "", on_run=None) -> list[list[str]]:
+    """The differential step, in the local kernel and then the distributed one: a fresh
+    namespace, its set-up, its cell (which must not fail; ``on_run(kernel, run)`` may check its
+    output), ``after``, then the probes' reprs. ``setups`` and ``cells``: (local, distributed)."""
+    results = []
+    for kernel, setup, cell in zip(kernels, setups, cells):
+        _fresh(kernel)
+        if setup:
+            kernel.ok(setup)
+        run = kernel.run(cell)
+        assert run.error is None, run.traceback + run.stderr
+        if on_run is not None:
+            on_run(kernel, run)
+        if after:
+            kernel.ok(after)
+        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
+    return results
+
+
+def assert_local_parity(kernels, method, case_id, setup, cell, probes, after: str = "", on_run=None) -> None:
+    """One case of a differential suite: the cell plainly and under the magic, the same probes."""
+    local, dist = probe_both(kernels, (setup, setup), (cell, under_magic(method) + cell), probes, after, on_run)
+    assert dist == local, f"{case_id} differs: local {local}, distributed {dist}"
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("case_id, setup, cell, probes, after", CASES, ids=[c[0] for c in CASES])
 def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell, probes, after):
-    local, dist = kernels
-    results = []
-    for kernel, header in ((local, ""), (dist, f"%%enot_distributed -n 2 --backend gloo --start-method {method}\n")):
-        _fresh(kernel)
-        if setup:
-            kernel.ok(setup)
-        run = kernel.run(header + cell)
-        assert run.error is None, run.traceback + run.stderr
-        if after:
-            kernel.ok(after)
-        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
-    assert results[1] == results[0], f"{case_id} differs: local {results[0]}, distributed {results[1]}"
+    assert_local_parity(kernels, method, case_id, setup, cell, probes, after)
 
 
 def test_a_change_made_only_through_a_librarys_reference_is_outside_the_promise(kernels):
     """README, "What comes back": what the cell cannot reach by its names is not walked, so a
     change made only through a reference that a library holds stays in the worker. This case
     shows the limit; if it ever comes back, the README must say so instead."""
-    local, dist = kernels
     setup, cell = "import json\ndata = [1]\njson.held = data\n", "json.held.append(2)"
-    seen = []
-    for kernel, header in ((local, ""), (dist, f"{MAGIC} --start-method fork\n")):
-        _fresh(kernel)
-        kernel.ok(setup)
-        kernel.ok(header + cell)
-        seen.append(json.loads(kernel.ok(_probe_code(["data"])).stdout))
+    seen = probe_both(kernels, (setup, setup), (cell, under_magic("fork") + cell), ["data"])
     assert seen == [["[1, 2]"], ["[1]"]]
 
 
 # ----------------------------------------------------------------------------- beyond a local cell
-
-
-MAGIC = "%%enot_distributed -n 2 --backend gloo"
 
 
 @pytest.fixture(scope="module")
@@ -782,7 +787,7 @@ def test_a_model_sharded_by_fsdp2_comes_back_whole(kernels, method):
     DTensor". Compared with the same training in a local kernel that is a world of one (the
     ranks see the same data, so the averaged gradients are the same), and then: the notebook's
     own module, class and parameter objects, FSDP's hooks gone, the optimizer over them."""
-    local, dist = kernels
+    _, dist = kernels
     setup = "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
     one = (
         "import torch.distributed as td, socket\ns = socket.socket(); s.bind(('127.0.0.1', 0))\n"
@@ -790,15 +795,11 @@ def test_a_model_sharded_by_fsdp2_comes_back_whole(kernels, method):
         "td.is_initialized() or td.init_process_group(\n"
         "    'gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)"
     )
-    results = []
-    for kernel, header, prepare in ((local, "", one), (dist, f"{MAGIC} --start-method {method}\n", "")):
-        _fresh(kernel)
-        kernel.ok(setup + "w0, cls0 = model[0].weight, type(model)\n" + prepare)
-        run = kernel.run(header + FSDP_CELL)
-        assert run.error is None, run.traceback + run.stderr
-        results.append(json.loads(kernel.ok(_probe_code(FSDP_VALUES)).stdout))
+    setup += "w0, cls0 = model[0].weight, type(model)\n"
+    cells = (FSDP_CELL, under_magic(method) + FSDP_CELL)
+    results = probe_both(kernels, (setup + one, setup), cells, FSDP_VALUES)
     assert results[1] == results[0]
-    plain = kernel.ok(
+    plain = dist.ok(
         _probe_code(
             [
                 "type(model) is cls0 and type(model[0]) is torch.nn.Linear",
@@ -850,7 +851,6 @@ def test_a_model_wrapped_by_fsdp1_comes_back_whole(kernels, method):
     its wrapper and leaves views as plain attributes: the notebook's model comes back with its
     own parameter objects, the trained values (those of the same training in one process), and
     the optimizer over them; the wrapper stays the workers', as DDP does."""
-    local, dist = kernels
     setup = "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
     probes = [
         "[p.tolist() for p in model.parameters()]",
@@ -859,13 +859,8 @@ def test_a_model_wrapped_by_fsdp1_comes_back_whole(kernels, method):
         "[p is q for p, q in zip(opt.param_groups[0]['params'], model.parameters())]",
         "[k for m in model.modules() for k in vars(m) if 'fsdp' in k]",
     ]
-    results = []
-    for kernel, cell in ((local, PLAIN_CELL), (dist, f"{MAGIC} --start-method {method}\n{FSDP1_CELL}")):
-        _fresh(kernel)
-        kernel.ok(setup + "w0 = model[0].weight")
-        run = kernel.run(cell)
-        assert run.error is None, run.traceback + run.stderr
-        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
+    setup += "w0 = model[0].weight"
+    results = probe_both(kernels, (setup, setup), (PLAIN_CELL, under_magic(method) + FSDP1_CELL), probes)
     assert results[1] == results[0]
 
 

@@ -9,13 +9,10 @@ cannot come back: each is named in one line on stderr, never silently left as it
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests._util import METHODS
-from tests.kernel import running_kernel
-from tests.test_state_parity import LINEAR, MAGIC, PRELUDE, _probe_code
+from tests.test_state_parity import LINEAR, MAGIC, _fresh, assert_local_parity
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -107,30 +104,14 @@ NAMED = {
 """The lines a case's distributed cell prints about what could not come back (see below)."""
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    with running_kernel() as local, running_kernel("%load_ext enot_nb") as dist:
-        yield local, dist
-
-
-def _fresh(kernel) -> None:
-    kernel.ok("%reset -f\n" + PRELUDE)
-
-
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("case_id, setup, cell, probes", CASES, ids=[c[0] for c in CASES])
 def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell, probes):
-    local, dist = kernels
-    results = []
-    for kernel, header in ((local, ""), (dist, f"{MAGIC} --start-method {method}\n")):
-        _fresh(kernel)
-        kernel.ok(setup)
-        run = kernel.run(header + cell)
-        assert run.error is None, run.traceback + run.stderr
+    def named_only_as_expected(kernel, run) -> None:
         named = [line for line in run.stderr.splitlines() if "enot_nb" in line]  # notes: checked below
-        assert sorted(named) == sorted(NAMED.get(case_id, []) * (kernel is dist)), run.stderr + run.stdout
-        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
-    assert results[1] == results[0], f"{case_id} differs: local {results[0]}, distributed {results[1]}"
+        assert sorted(named) == sorted(NAMED.get(case_id, []) * (kernel is kernels[1])), run.stderr + run.stdout
+
+    assert_local_parity(kernels, method, case_id, setup, cell, probes, on_run=named_only_as_expected)
 
 
 # ----------------------------------------------------------------------------- named, not lost

@@ -8,14 +8,13 @@ modules. Each probe reads what the bug lost, so the unfixed code fails it.
 
 from __future__ import annotations
 
-import json
 import struct
 
 import pytest
 
 from enot_nb._state.states import same_value
 from tests._util import METHODS
-from tests.test_state_parity import _fresh, _probe_code, kernels  # noqa: F401 - the module's fixture
+from tests.test_state_parity import _fresh, assert_local_parity, under_magic
 
 SPARSE = "dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])\n"
 
@@ -169,30 +168,19 @@ CASES = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("case_id, setup, cell, probes, after", CASES, ids=[c[0] for c in CASES])
-def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell, probes, after):  # noqa: F811
-    local, dist = kernels
-    results = []
-    for kernel, header in ((local, ""), (dist, f"%%enot_distributed -n 2 --backend gloo --start-method {method}\n")):
-        _fresh(kernel)
-        if setup:
-            kernel.ok(setup)
-        run = kernel.run(header + cell)
-        assert run.error is None, run.traceback + run.stderr
-        if after:
-            kernel.ok(after)
-        results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
-    assert results[1] == results[0], f"{case_id} differs: local {results[0]}, distributed {results[1]}"
+def test_distributed_cell_is_a_local_cell(kernels, method, case_id, setup, cell, probes, after):
+    assert_local_parity(kernels, method, case_id, setup, cell, probes, after)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", METHODS)
-def test_a_hook_that_cannot_be_pickled_is_named_and_the_rest_comes_back(kernels, method):  # noqa: F811
+def test_a_hook_that_cannot_be_pickled_is_named_and_the_rest_comes_back(kernels, method):
     _, dist = kernels
     _fresh(dist)
     dist.ok("import threading\nt = torch.ones(2, requires_grad=True)")
     dist.ok(
-        f"%%enot_distributed -n 2 --backend gloo --start-method {method}\nlock = threading.Lock()\n"
+        under_magic(method) + "lock = threading.Lock()\n"
         "t.register_hook(lambda g, lock=lock: g * 2)\nt.data.mul_(3)\nkept = 1"
     )
     notes = dist.ok("import enot_nb as __e\nprint(__e.last_notes())").stdout
@@ -205,10 +193,10 @@ def test_a_hook_that_cannot_be_pickled_is_named_and_the_rest_comes_back(kernels,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", METHODS)
-def test_a_sparse_tensor_made_in_a_cell_is_freed_when_the_notebook_drops_it(kernels, method):  # noqa: F811
+def test_a_sparse_tensor_made_in_a_cell_is_freed_when_the_notebook_drops_it(kernels, method):
     _, dist = kernels
     _fresh(dist)
-    dist.ok(f"%%enot_distributed -n 2 --backend gloo --start-method {method}\nn = torch.eye(2).to_sparse()")
+    dist.ok(under_magic(method) + "n = torch.eye(2).to_sparse()")
     check = dist.ok("import gc, weakref\nref = weakref.ref(n)\ndel n\ngc.collect()\nprint(ref() is None)")
     assert check.stdout == "True\n"
 

@@ -196,14 +196,25 @@ def _make_whole(namespace: dict[str, Any], name: str, before: dict[str, dict[str
     module, wrapper = namespace[name], _fsdp1_type()
     if wrapper is not None and isinstance(module, wrapper):
         inner = _unwrapped(module)
-        held = next((n for n, v in namespace.items() if v is inner and n in before), None)
-        return _unflatten(inner, before.get(held, {}) if held else {}, full)
+        return _unflatten(inner, _originals_of(inner, namespace, before), full)
     return make_plain(module, before.get(name, {}), full)
 
 
 def _fsdp1_type() -> Any:
     module = sys.modules.get("torch.distributed.fsdp")
     return getattr(module, "FullyShardedDataParallel", None)
+
+
+def _originals_of(module: Any, namespace: dict[str, Any], before: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The tensors ``module`` held before the cell (see originals), found by the name that holds it."""
+    held = next((n for n, v in namespace.items() if v is module and n in before), None)
+    return before[held] if held is not None else {}
+
+
+def _remove_fsdp_flags(module: Any) -> None:
+    """The attributes FSDP set on a module: its flags and the composable API's state keys."""
+    for key in [k for k in module.__dict__ if k in _FSDP_KEYS or k.startswith(_COMPOSABLE_KEY)]:
+        del module.__dict__[key]
 
 
 def _unwrapped(module: Any) -> Any:
@@ -228,8 +239,7 @@ def _unflatten(module: Any, originals: dict[str, Any], full: dict[str, Any] | No
 
     flat = getattr(sys.modules.get("torch.distributed.fsdp._flat_param"), "FlatParameter", None)
     for sub in module.modules():
-        for key in [k for k in sub.__dict__ if k in _FSDP_KEYS or k.startswith(_COMPOSABLE_KEY)]:
-            del sub.__dict__[key]
+        _remove_fsdp_flags(sub)
         for key in [k for k, p in sub._parameters.items() if flat is not None and isinstance(p, flat)]:
             del sub._parameters[key]  # FSDP1's flat parameter, registered on the module it wraps
     now: dict[str, Any] = {}
@@ -264,8 +274,7 @@ def make_plain(module: Any, originals: dict[str, Any], full: dict[str, Any] | No
         if fsdp is not None and isinstance(sub, fsdp):
             sub.__class__ = next(c for c in type(sub).__mro__ if not issubclass(c, fsdp))
         _remove_fsdp_hooks(sub)
-        for key in [k for k in sub.__dict__ if k in _FSDP_KEYS or k.startswith(_COMPOSABLE_KEY)]:
-            del sub.__dict__[key]
+        _remove_fsdp_flags(sub)
         for table, make in ((sub._parameters, _as_parameter), (sub._buffers, _as_buffer)):
             for leaf, tensor in list(table.items()):
                 qualified = f"{prefix}.{leaf}" if prefix else leaf
@@ -339,8 +348,7 @@ def restore_as_before(
     for name in modules:
         if wrapper is not None and isinstance(namespace[name], wrapper):
             inner = _unwrapped(namespace[name])
-            held = next((n for n, v in namespace.items() if v is inner and n in before), None)
-            _unflatten(inner, before.get(held, {}) if held else {}, None)
+            _unflatten(inner, _originals_of(inner, namespace, before), None)
         if name in before and namespace[name] is bound_before.get(name):
             make_plain(namespace[name], before[name], None)
         elif name in bound_before:

@@ -210,22 +210,16 @@ def train_sharded(steps: int) -> dict:
     """FSDP2 on every rank (the same data), returning the sharded model and its optimizer."""
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    fully_shard(model[0])
-    fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        model(torch.ones(3, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    return {"model": model, "opt": opt}
+    return train_plain(steps, shard=lambda model: (fully_shard(model[0]), fully_shard(model)))
 
 
-def train_plain(steps: int) -> dict:
-    """The same training in one process: what train_sharded must come back as."""
+def train_plain(steps: int, shard=None) -> dict:
+    """The same training in one process (``shard``: how train_sharded shards the model first):
+    what train_sharded must come back as."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    if shard is not None:
+        shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     for _ in range(steps):
         model(torch.ones(3, 4)).sum().backward()
