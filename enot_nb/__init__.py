@@ -4,6 +4,8 @@ Public surface:
 
 * ``%load_ext enot_nb`` then ``%%enot_distributed -n 4``: run a cell on 4 processes.
 * :func:`notebook_launcher`: run a function on N supervised worker processes.
+* ``%enot_session start -n 2`` / :class:`Session`: workers that live across cells;
+  :func:`session` returns the live one.
 * :mod:`enot_nb.distributed`: the functional API, also usable under torchrun.
 """
 
@@ -24,6 +26,7 @@ from enot_nb.errors import (
 )
 from enot_nb.export import export_cell, load_results
 from enot_nb.launcher import notebook_launcher
+from enot_nb.sessions import Session, session
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -40,6 +43,8 @@ __all__ = [
     "last_notes",
     "load_results",
     "notebook_launcher",
+    "Session",
+    "session",
 ]
 
 

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
-from enot_nb._launch.attempt import Attempt
+from enot_nb._launch.attempt import RECONNECTS, Attempt
 from enot_nb._launch.options import ConflictingFlagsError, LaunchOptions
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._processes import rendezvous as _rendezvous
@@ -171,10 +171,6 @@ def launch_job(
                 finish(release)
             finally:
                 finish(release)  # a no-op, unless a press landed on the line above
-
-
-# Times a launch is started again when its ranks fail to connect before any user code ran.
-RECONNECTS = 2
 
 
 def run_plan(

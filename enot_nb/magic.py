@@ -18,23 +18,23 @@ import datetime
 import re
 import shlex
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
-from enot_nb._launch.notes import NOTES, Note
+from enot_nb._launch.bring_back import CellInterrupted, bring_back
+from enot_nb._launch.notes import NOTES
 from enot_nb._launch.options import LaunchOptions
 from enot_nb._processes import preload
 from enot_nb._state import apply, reach
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap
 from enot_nb._worker import cell as _cell
-from enot_nb.errors import LaunchInterrupted, WorkerFailedError
+from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailedError
 from enot_nb.launcher import LaunchConfigError, LaunchPlan, launch_job, plan_launch
 
 if TYPE_CHECKING:
@@ -51,22 +51,59 @@ def _names(text: str | None) -> list[str] | None:
     return names
 
 
-@magics_class
-class EnotMagics(Magics):
-    """The ``%%enot_distributed`` cell magic."""
-
-    @magic_arguments()
-    @argument("-n", "--nprocs", type=int, default=None, help="processes to start (default: one per visible GPU)")
-    @argument("--backend", default=None, help="nccl or gloo (default: nccl when each rank has a GPU)")
-    @argument("--seed", type=int, default=None, help="seed random, NumPy and torch on every rank")
-    @argument("--speed", action="store_true", help="cuDNN benchmark and TF32 (init_torch's cuda_optimize_for_speed)")
-    @argument("--reproducible", action="store_true", help="deterministic algorithms (init_torch's cuda_reproducible)")
-    @argument(
+# The options that decide the workers, defined once: a one-off cell's (%%enot_distributed) and a
+# session's (%enot_session start / restart). A session cell refuses them (WORKER_FLAGS).
+_WORKER_ARGUMENTS = (
+    argument("-n", "--nprocs", type=int, default=None, help="processes to start (default: one per visible GPU)"),
+    argument("--backend", default=None, help="nccl or gloo (default: nccl when each rank has a GPU)"),
+    argument("--seed", type=int, default=None, help="seed random, NumPy and torch on every rank"),
+    argument("--speed", action="store_true", help="cuDNN benchmark and TF32 (init_torch's cuda_optimize_for_speed)"),
+    argument("--reproducible", action="store_true", help="deterministic algorithms (init_torch's cuda_reproducible)"),
+    argument(
         "--start-method",
         choices=["fork", "spawn"],
         default=None,
         help="fork the kernel, or start clean workers (default: fork unless CUDA is initialized in the kernel)",
-    )
+    ),
+    argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT.total_seconds(),
+        metavar="SECONDS",
+        help=f"process group timeout for collectives (default: {DEFAULT_TIMEOUT.total_seconds():g})",
+    ),
+)
+_NODE_ARGUMENTS = (
+    argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)"),
+    argument("--master-port", type=int, default=None, help="port on node 0 (default: a free one)"),
+    argument("--nnodes", type=int, default=1, help="number of nodes running this cell"),
+    argument("--node-rank", type=int, default=0, help="rank of this node"),
+    argument("--max-restarts", type=int, default=0, help="restart a failed group this many times"),
+)
+WORKER_FLAGS = frozenset(
+    {"-n", "--nprocs", "--backend", "--seed", "--speed", "--reproducible", "--start-method", "--timeout"}
+    | {"--master-addr", "--master-port", "--nnodes", "--node-rank", "--max-restarts"}
+)
+"""The flags of _WORKER_ARGUMENTS and _NODE_ARGUMENTS: they would change a session's workers."""
+
+
+def _with_arguments(*decorators: Any) -> Any:
+    """Apply shared magic_arguments ``argument``s, in the order written."""
+
+    def apply(function: Any) -> Any:
+        for decorator in reversed(decorators):
+            function = decorator(function)
+        return function
+
+    return apply
+
+
+@magics_class
+class EnotMagics(Magics):
+    """The ``%%enot_distributed`` cell magic; ``%enot_session`` and ``%enot_pull``."""
+
+    @magic_arguments()
+    @_with_arguments(*_WORKER_ARGUMENTS[:6])
     @argument(
         "--output", choices=["master", "all", "none"], default="master", help="whose output to show (default: master)"
     )
@@ -74,7 +111,7 @@ class EnotMagics(Magics):
         "--sync",
         default=None,
         metavar="NAME[,NAME]",
-        help="models to sync before the cell (default: every model the cell uses)",
+        help="models to sync before the cell (default: every model the cell uses; in a session: none)",
     )
     @argument("--no-sync", action="store_true", help="do not sync models before the cell")
     @argument(
@@ -90,20 +127,9 @@ class EnotMagics(Magics):
         choices=["discard", "keep"],
         default="discard",
         help="when a rank fails: leave the notebook as it was (discard, the default), or "
-        "keep the state the master reached (best effort)",
+        "keep the state the master reached (best effort); a session cell always keeps it",
     )
-    @argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT.total_seconds(),
-        metavar="SECONDS",
-        help=f"process group timeout for collectives (default: {DEFAULT_TIMEOUT.total_seconds():g})",
-    )
-    @argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
-    @argument("--master-port", type=int, default=None, help="port on node 0 (default: a free one)")
-    @argument("--nnodes", type=int, default=1, help="number of nodes running this cell")
-    @argument("--node-rank", type=int, default=0, help="rank of this node")
-    @argument("--max-restarts", type=int, default=0, help="restart a failed group this many times")
+    @_with_arguments(_WORKER_ARGUMENTS[6], *_NODE_ARGUMENTS)
     @argument(
         "--export",
         default=None,
@@ -111,22 +137,55 @@ class EnotMagics(Magics):
         help="do not run: write a torchrun script for this cell at PATH, with the variables "
         "it uses beside it (see enot_nb.load_results)",
     )
+    @argument("--fresh", action="store_true", help="while a session runs: run this cell as a one-off launch")
     @cell_magic
     def enot_distributed(self, line: str, cell: str) -> Any:
-        """Run this cell on several processes; the master's results come back to the notebook."""
+        """Run this cell on several processes; the master's results come back to the notebook.
+        While a session runs (%enot_session start), the cell runs on its workers."""
+        from enot_nb.sessions import session
+
+        live = session()
+        if live is not None:
+            args = parse_argstring(EnotMagics.enot_distributed, line)
+            if not args.fresh:
+                return run_session_cell(self.shell, live, cell, args, line)
         args, plan = parse_options(line)
         return run_distributed_cell(self.shell, cell, args, plan, line)
 
+    @magic_arguments()
+    @argument(
+        "action",
+        nargs="?",
+        choices=["start", "stop", "restart", "status"],
+        default="status",
+        help="start the session's workers, stop them, start them again, or show them (the default)",
+    )
+    @_with_arguments(*_WORKER_ARGUMENTS)
+    @argument(
+        "--mirror",
+        choices=["all", "none"],
+        default="all",
+        help="all: the notebook mirrors the master after every cell, and plain cells' changes reach "
+        "every rank; none: nothing flows unless asked (%%enot_pull, session.push)",
+    )
+    @line_magic
+    def enot_session(self, line: str) -> Any:
+        """Workers that live across cells: ``%enot_session start -n 2``, ``%enot_session``
+        (their table), ``%enot_session restart``, ``%enot_session stop``."""
+        return run_session_magic(self.shell, line)
 
-@dataclass
-class _Bundle:
-    """Shows display data computed in a worker as this cell's Out."""
+    @line_magic
+    def enot_pull(self, line: str) -> None:
+        """``%enot_pull NAME[,NAME]``: bind the session master's values in the notebook."""
+        from enot_nb.sessions import session
 
-    data: dict
-    metadata: dict
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:
-        return self.data, self.metadata
+        live = session()
+        if live is None:
+            raise UsageError("%enot_pull: no session is running; start one with `%enot_session start -n N`")
+        names = _names(line.strip() or None)
+        if names is None:
+            raise UsageError("%enot_pull NAME[,NAME]: name the variables to bring back, e.g. %enot_pull model")
+        live.pull(*names)
 
 
 def parse_options(line: str) -> tuple[argparse.Namespace, LaunchPlan | None]:
@@ -239,7 +298,7 @@ def _run_cell_job(
         return None
     if args.no_return:
         print("enot_nb: --no-return: nothing came back; the notebook is as it was before the cell", file=sys.stderr)
-    return _bring_back(shell, registry, outcome, options)
+    return bring_back(shell.user_ns, registry, outcome, options)
 
 
 def _check_sync(namespace: dict[str, Any], names: list[str] | None) -> None:
@@ -259,22 +318,11 @@ def _check_sync(namespace: dict[str, Any], names: list[str] | None) -> None:
             )
 
 
-class CellInterrupted(KeyboardInterrupt):
-    """A distributed cell was stopped; shown as a local cell's KeyboardInterrupt (no launcher
-    frames: the ranks' own stacks were printed above)."""
-
-    def _render_traceback_(self) -> list[str]:
-        return ["KeyboardInterrupt: the cell was stopped on every rank (their stacks are above)"]
-
-
-CellInterrupted.__name__ = CellInterrupted.__qualname__ = "KeyboardInterrupt"  # as a local cell
-
-
 def _after_interrupt(shell: InteractiveShell, registry: Registry, options: _cell.CellOptions, partial: Any) -> None:
     if options.no_return:
         return
     if isinstance(partial, _cell.CellOutcome):
-        _bring_back(shell, registry, partial, options, show_value=False)
+        bring_back(shell.user_ns, registry, partial, options, show_value=False)
         print(
             "enot_nb: interrupted; the notebook keeps the state rank 0 had reached, as a local cell would",
             file=sys.stderr,
@@ -291,7 +339,7 @@ def _after_failure(
     shell: InteractiveShell, registry: Registry, options: _cell.CellOptions, partial: Any, code: str
 ) -> None:
     if options.keep_on_error and isinstance(partial, _cell.CellOutcome):
-        _bring_back(shell, registry, partial, options, show_value=False)
+        bring_back(shell.user_ns, registry, partial, options, show_value=False)
         print(
             "enot_nb: --on-error keep: the notebook holds the state rank 0 had reached when the cell failed",
             file=sys.stderr,
@@ -366,56 +414,136 @@ def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> Non
     return None
 
 
-def _bring_back(
-    shell: InteractiveShell,
-    registry: Registry,
-    outcome: _cell.CellOutcome,
-    options: _cell.CellOptions,
-    show_value: bool = True,
-) -> Any:
-    """Apply the master's changes to the notebook, in place; say what could not come back."""
-    changes = apply.load(outcome.state, registry) if outcome.state is not None else None
-    problems = []
-    if changes is not None:
-        problems = apply.apply_changes(shell.user_ns, registry, changes, options.returns)
-    for line in problems:  # something the cell changed did not reach the notebook: an error
-        print(f"enot_nb: {line}", file=sys.stderr)
-    notes = [Note(name, f"{name!r} was not brought back: {reason}") for name, reason in outcome.not_returned.items()]
-    if outcome.detached:
-        names = ", ".join(outcome.detached)
-        notes.append(
-            Note(
-                f"detached {names}",
-                f"{names}: came back without the autograd graph, which stays in the worker; call "
-                "backward() inside the distributed cell",
+# ----------------------------------------------------------------------------- sessions
+
+
+def _worker_flags_given(args: argparse.Namespace) -> list[str]:
+    """The flags among WORKER_FLAGS whose values differ from their defaults."""
+    defaults = parse_argstring(EnotMagics.enot_distributed, "")
+    return [
+        flag
+        for flag in sorted(WORKER_FLAGS)
+        if flag.startswith("--")
+        and hasattr(args, flag[2:].replace("-", "_"))
+        and getattr(args, flag[2:].replace("-", "_")) != getattr(defaults, flag[2:].replace("-", "_"))
+    ] + (["-n"] if getattr(args, "nprocs", None) is not None else [])
+
+
+def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args: argparse.Namespace, line: str) -> Any:
+    """``%%enot_distributed`` while a session runs: the cell runs on the session's workers."""
+    from enot_nb._launch.session_flow import CellRun
+
+    if shell is None:
+        raise UsageError("%%enot_distributed runs inside IPython or Jupyter")
+    changing = [f for f in _worker_flags_given(args) if f != "--nprocs"]
+    if changing:
+        flag = changing[-1] if "-n" in changing else changing[0]
+        raise UsageError(
+            f"%%enot_distributed {flag}: a session is running, and {flag} would change its workers; "
+            f"run `%enot_session restart {flag} ...` to start them again with it, or add --fresh to run "
+            "this cell as a one-off launch"
+        )
+    tokens = shlex.split(line)
+    if args.on_error == "discard" and any(t.startswith("--on") for t in tokens):
+        raise UsageError(
+            "%%enot_distributed --on-error discard: a session's ranks live on and cannot roll a failed cell "
+            "back; the notebook keeps the master's state at the failure, as a local cell keeps its partial "
+            "changes. Drop the flag, or add --fresh to run this cell as a one-off launch"
+        )
+    if args.export:
+        if live.mirror_mode == "none":
+            raise UsageError(
+                "%%enot_distributed --export: refused under --mirror none, where the notebook does not hold "
+                "the session's state; pull what the script needs first (%enot_pull NAME)"
             )
-        )
-    if outcome.moved_to_cpu:
-        notes.append(
-            Note(
-                "moved_to_cpu",
-                f"{outcome.moved_to_cpu} CUDA tensor(s) came back on the CPU, so this kernel does not "
-                "initialize CUDA and later cells still start fast",
-            )
-        )
-    NOTES.show(notes)
-    if outcome.unbound_returns:
-        print(
-            f"enot_nb: --return {','.join(outcome.unbound_returns)}: the cell bound or changed no "
-            "such variable; everything else came back",
-            file=sys.stderr,
-        )
-    if not show_value or not outcome.has_value:
+        parsed, plan = parse_options(line)
+        return run_distributed_cell(shell, cell, parsed, plan, line)
+    if args.sync and args.no_sync:
+        raise UsageError("--sync and --no-sync contradict each other; keep one")
+    if args.returns and args.no_return:
+        raise UsageError("--return and --no-return contradict each other; keep one")
+    code = shell.transform_cell(cell)
+    NOTES.start_cell()
+    run = CellRun(
+        output=args.output,
+        returns=_names(args.returns),
+        no_return=args.no_return,
+        sync=None if args.no_sync else _names(args.sync),
+        first_line=2,
+        source_header=f"%%enot_distributed {line}\n",
+    )
+    _check_sync(shell.user_ns, run.sync)
+    failure: BaseException | None = None
+    try:
+        return live.run_cell(code, run)
+    except WorkerFailedError as err:
+        failure = err.with_traceback(None)
+    except LaunchError as err:  # a stale variable changed here, a closed session
+        failure = UsageError(f"%%enot_distributed: {err}")
+    raise failure
+
+
+def run_session_magic(shell: InteractiveShell | None, line: str) -> Any:
+    """``%enot_session [start|stop|restart|status] [options]``."""
+    from enot_nb.sessions import Session, session
+
+    args = parse_argstring(EnotMagics.enot_session, line)
+    live = session()
+    given = _worker_flags_given(args) + (["--mirror"] if args.mirror != "all" else [])
+    if args.action == "status":
+        if given:
+            raise UsageError("%enot_session: options go with start or restart, e.g. %enot_session start -n 2")
+        if live is None:
+            print("enot_nb: no session is running; start one with `%enot_session start -n N`")
+            return None
+        return live.status()
+    if args.action == "stop":
+        if live is None:
+            print("enot_nb: no session is running")
+            return None
+        live.close()
+        print("enot_nb: session stopped; its workers are gone, the notebook keeps what it holds", file=sys.stderr)
         return None
-    if (
-        outcome.value_name is not None
-        and outcome.value_name not in outcome.not_returned
-        and outcome.value_name not in outcome.detached
-    ):  # else shown as the worker had it
-        return shell.user_ns.get(outcome.value_name)
-    if changes is not None and changes.has_value:
-        return changes.value
-    return _Bundle(*outcome.value_bundle) if outcome.value_bundle else None
+    if args.action == "start" and live is not None:
+        raise UsageError(
+            "%enot_session start: a session is already running; `%enot_session restart ...` starts its "
+            "workers again (with other options, if given), `%enot_session stop` ends it"
+        )
+    if args.action == "restart" and live is not None and not given:
+        live.restart("asked for")
+        return None
+    options = _session_options(args, live.options if live is not None else None, live.mirror_mode if live else None)
+    if live is not None:
+        live.close()
+    try:
+        Session(**options, namespace=shell.user_ns if shell is not None else None)
+    except LaunchConfigError as err:
+        flag = LaunchOptions.FLAGS.get(err.parameter or "")
+        raise UsageError(f"%enot_session{' ' + flag if flag else ''}: {in_magic_words(str(err))}") from None
+    return None
+
+
+def _session_options(args: argparse.Namespace, before: LaunchOptions | None, mirror: str | None) -> dict[str, Any]:
+    """A session's options from the magic's flags; on a restart, the flags given replace the
+    running session's options, the others are kept."""
+    defaults = parse_argstring(EnotMagics.enot_session, "")
+    fields = {
+        "nprocs": "nprocs",
+        "backend": "backend",
+        "seed": "seed",
+        "cuda_optimize_for_speed": "speed",
+        "cuda_reproducible": "reproducible",
+        "start_method": "start_method",
+        "timeout": "timeout",
+    }
+    options: dict[str, Any] = {}
+    for name, dest in fields.items():
+        value = getattr(args, dest)
+        if before is not None and value == getattr(defaults, dest):
+            value = getattr(before, name)
+        options[name] = value
+    options["mirror"] = mirror if mirror is not None and args.mirror == defaults.mirror else args.mirror
+    return options
 
 
 def check_cell_syntax(lines: list[str]) -> list[str]:

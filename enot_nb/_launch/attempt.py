@@ -56,6 +56,8 @@ INTERRUPT_SAVE_WAIT = float(os.environ.get("ENOT_NB_INTERRUPT_SAVE_WAIT", "2.0")
 # (a TCP store on loopback). See rendezvous.
 RENDEZVOUS = os.environ.get("ENOT_NB_RENDEZVOUS", "file")
 _ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+# Times a launch is started again when its ranks fail to connect before any user code ran.
+RECONNECTS = 2
 
 
 def rank_environment(plan: LaunchPlan, local_rank: int, address: str, port: int, attempt: int) -> dict[str, str]:
@@ -196,37 +198,47 @@ class Attempt:
         shipped: tuple[bytes, list[int]] | None,
         attempt: int,
         on_message: Callable[[FrontEndMessage], None] | None = None,
+        session: bool = False,
+        session_server: forkserver_client.ForkServer | None = None,
     ):
         self.plan, self.job, self.shipped, self.attempt = plan, job, shipped, attempt
         self.on_message = on_message
+        self.duplex = session  # a session's: each message pipe is a socket pair, for commands too
+        self.session_server = session_server  # a spawn session's own fork server; None: the shared one
         self.ranks: list[Rank] = []
         self.io: RankIO | None = None
         self.group: WorkerGroup | None = None
         self.failures: list[WorkerFailure] = []
         self.result_fd: int | None = None
         self.rendezvous_dir: str | None = None
-        self.multiprocessing_dir: str | None = None
-        """The ranks' multiprocessing folder (DataLoader workers' sockets), removed at close."""
+        self.multiprocessing_dir: str | None = None  # DataLoader workers' sockets; removed at close
         self.stopper = Stopper(self)
 
     def run(self) -> Outcome:
         try:
-            self._start()
+            self.start()
             self._supervise()
-            return self._collect()
+            return collect(self.plan, self.ranks, self.failures, self.result_fd)
         except KeyboardInterrupt:
             self.stopper.interrupt()
-            raise LaunchInterrupted(self._partial()) from None
+            raise LaunchInterrupted(partial_state(self.ranks, self.result_fd)) from None
         finally:
             try:
-                finish(self._close)
+                self.close()
             finally:
-                finish(self._close)  # a no-op, unless a press landed on the line above
                 keep_imports(self.ranks)
 
     # ------------------------------------------------------------------------- start
 
-    def _start(self) -> None:
+    def close(self) -> None:
+        """Kill and reap every rank, release every resource: once, whatever a press cuts."""
+        try:
+            finish(self._close)
+        finally:
+            finish(self._close)  # a no-op, unless a press landed on the line above
+
+    def start(self) -> None:
+        """Start every rank (a session's runs until told to stop); ``close`` undoes it."""
         try:
             self._start_now()
         except OSError as err:  # EMFILE, EAGAIN, ENOMEM: one clear error (close cleans up)
@@ -236,7 +248,7 @@ class Attempt:
         # A stop press may land between any two lines: each resource is made and recorded here
         # (for _close) with presses held, so none is made and then lost.
         with interrupts_deferred():
-            ranks = make_ranks(self.plan.nprocs, self.plan.node_rank, self.plan.output)
+            ranks = make_ranks(self.plan.nprocs, self.plan.node_rank, self.plan.output, self.duplex)
             try:
                 self.io = RankIO(ranks, self.on_message, self._record_error)  # owns the pipes
             except OSError:  # EMFILE for the selector itself
@@ -320,12 +332,6 @@ class Attempt:
         self.failures.append(WorkerFailure.raised(r.rank, info, self.attempt, r.sinks["err"].tail()))
 
     # ------------------------------------------------------------------------- collect, close
-
-    def _collect(self) -> Outcome:
-        return collect(self.plan, self.ranks, self.failures, self.result_fd)
-
-    def _partial(self) -> Any:
-        return partial_state(self.ranks, self.result_fd)
 
     def _close(self) -> None:
         """Everything the attempt holds, released: each once, however often this runs (see
@@ -460,7 +466,7 @@ def make_group(started: Attempt) -> WorkerGroup:
     result = [result_fd] if result_fd is not None else []
     layout = LaunchFds(ranks=len(specs), results=len(result), shared=len(shared))
     fds = [r.pipes[name][1] for r in ranks for name in ("out", "err", "msg")] + result + shared
-    return ServerGroup(specs, fds, job_bytes, layout)
+    return ServerGroup(specs, fds, job_bytes, layout, started.session_server)
 
 
 def _not_for(r: Rank, ranks: list[Rank]) -> list[int]:

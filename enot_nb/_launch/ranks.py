@@ -3,8 +3,8 @@
 Each rank has three pipes (stdout, stderr, messages). ``RankIO`` reads whichever is ready,
 forwards output to the sinks (shown or not by the output mode), and keeps the rank's outcome
 (Result, Done or ErrorReport), its partial state (Partial) and any other message, which goes
-to ``on_message`` (display data, ...) exactly between the output written before and after it
-(the worker fences its streams, see output.Fenced).
+to ``on_message`` (display data, ...); each is handled exactly between the output written
+before and after it (the worker fences its streams before every message, see output.Fenced).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import selectors
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,11 +26,12 @@ from enot_nb._processes.protocol import (
     ClearOutput,
     CommMessage,
     Connected,
+    DeviceMemory,
     Display,
     Done,
     ErrorReport,
-    FencedMessage,
     FrontEndMessage,
+    Groups,
     Imported,
     MessageKind,
     Partial,
@@ -56,6 +58,8 @@ class Rank:
     payload: Payload | None = None  # rank 0's result (its Result message)
     partial: Payload | None = None  # rank 0's state at an interrupt or failure (Partial)
     imported: tuple[str, ...] = ()  # what a cell's master imported (Imported; see preload)
+    groups: Groups | None = None  # a session rank's answer to ReportGroups
+    device_memory: DeviceMemory | None = None  # a session rank's GPU memory after its last task
     stack_text: str = ""
     stop_signals: set[int] = field(default_factory=set)  # the stop signals we sent it
     connected: bool = False  # it got past init_process_group (Connected)
@@ -75,8 +79,10 @@ class Rank:
         return -exitcode in self.stop_signals or signal.SIGINT in self.stop_signals
 
 
-def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:
-    """A Rank, with its pipes, per local rank; on failure (EMFILE) every pipe made is closed."""
+def make_ranks(nprocs: int, node_rank: int, output: str, duplex: bool = False) -> list[Rank]:
+    """A Rank, with its pipes, per local rank; on failure (EMFILE) every pipe made is closed.
+    ``duplex``: the message pipe is a Unix socket pair, so that the launcher can also send the
+    worker commands on it (a session's worker; see _worker/session_loop)."""
     ranks: list[Rank] = []
     try:
         for local_rank in range(nprocs):
@@ -92,11 +98,17 @@ def make_ranks(nprocs: int, node_rank: int, output: str) -> list[Rank]:
                 )
             )
             for name in STREAMS:
-                ranks[-1].pipes[name] = os.pipe()
+                ranks[-1].pipes[name] = _socket_pair() if duplex and name == "msg" else os.pipe()
     except OSError as err:
         close_pipes(ranks)
         raise starts.start_error(err, f"the pipes of {nprocs} workers could not be made") from err
     return ranks
+
+
+def _socket_pair() -> tuple[int, int]:
+    """(the launcher's end, the worker's end) of a Unix socket pair, as bare descriptors."""
+    ours, theirs = socket.socketpair()
+    return ours.detach(), theirs.detach()
 
 
 def close_pipes(ranks: list[Rank]) -> None:
@@ -170,25 +182,24 @@ class RankIO:
             r.sinks[name].feed(data, force_show=force_show)
 
     def _message(self, r: Rank, message: WorkerMessage) -> None:
+        """A message, shown after the output the worker wrote before it (it fences its streams
+        before every message, outcomes included: a session's worker goes on printing after
+        each cell's outcome)."""
+        for name in ("out", "err"):
+            while name in r.open_reads and r.fenced[name].fences <= r.handled and self.read(r, name):
+                pass
         match message:
             case Result(payload):
                 r.outcome, r.payload = message.kind, payload
             case Done():
                 r.outcome = message.kind
+            case Groups():
+                r.groups = message
+            case DeviceMemory():
+                r.device_memory = message
             case ErrorReport():
                 r.outcome = message.kind
                 self.on_error(r, message)
-            case Connected() | Partial() | Imported() | Display() | ClearOutput() | CommMessage():
-                self._fenced_message(r, message)
-            case _:
-                assert_never(message)
-
-    def _fenced_message(self, r: Rank, message: FencedMessage) -> None:
-        """A message the worker fenced its output for: shown after what came before it."""
-        for name in ("out", "err"):
-            while name in r.open_reads and r.fenced[name].fences <= r.handled and self.read(r, name):
-                pass
-        match message:
             case Connected():
                 r.connected = True
                 log.debug("rank %d: connected (past init_process_group)", r.rank)

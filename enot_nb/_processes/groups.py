@@ -170,9 +170,19 @@ class LaunchPhase(enum.Enum):
 class ServerGroup:
     """Workers forked by the fork server; exits arrive as its messages."""
 
-    def __init__(self, specs: list[Any], fds: list[int], job_bytes: bytes, layout: LaunchFds) -> None:
+    def __init__(
+        self,
+        specs: list[Any],
+        fds: list[int],
+        job_bytes: bytes,
+        layout: LaunchFds,
+        own_server: forkserver_client.ForkServer | None = None,
+    ) -> None:
         self._request = (specs, fds, job_bytes, layout)
         self.phase = LaunchPhase.UNSENT
+        self.own_server = own_server
+        """A session's own fork server (the shared one serves one launch at a time); None: the
+        shared one."""
         self.server: forkserver_client.ForkServer | None = None
         self.launch_id = 0
         self.pids: dict[int, int] = {}  # known once RUNNING
@@ -180,7 +190,7 @@ class ServerGroup:
         self.exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
-        self.server = server = forkserver_client.fork_server()
+        self.server = server = self.own_server or forkserver_client.fork_server()
         hook("before_launch")
         self.launch_id, self.phase = server.next_launch_id(), LaunchPhase.ASKED  # before a byte is sent
         server.send_launch(self.launch_id, *self._request)
@@ -251,7 +261,10 @@ class ServerGroup:
             while len(self.exited) < len(self.pids):
                 self.exits(None, deadline)  # keep the protocol in step for the next launch
         except (LaunchError, OSError):
-            forkserver_client.shutdown_server()  # its workers die with it (parent-death signal)
+            if self.own_server is not None:
+                self.own_server.close()  # its workers die with it (parent-death signal)
+            else:
+                forkserver_client.shutdown_server()
         finally:
             for pidfd in self.pidfds.values():
                 os.close(pidfd)

@@ -41,6 +41,8 @@ class MessageKind(enum.Enum):
     COMM = "comm"
     PARTIAL = "partial"
     IMPORTED = "imported"
+    GROUPS = "groups"
+    DEVICE_MEMORY = "device_memory"
     RESULT = "result"
     DONE = "done"
     ERROR = "error"
@@ -142,6 +144,29 @@ class Imported(NamedTuple):
         return MessageKind.IMPORTED
 
 
+class Groups(NamedTuple):
+    """A session rank's answer to ``ReportGroups``: the sequence number of its world group (how
+    many collectives it began), or None without one. Equal on every rank: no collective was left
+    half done, so the groups may be kept after a failed cell."""
+
+    sequence: int | None
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.GROUPS
+
+
+class DeviceMemory(NamedTuple):
+    """A session rank's GPU memory after a task (where it uses CUDA), for the session's table."""
+
+    allocated_mib: float
+    reserved_mib: float
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.DEVICE_MEMORY
+
+
 class Result(NamedTuple):
     """Rank 0's outcome: what the function returned (or the cell's changes)."""
 
@@ -181,7 +206,47 @@ FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage
 """What the kernel publishes for the ranks whose output is shown (relay.show)."""
 FencedMessage: TypeAlias = Connected | Partial | Imported | FrontEndMessage
 """What a worker fences its output for: shown between what it printed before and after."""
-WorkerMessage: TypeAlias = FencedMessage | Result | Done | ErrorReport
+WorkerMessage: TypeAlias = FencedMessage | Groups | DeviceMemory | Result | Done | ErrorReport
+
+
+# ----------------------------------------------------------------------------- launcher -> session worker
+# A session's worker (see _worker/session_loop) reads these from its message socket while idle,
+# and answers each with one outcome (Result on rank 0, Done elsewhere, or ErrorReport).
+
+
+class RunTask(NamedTuple):
+    """Run the task laid out in the session's task file (result_file's layout, ``size`` bytes):
+    a Task pickled against the mirror's objects; ``specs`` say where each object it refers to
+    sits in the rank's namespace (see _state/paths)."""
+
+    size: int
+    specs: tuple
+    objects: int
+    storages: int
+
+
+class ReportGroups(NamedTuple):
+    """Answer with ``Groups``: after a failed cell, whether the process groups are still whole."""
+
+
+class AbortGroups(NamedTuple):
+    """Abort every process group: a peer blocked in a collective with this rank is released.
+    ``peers``: the other ranks' pids, whose connections with this rank are shut down."""
+
+    peers: tuple[int, ...]
+
+
+class Regroup(NamedTuple):
+    """Make the world group again (every rank gets this), meeting at ``init_method``."""
+
+    init_method: str
+
+
+class StopWorker(NamedTuple):
+    """Leave the loop: the session is closing."""
+
+
+SessionCommand: TypeAlias = RunTask | ReportGroups | AbortGroups | Regroup | StopWorker
 
 
 # ----------------------------------------------------------------------------- fork server

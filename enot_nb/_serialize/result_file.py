@@ -68,8 +68,9 @@ def _layout(main_length: int, raws: list[memoryview]) -> list[tuple[int, int]]:
     return layout
 
 
-def read_result(fd: int, size: int) -> Any:
-    """Load a result written by write_result (its mapping is freed once nothing refers to it)."""
+def read_result(fd: int, size: int, raw: bool = False) -> Any:
+    """Load a result written by write_result (its mapping is freed once nothing refers to it).
+    ``raw``: (the main pickle, its buffers) unloaded, for an unpickler of the caller's."""
     if size == 0:
         raise EOFError("the result file is empty")
     view = memoryview(map_private(fd, size)).cast("B")
@@ -77,6 +78,8 @@ def read_result(fd: int, size: int) -> Any:
     pairs = struct.unpack_from(f"<{2 * count}Q", view, _RESULT_HEADER.size)
     start = _data_start(count)
     buffers = [view[pairs[2 * i] : pairs[2 * i] + pairs[2 * i + 1]] for i in range(count)]
+    if raw:
+        return bytes(view[start : start + main_length]), buffers
     return pickle.loads(view[start : start + main_length], buffers=buffers)
 
 

@@ -105,6 +105,23 @@ def collect(
     return changes, changed
 
 
+def everything(registry: Registry, namespace: dict[str, Any], names: list[str]) -> Changes:
+    """``names`` as changes against a registry of the notebook's objects at their paths (see
+    paths.registry_at): every object found here sends its whole state (into the notebook's own
+    object), every storage its bytes; a name the notebook does not hold in place travels by value."""
+    changes = Changes()
+    found = {registry.parents[i][1] for i in range(1, len(registry.objects)) if registry.parents[i][0] == 0}
+    changes.bound = {n: namespace[n] for n in names if n not in found or registry.find(namespace[n]) is None}
+    for i in range(1, len(registry.objects)):
+        obj = registry.objects[i]
+        if registry.find(obj) == i and OPS[registry.kinds[i]].snapshot is not None:
+            state = OPS[registry.kinds[i]].new_state(obj)
+            if not isinstance(state, Replaced):
+                changes.objects.append((i, state))
+    changes.storages = [_new_bytes(j, s, None) for j, s in enumerate(registry.storages) if s is not None]
+    return changes
+
+
 def _new_bytes(j: int, storage: Any, parts: list[tuple[int, int]] | None) -> StorageBytes:
     """By value, as buffers (the storage itself would travel as a reference to the notebook's):
     only the pages written where pagemap tells them (one element of 1 GiB: a page or two)."""

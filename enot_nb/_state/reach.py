@@ -187,10 +187,13 @@ class Reach:
     """Why every user name was walked (code that reads the namespace by name), or None."""
 
 
-def reach(namespace: dict[str, Any], code: str, hidden: Any = (), admit: Admit | None = None) -> Reach:
+def reach(
+    namespace: dict[str, Any], code: str, hidden: Any = (), admit: Admit | None = None, found: CodeNames | None = None
+) -> Reach:
     """Walk what ``code`` can reach from ``namespace``: its names, and the global names of the
-    notebook functions met, to any depth; every user name where code reads names dynamically."""
-    found = cell_names(code)
+    notebook functions met, to any depth; every user name where code reads names dynamically.
+    ``found``: the names to start from instead of the code's (a function's: global_names)."""
+    found = found if found is not None else cell_names(code)
     result = Reach(Registry.of_namespace(namespace, []), whole=found.dynamic)
     todo = set(user_variables(namespace, hidden)) if found.dynamic else set(found.names)
     seen_functions, walked = 0, set[str]()

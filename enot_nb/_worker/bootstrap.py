@@ -31,12 +31,12 @@ from enot_nb._processes.protocol import (
     Connected,
     Done,
     ErrorReport,
-    FencedMessage,
     Inline,
     InMemfd,
     Partial,
     Payload,
     Result,
+    WorkerMessage,
 )
 from enot_nb._serialize import result_file, shm
 from enot_nb._worker import streams
@@ -154,14 +154,18 @@ def in_launch() -> bool:
     return _message_fd is not None
 
 
-def send(message: FencedMessage) -> None:
-    """Send a message (display data, ...) to the launcher, after the output written so far (an
-    outcome goes straight to the pipe: nothing is fenced after it)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    assert _message_fd is not None and _fence_fds is not None, "send() is for worker processes"
-    for fd in _fence_fds:
-        os.write(fd, OUTPUT_FENCE)  # atomic: far below PIPE_BUF
+def send(message: WorkerMessage) -> None:
+    """Send a message to the launcher, after the output written so far: the streams are fenced
+    first (see output.Fenced), unless they are not set up yet (a failure in become_worker)."""
+    assert _message_fd is not None, "send() is for worker processes"
+    if _fence_fds is not None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a broken stream must not stop the message
+                pass
+        for fd in _fence_fds:
+            os.write(fd, OUTPUT_FENCE)  # atomic: far below PIPE_BUF
     framing.write_message(_message_fd, message)
 
 
@@ -207,17 +211,22 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
 
 
 def _send_result(spec: WorkerSpec, result: Any) -> None:
-    if spec.rank != 0:
-        framing.write_message(spec.message_fd, Done())
+    send_outcome(spec.rank, result)
+
+
+def send_outcome(rank: int, result: Any) -> None:
+    """A finished job's (or session task's) outcome: rank 0's result, Done elsewhere."""
+    if rank != 0:
+        send(Done())
         return
     try:
-        payload = _result_payload(spec.result_fd, result)
+        payload = _result_payload(_result_fd, result)
     except Exception as err:
         raise TypeError(
             f"the function returned a {type(result).__name__} that cannot be pickled ({err}); "
             "return plain data, tensors or state dicts instead"
         ) from err
-    framing.write_message(spec.message_fd, Result(payload))
+    send(Result(payload))
 
 
 def _result_payload(result_fd: int | None, result: Any) -> Payload:
@@ -277,6 +286,11 @@ def _injected_connect_fault() -> None:
 
 
 def _report_failure(spec: WorkerSpec, exc: BaseException, connecting: bool = False) -> int:
+    return report_failure(exc, connecting)
+
+
+def report_failure(exc: BaseException, connecting: bool = False) -> int:
+    """Send the ErrorReport of ``exc``; the exit code it stands for."""
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
@@ -287,7 +301,7 @@ def _report_failure(spec: WorkerSpec, exc: BaseException, connecting: bool = Fal
         code, message, error_type = 1, str(exc), type(exc).__name__
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))) if error_type else None
     try:
-        framing.write_message(spec.message_fd, ErrorReport(error_type, message, text, code, connecting))
+        send(ErrorReport(error_type, message, text, code, connecting))
     except OSError:
         pass
     return code

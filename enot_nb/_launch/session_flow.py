@@ -1,0 +1,216 @@
+"""What flows between the notebook's namespace and a session's ranks, task by task.
+
+Each task (a cell, ``launch``, ``pull``, ``push``) is made here, then sent by the session's
+workers (session_workers), then its outcome applied here::
+
+    before: the push (what the notebook changed since the last sync, and the variables the task
+            reaches that the ranks lack: _state/mirror), and, for a cell, the notebook's
+            registry of what it reaches, as specs the master finds its own objects by
+    after:  the master's changes applied in place (bring_back, as a one-off cell's), then the
+            mirror's record of what the ranks hold; what did not come back is stale here
+
+Under ``--mirror none`` nothing flows but what ``push`` and ``pull`` carry.
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from enot_nb._launch.bring_back import Bundle, bring_back
+from enot_nb._launch.session_workers import CommandOutcome
+from enot_nb._state import apply, paths, reach
+from enot_nb._state.collect import Changes
+from enot_nb._state.mirror import Mirror, PickledTask, Push
+from enot_nb._state.registry import Registry
+from enot_nb._worker import cell as _cell
+from enot_nb._worker.session_loop import CallTask, CellTask, Mirrored, PullTask, SyncTask
+
+MIRRORS = ("all", "none")
+
+
+@dataclass
+class CellRun:
+    """A session cell's per-cell options (the magic's, or ``Session.run``'s)."""
+
+    output: str = "master"
+    returns: list[str] | None = None
+    no_return: bool = False
+    sync: list[str] | None = None
+    first_line: int = 1
+    source_header: str = ""
+
+
+@dataclass
+class Prepared:
+    """A task made, with what its outcome needs."""
+
+    task: Any
+    push: Push | None = None
+    registry: Registry | None = None
+    """The notebook's registry the master's changes are pickled against (a cell, a pull)."""
+    reached: list[str] = field(default_factory=list)
+    options: _cell.CellOptions | None = None
+    code: str = ""
+    run: CellRun | None = None
+
+
+class NamespaceFlow:
+    """The notebook's namespace and what the ranks hold of it (see the module's docstring)."""
+
+    def __init__(self, namespace: dict[str, Any], mode: str) -> None:
+        self.namespace, self.mode = namespace, mode
+        self.mirror = Mirror()
+
+    @property
+    def mirrored(self) -> bool:
+        return self.mode == "all"
+
+    def _hidden(self) -> Any:
+        return reach.hidden_names(self.namespace)
+
+    def pickle(self, prepared: Prepared) -> PickledTask:
+        return self.mirror.pickle(prepared.task, self.namespace)
+
+    def _push(self, reached: list[str]) -> Push | None:
+        return self.mirror.push(self.namespace, reached, self._hidden()) if self.mirrored else None
+
+    def after_push(self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None) -> None:
+        """The ranks hold what was pushed, unless they could not apply it (or were replaced:
+        new workers hold nothing)."""
+        if prepared.push is None or outcome.restart is not None:
+            return
+        refused = any(f.error_type == "PathError" for f in outcome.failures)
+        held = [] if refused else prepared.push.names
+        self.mirror.synced_after(self.namespace, [*held, *(names or [])], self._hidden())
+
+    # ------------------------------------------------------------------------- a cell
+
+    def cell(self, code: str, run: CellRun) -> Prepared:
+        back = self.mirrored and not run.no_return
+        options = _cell.CellOptions(
+            sync=run.sync,
+            no_sync=run.sync is None,  # the ranks' models are in sync already
+            returns=run.returns,
+            no_return=not back,
+            first_line=run.first_line,
+            source_header=run.source_header,
+            shown=run.output != "none",
+            keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
+        )
+        prepared = Prepared(task=None, options=options, code=code, run=run)
+        if self.mirrored:
+            found = reach.reach(self.namespace, code, self._hidden())
+            prepared.reached = found.names
+            prepared.push = self._push(found.names)
+            prepared.registry = found.registry if back else None
+        mirror = None
+        if prepared.registry is not None:
+            registry = prepared.registry
+            mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+        prepared.task = CellTask(prepared.push.changes if prepared.push else None, code, options, mirror)
+        return prepared
+
+    def after_cell(self, prepared: Prepared, outcome: CommandOutcome) -> Any:
+        """The master's changes in the notebook (also after a failure: its state then); the
+        cell's value."""
+        state = outcome.result if outcome.result is not None else outcome.partial
+        if not isinstance(state, _cell.CellOutcome):
+            self.after_push(prepared, outcome)
+            return None
+        assert prepared.options is not None and prepared.run is not None
+        if prepared.registry is None:
+            self.after_push(prepared, outcome)
+            if outcome.result is not None and state.has_value and state.value_bundle:
+                return Bundle(*state.value_bundle)
+            return None
+        value = bring_back(
+            self.namespace, prepared.registry, state, prepared.options, show_value=outcome.result is not None
+        )
+        if outcome.restart is None:  # new workers hold nothing yet
+            self._record_cell(prepared, state, outcome)
+        return value
+
+    def _record_cell(self, prepared: Prepared, state: _cell.CellOutcome, outcome: CommandOutcome) -> None:
+        """The ranks and the notebook agree on what came back; what did not is stale here."""
+        run = prepared.run
+        assert run is not None
+        written = set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
+        returned = set(state.changed_names)
+        not_back = {n: why for n, why in state.not_returned.items() if n.isidentifier()}
+        if run.returns is not None:
+            not_back |= {n: "left out by --return" for n in written - set(run.returns) if n in self.namespace}
+        self.mirror.on_workers.update({n: why for n, why in not_back.items() if n not in self.namespace})
+        self.mirror.mark_stale({n: why for n, why in not_back.items() if n in self.namespace})
+        self.mirror.refreshed(sorted(returned - set(not_back)))
+        came = [n for n in prepared.reached + sorted(returned) if n in self.namespace]
+        self.after_push(prepared, outcome, list(self.mirror.synced) + came)
+
+    # ------------------------------------------------------------------------- launch, pull, push
+
+    def call(self, fn: Any, args: tuple, kwargs: dict) -> Prepared:
+        prepared = Prepared(task=None)
+        if self.mirrored:
+            found = reach.reach(self.namespace, "", self._hidden(), found=reach.global_names(fn))
+            prepared.push = self._push(found.names)
+        prepared.task = CallTask(prepared.push.changes if prepared.push else None, fn, args, kwargs)
+        prepared.reached = sorted(_stored_globals(fn))
+        return prepared
+
+    def after_call(self, prepared: Prepared, outcome: CommandOutcome) -> None:
+        self.after_push(prepared, outcome)
+        if self.mirrored and outcome.restart is None:
+            changed = {n: "launch() changed it on the workers" for n in prepared.reached if n in self.namespace}
+            self.mirror.mark_stale(changed)
+
+    def pull(self, names: list[str]) -> Prepared:
+        registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
+        mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+        push = self._push([])
+        return Prepared(PullTask(push.changes if push else None, list(names), mirror), push, registry)
+
+    def after_pull(self, prepared: Prepared, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:
+        self.after_push(prepared, outcome)
+        if outcome.failures or outcome.interrupted or prepared.registry is None:
+            return {}
+        pulled, not_returned = outcome.result
+        changes = apply.load(pulled, prepared.registry)
+        for line in apply.apply_changes(self.namespace, prepared.registry, changes, None):
+            print(f"enot_nb: {line}", file=sys.stderr)
+        for name, why in not_returned.items():
+            print(f"enot_nb: {name!r} was not brought back: {why}", file=sys.stderr)
+        came = [n for n in names if n not in not_returned and n in self.namespace]
+        self.mirror.refreshed(came)
+        if self.mirrored and outcome.restart is None:
+            self.mirror.synced_after(self.namespace, [*self.mirror.synced, *came], self._hidden())
+        return {n: self.namespace[n] for n in came}
+
+    def push_values(self, values: dict[str, Any]) -> Prepared:
+        """Under --mirror all the values are bound in the notebook too (it mirrors the master)
+        and pushed by value, over whatever the ranks held; else only sent."""
+        if not self.mirrored:
+            return Prepared(SyncTask(Changes(bound=dict(values))))
+        self.namespace.update(values)
+        for name in values:
+            self.mirror.stale.pop(name, None)
+            self.mirror.synced.pop(name, None)
+        push = self._push(list(values))
+        return Prepared(SyncTask(push.changes if push else None), push)
+
+
+def _parsed(code: str) -> tuple[Any, Any]:
+    try:
+        body, last, _ = _cell.split_cell(code, 1)
+    except SyntaxError:
+        return None, None
+    return body, last
+
+
+def _stored_globals(fn: Any) -> set[str]:
+    """The globals a function's own code stores or deletes (they change on the workers)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return set()
+    return {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}

@@ -1,0 +1,158 @@
+"""The notebook's side of a session: what the ranks hold of the notebook, and what changed since.
+
+A session's ranks keep their objects from cell to cell; the notebook mirrors the master. Between
+two session cells, plain cells may change the notebook, and those changes must reach every rank
+before the next session cell (the push). The notebook keeps, after each session cell, its record
+of what the ranks hold::
+
+    synced    the variables the ranks hold, each bound to the notebook's object of that time
+    baseline  the registry of everything they reach, and its Snapshot (states, storage digests)
+
+Before the next session cell, ``push`` is what changed since: the baseline's objects whose state
+changed (in place on the ranks, their CUDA tensors updated on their devices), the synced names
+rebound or deleted, and the names the cell reaches that the ranks do not hold yet (by value:
+a variable reaches the ranks when a session cell first uses it, so a cell costs what it uses).
+It is pickled against the baseline, so an object the ranks hold travels as its index, and the
+ranks find their own at its path (see paths).
+
+A variable the master changed that did not come back (``--return``, ``--no-return``, an object
+that cannot be pickled) is stale here: pushing a change to it would overwrite the master's
+newer value, so a plain cell that changed it is refused at the next push, by name.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+from enot_nb._state import paths
+from enot_nb._state.collect import Changes, StatePickler, collect
+from enot_nb._state.registry import Registry, user_variables
+from enot_nb._state.snapshot import Snapshot
+from enot_nb.errors import LaunchError
+
+
+class StaleError(LaunchError):
+    """A plain cell changed a variable whose newest value lives on the master only."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name = name
+        super().__init__(
+            f"{name!r} was changed in the notebook, but the notebook's copy is stale ({why}): pushing it "
+            f"would overwrite rank 0's newer value. Run `%enot_pull {name}` (or session.pull({name!r})) "
+            "before changing it here, or set it inside a session cell"
+        )
+
+
+@dataclass
+class Push:
+    """What the ranks must apply before the next task, pickled against the baseline."""
+
+    changes: Changes | None
+    names: list[str] = field(default_factory=list)
+    """The variables the ranks hold once it is applied."""
+
+
+@dataclass
+class PickledTask:
+    """A task pickled against the baseline, and the specs of the objects it refers to."""
+
+    main: bytes
+    buffers: list[Any]
+    specs: list[paths.ObjectSpec]
+    objects: int
+    storages: int
+
+
+class _RecordingPickler(StatePickler):
+    """StatePickler that notes which registered objects and storages it referred to."""
+
+    def __init__(self, file: Any, buffer_callback: Any = None, *, registry: Registry) -> None:
+        super().__init__(file, buffer_callback=buffer_callback, registry=registry)
+        self.objects_used: set[int] = set()
+        self.storages_used: set[int] = set()
+
+    def persistent_id(self, obj: Any) -> Any:
+        pid = super().persistent_id(obj)
+        if pid is not None:
+            (self.objects_used if pid[0] == "o" else self.storages_used).add(pid[1])
+        return pid
+
+
+class Mirror:
+    """What the ranks hold of the notebook (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.synced: dict[str, Any] = {}
+        self.baseline = Registry.of_namespace({}, [])
+        self.snapshot: Snapshot | None = None
+        self.stale: dict[str, str] = {}
+        """Variables whose newest value the master alone holds, with why."""
+        self.on_workers: dict[str, str] = {}
+        """Variables that live only on the workers (they could not come back), with why."""
+
+    def reset(self) -> None:
+        """New workers hold nothing: every variable reaches them again when a cell uses it."""
+        self.__init__()  # type: ignore[misc]
+
+    def push(self, namespace: dict[str, Any], reached: list[str], hidden: Any = ()) -> Push:
+        """What changed since the last sync, and the reached variables the ranks lack."""
+        now = user_variables(namespace, hidden)
+        changes = Changes()
+        if self.snapshot is not None and self.baseline.objects[0] is namespace:
+            changes, changed = collect(self.baseline, self.snapshot, self.synced, namespace, hidden)
+            for i in changed:
+                name = self.baseline.root_name(i)
+                if name in self.stale:
+                    raise StaleError(name, self.stale[name])
+        changes.bound = {
+            n: v for n, v in now.items() if (n in self.synced or n in reached) and self.synced.get(n, _NONE) is not v
+        }
+        changes.deleted = [n for n in self.synced if n not in now]
+        for name in [*changes.bound, *changes.deleted]:
+            if name in self.stale:
+                raise StaleError(name, self.stale[name])
+        empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
+        names = [n for n in {**self.synced, **changes.bound} if n not in changes.deleted]
+        return Push(None if empty else changes, names)
+
+    def pickle(self, task: Any, namespace: dict[str, Any]) -> PickledTask:
+        """``task`` pickled against the baseline (the ranks' objects by index, new ones by
+        value), with the specs of what it refers to."""
+        registry = self.baseline if self.baseline.objects[0] is namespace else Registry.of_namespace(namespace, [])
+        buffers: list[Any] = []
+        stream = io.BytesIO()
+        pickler = _RecordingPickler(stream, buffer_callback=buffers.append, registry=registry)
+        pickler.dump(task)
+        push = getattr(task, "push", None)
+        objects = set(pickler.objects_used)
+        storages = set(pickler.storages_used)
+        if push is not None:
+            objects |= {i for i, _ in push.objects}
+            storages |= {s.storage for s in push.storages}
+        objects |= set(paths.storage_holders(registry, storages))
+        objects.discard(0)
+        specs = paths.specs_of(registry, sorted(objects))
+        return PickledTask(stream.getvalue(), buffers, specs, len(registry.objects), len(registry.storages))
+
+    def synced_after(self, namespace: dict[str, Any], names: list[str], hidden: Any = ()) -> None:
+        """The ranks now hold ``names`` as the notebook does: walk them, snapshot them (the
+        baseline of the next push)."""
+        now = user_variables(namespace, hidden)
+        self.synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
+        self.baseline = Registry.of_namespace(namespace, sorted(self.synced))
+        self.snapshot = Snapshot.take(self.baseline)
+
+    def mark_stale(self, names: dict[str, str]) -> None:
+        self.stale.update(names)
+
+    def refreshed(self, names: list[str]) -> None:
+        """The notebook holds the master's values of ``names`` again (a pull, a cell that
+        brought them back)."""
+        for name in names:
+            self.stale.pop(name, None)
+            self.on_workers.pop(name, None)
+
+
+_NONE = object()

@@ -1,0 +1,160 @@
+"""Where an object sits in a namespace: its path (a variable, then attribute and item steps), so
+that the notebook's objects and a session rank's own correspond.
+
+A one-off cell's workers inherit the notebook's objects (fork) or get copies index for index
+(spawn). A session's ranks built their objects themselves, cell after cell, and some of them
+are the rank's alone (a DDP wrapper, CUDA tensors where the notebook holds CPU copies). They
+correspond as DDP itself assumes every rank built the same model: by path from the namespace,
+the first one the registry's breadth-first walk over sorted names found, each step one of the
+steps its kind's ``children`` gives (``.fc``, ``['lr']``, ``._parameters['weight']``), the
+type checked at the end.
+
+An ``ObjectSpec`` per registry index says where the object is; ``registry_at`` builds, in a
+rank, the registry of its own objects at the notebook's indices, storages included (a tensor's
+spec names the storage indices it brings), so that changes pickled against one registry load
+against the other (see collect, apply).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from enot_nb._serialize.tensors import tensor_storages
+from enot_nb._state.kinds import OPS, Kind, kind_of
+from enot_nb._state.registry import Registry
+
+
+class ObjectSpec(NamedTuple):
+    """Where registry object ``at`` sits: the step from object ``parent`` (0: the namespace,
+    whose steps are variable names), its type, and the storages it brings (a tensor's)."""
+
+    at: int
+    parent: int
+    step: str
+    type_name: str
+    storages: tuple[int, ...] = ()
+
+
+class PathError(LookupError):
+    """An object of the notebook has no counterpart of its type at its path on a rank."""
+
+    def __init__(self, variable: str, path: str, why: str) -> None:
+        self.variable, self.path, self.why = variable, path, why
+        super().__init__(f"{path}: {why}")
+
+
+def type_name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def specs_of(registry: Registry, indices: list[int] | None = None) -> list[ObjectSpec]:
+    """The specs of ``indices`` (every object if None) and of all their parents, in index order
+    (a parent before its children: the walk is breadth first)."""
+    wanted: set[int] = set()
+    for i in range(1, len(registry.objects)) if indices is None else indices:
+        while i > 0 and i not in wanted:
+            wanted.add(i)
+            i = registry.parents[i][0]
+    owners = _storage_owners(registry, wanted)
+    return [
+        ObjectSpec(i, registry.parents[i][0], registry.parents[i][1], type_name(registry.objects[i]), owners.get(i, ()))
+        for i in sorted(wanted)
+    ]
+
+
+def _storage_owners(registry: Registry, wanted: set[int]) -> dict[int, tuple[int, ...]]:
+    owners: dict[int, tuple[int, ...]] = {}
+    for i in wanted:
+        if OPS[registry.kinds[i]].has_storage:
+            found = [registry.find_storage(s) for s in tensor_storages(registry.objects[i])]
+            owners[i] = tuple(-1 if j is None else j for j in found)
+    return owners
+
+
+def storage_holders(registry: Registry, storages: set[int]) -> list[int]:
+    """For each storage index in ``storages``, a registered tensor that holds it."""
+    holders, left = [], set(storages)
+    for i, kind in enumerate(registry.kinds):
+        if not left:
+            break
+        if OPS[kind].has_storage:
+            found = {registry.find_storage(s) for s in tensor_storages(registry.objects[i])}
+            if found & left:
+                holders.append(i)
+                left -= found
+    return holders
+
+
+class _Missing:
+    """Stands where a rank has no counterpart: untracked, found by nothing."""
+
+    def __repr__(self) -> str:
+        return "<no counterpart on this rank>"
+
+
+def registry_at(
+    namespace: dict[str, Any], specs: list[ObjectSpec] | tuple, objects: int, storages: int, strict: bool
+) -> Registry:
+    """This rank's objects at the notebook's registry indices (``objects`` of them, with
+    ``storages`` storages). ``strict``: an object with no counterpart raises PathError (a push
+    that would change it cannot be applied); else a placeholder stands there (the rank's object
+    is then new to the notebook)."""
+    registry = Registry()
+    registry.objects = [_Missing() for _ in range(objects)]
+    registry.kinds = [Kind.OPAQUE] * objects
+    registry.parents = [(-1, "")] * objects
+    registry.storages = [None] * storages
+    registry.objects[0], registry.kinds[0] = namespace, Kind.NAMESPACE
+    registry.index[id(namespace)] = 0
+    children: dict[int, dict[str, list[Any]]] = {}
+    for spec in specs:
+        registry.parents[spec.at] = (spec.parent, spec.step)
+        try:
+            obj = _child(registry, spec, children)
+        except PathError:
+            if strict:
+                raise
+            continue
+        kind = kind_of(obj) or Kind.OPAQUE
+        registry.objects[spec.at], registry.kinds[spec.at] = obj, kind
+        registry.index[id(obj)] = spec.at
+        if spec.storages:
+            for j, storage in zip(spec.storages, tensor_storages(obj)):
+                if j >= 0 and registry.find_storage(storage) is None:
+                    registry.storages[j] = storage
+                    registry.storage_index[id(storage)] = j
+    return registry
+
+
+def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, list[Any]]]) -> Any:
+    def fail(why: str) -> PathError:
+        root = spec.at
+        while registry.parents[root][0] > 0:
+            root = registry.parents[root][0]
+        return PathError(registry.parents[root][1], registry.path(spec.at), why)
+
+    parent = registry.objects[spec.parent]
+    if isinstance(parent, _Missing):
+        raise fail("the object holding it has no counterpart on this rank")
+    if spec.parent == 0:
+        if spec.step not in parent:
+            raise fail("no such variable on this rank")
+        obj = parent[spec.step]
+    else:
+        steps = children.get(spec.parent)
+        if steps is None:
+            steps = children[spec.parent] = {}
+            walk = OPS[registry.kinds[spec.parent]].children
+            try:
+                for step, child in walk(parent) if walk is not None else ():
+                    steps.setdefault(step, []).append(child)
+            except Exception as err:  # noqa: BLE001 - an object that resists inspection
+                raise fail(f"its holder cannot be inspected here ({err})") from err
+        found = steps.get(spec.step, [])
+        if len(found) != 1:
+            raise fail("nothing there on this rank" if not found else "the step is ambiguous (a set's items)")
+        obj = found[0]
+    if type_name(obj) != spec.type_name:
+        raise fail(f"a {spec.type_name} in the notebook, a {type_name(obj)} on this rank")
+    return obj

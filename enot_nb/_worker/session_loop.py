@@ -1,0 +1,365 @@
+"""A session's worker: a torchrun worker that runs the tasks the notebook sends, one after another,
+in a namespace of its own that lives as long as the process.
+
+Life of a session worker (see _launch/session_workers for the kernel's side)::
+
+    bootstrap.run: isolation, init_torch (once), Connected -> serve():
+      idle: read a command from the message socket (a stop press here is one that came late)
+      RunTask  -> the task from the task file, its objects found by path (paths.registry_at):
+                  the push applied in place (what the notebook changed since the last sync),
+                  then the cell / the function / the pull; outcome: Result (rank 0), Done, or
+                  ErrorReport (the worker stays: a failed cell is only a failed cell)
+      ReportGroups -> Groups(sequence)   AbortGroups -> every group aborted   Regroup -> a new one
+      StopWorker (or the kernel gone) -> leave, as a one-off worker does
+
+Tasks are records (``CellTask``, ``CallTask``, ``PullTask``, ``SyncTask``), each with the push
+that comes first; the kernel pickles them against the mirror's registry (collect.StatePickler),
+so an object the ranks already hold travels as its index and is found here by its path.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import signal
+import socket
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from typing_extensions import assert_never
+
+from enot_nb._processes import framing
+from enot_nb._processes.protocol import (
+    AbortGroups,
+    DeviceMemory,
+    Done,
+    Groups,
+    Regroup,
+    ReportGroups,
+    RunTask,
+    SessionCommand,
+    StopWorker,
+)
+from enot_nb._serialize import result_file, shm
+from enot_nb._state import apply, collect, paths
+from enot_nb._state.registry import Registry
+from enot_nb._worker import bootstrap, sharded
+from enot_nb._worker import cell as _cell
+
+
+@dataclass
+class Mirrored:
+    """The notebook's registry for a task, as specs: the master finds its own objects at the
+    same indices (paths.registry_at), snapshots them, and sends what changed against them."""
+
+    specs: list[paths.ObjectSpec]
+    objects: int
+    storages: int
+
+
+@dataclass
+class CellTask:
+    """Run a cell (the magic's options as the worker needs them)."""
+
+    push: collect.Changes | None
+    code: str
+    options: _cell.CellOptions
+    mirror: Mirrored | None
+    """None: nothing comes back (--mirror none, --no-return)."""
+
+
+@dataclass
+class CallTask:
+    """``Session.launch(fn, ...)``: fn with the rank's session namespace as its globals."""
+
+    push: collect.Changes | None
+    fn: Any
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class PullTask:
+    """``pull(names)``: the master's values, as changes against the notebook's registry of them
+    (in place where the notebook holds an object of the same type at the same path)."""
+
+    push: collect.Changes | None
+    names: list[str]
+    mirror: Mirrored
+
+
+@dataclass
+class SyncTask:
+    """Only the push (``Session.push``, or a sync before a pull)."""
+
+    push: collect.Changes | None
+
+
+Task = CellTask | CallTask | PullTask | SyncTask
+
+_state: dict[str, Any] = {}
+"""This worker's session: its namespace, the task file's descriptor, the backend and rank."""
+
+
+def serve(task_fd: int | None, backend: str, timeout: Any) -> None:
+    """The worker's loop (the session job's function); returns when the session closes.
+    ``task_fd``: the session's task file (fork); None: it came as the shared memfd (spawn).
+    ``backend``, ``timeout``: the world group's, for making it again (regroup)."""
+    import torch.distributed as dist
+
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    _state.update(
+        namespace=namespace,
+        task_fd=task_fd if task_fd is not None else shm.SHARED_FD[0],
+        rank=dist.get_rank() if dist.is_initialized() else 0,
+        backend=backend,
+        timeout=timeout,
+    )
+    assert bootstrap._message_fd is not None
+    sock = socket.socket(fileno=os.dup(bootstrap._message_fd))
+    reader: framing.MessageReader[SessionCommand] = framing.MessageReader()
+    while True:
+        try:
+            command = framing.recv_message(sock, reader)
+        except KeyboardInterrupt:
+            continue  # a press meant for a cell that had just ended
+        except EOFError:
+            return  # the kernel is gone: leave (the parent-death signal would kill us anyway)
+        if isinstance(command, StopWorker):
+            return
+        _answer(command)
+
+
+def _answer(command: SessionCommand) -> None:
+    rank = _state["rank"]
+    try:
+        match command:
+            case RunTask(size=size, specs=specs, objects=objects, storages=storages):
+                try:
+                    result = run_task(size, specs, objects, storages)
+                finally:
+                    _report_device_memory()
+                bootstrap.send_outcome(rank, result)
+            case ReportGroups():
+                bootstrap.send(Groups(_sequence()))
+            case AbortGroups(peers=peers):  # no answer: the rank has answered its task already
+                abort_groups(set(peers) - {os.getpid()})
+            case Regroup(init_method=init_method):
+                regroup(init_method)
+                bootstrap.send(Done())  # never a Result: the task's result stays in the file
+            case StopWorker():
+                pass
+            case _:
+                assert_never(command)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported; the worker stays
+        bootstrap.report_failure(exc)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run_task(size: int, specs: tuple, objects: int, storages: int) -> Any:
+    """Load the task against this rank's objects, apply its push, run it; rank 0's result."""
+    namespace = _state["namespace"]
+    registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
+    state = result_file.read_result(_state["task_fd"], size, raw=True)
+    task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
+    if task.push is not None:
+        problems = apply.apply_changes(namespace, registry, task.push, None)
+        if problems:
+            raise RuntimeError("the notebook's changes could not all be applied here: " + "; ".join(problems))
+        _to_module_devices(registry, task.push)
+    match task:
+        case CellTask():
+            return _run_cell(namespace, task)
+        case CallTask(fn=fn, args=args, kwargs=kwargs):
+            return sharded.whole_result(_in_namespace(fn, namespace)(*args, **kwargs))
+        case PullTask():
+            return _pull(namespace, task)
+        case SyncTask():
+            return None
+        case _:
+            assert_never(task)
+
+
+def _run_cell(namespace: dict[str, Any], task: CellTask) -> Any:
+    registry = None
+    if task.mirror is not None and _state["rank"] == 0:
+        registry = _mirror_registry(namespace, task.mirror)
+    return _cell.run_cell(task.code, namespace, task.options, registry)
+
+
+def _in_namespace(fn: Any, namespace: dict[str, Any]) -> Any:
+    """A function that travelled by value (the notebook's or a script's, a lambda, a nested
+    function) with the rank's session namespace as its globals; a module's own function (one
+    pickle names by reference) keeps its module's."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    if fn.__globals__ is not namespace and fn.__module__ != "__main__" and "<" not in fn.__qualname__:
+        return fn
+    rebound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    rebound.__kwdefaults__, rebound.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
+    return rebound
+
+
+def _mirror_registry(namespace: dict[str, Any], mirror: Mirrored) -> Registry:
+    return paths.registry_at(namespace, mirror.specs, mirror.objects, mirror.storages, strict=False)
+
+
+def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
+    """The master's values of ``names``: every object the notebook has at their paths as
+    changed (its whole state travels, into the notebook's object), the rest by value."""
+    if _state["rank"] != 0:
+        return None
+    missing = [n for n in task.names if n not in namespace]
+    if missing:
+        raise NameError(f"pull: rank 0 has no variable {', '.join(map(repr, missing))}")
+    for name in task.names:
+        sharded.gather_whole(namespace, [name], {})
+    registry = _mirror_registry(namespace, task.mirror)
+    not_returned: dict[str, str] = {}
+    state, _ = collect.dump(collect.everything(registry, namespace, task.names), registry, not_returned)
+    return state, not_returned
+
+
+def _to_module_devices(registry: Registry, push: collect.Changes) -> None:
+    """A tensor pushed into a module lands on the device of that module's parameters (the
+    notebook holds CPU copies; the rank's module lives on its GPU)."""
+    import torch
+
+    for i, _ in push.objects:
+        module = registry.objects[i]
+        if isinstance(module, torch.nn.Module):
+            devices = {p.device for p in module.parameters(recurse=False)} | {
+                p.device for p in module.parameters() if p.device.type != "cpu"
+            }
+            off_cpu = [d for d in devices if d.type != "cpu"]
+            if len(off_cpu) == 1:
+                module.to(off_cpu[0])
+
+
+def _report_device_memory() -> None:
+    """The rank's GPU memory, for the session's table (only where this rank uses CUDA)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        mib = 1 << 20
+        bootstrap.send(DeviceMemory(torch.cuda.memory_allocated() / mib, torch.cuda.memory_reserved() / mib))
+
+
+def _sequence() -> int | None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        group: Any = dist.distributed_c10d._get_default_group()  # the counter is not in torch's stubs
+        return int(group._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a backend that does not count: assume the worst
+        return None
+
+
+def abort_groups(peers: set[int]) -> None:
+    """Abort every process group, so that a peer that waits in a collective with this rank is
+    released with an error and returns to idle. NCCL's abort does it; gloo closes its
+    connections only when the group object dies, and a DDP wrapper (or a user's subgroup) keeps
+    it alive: so this rank's connections with the ``peers`` are shut down too (a peer blocked
+    in a gloo wait sees "connection closed" within milliseconds)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - then destroy, which also releases the peers
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - the sockets below release them anyway
+                pass
+    for fd in connections_with(peers):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as connection:
+                connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def connections_with(peers: set[int]) -> list[int]:
+    """This process's descriptors of TCP connections whose other end a process in ``peers``
+    holds (read from /proc: the socket inodes, and the connections' addresses)."""
+    mine = _socket_inodes(os.getpid())
+    theirs: set[int] = set()
+    for pid in peers:
+        theirs |= set(_socket_inodes(pid))
+    table = _tcp_connections()
+    by_ends = {ends: inode for inode, ends in table.items()}
+    found = []
+    for inode, fd in mine.items():
+        ends = table.get(inode)
+        if ends is not None and by_ends.get((ends[1], ends[0])) in theirs:
+            found.append(fd)
+    return found
+
+
+def _socket_inodes(pid: int) -> dict[int, int]:
+    """inode -> descriptor of each socket ``pid`` holds (nothing if /proc cannot tell)."""
+    inodes = {}
+    folder = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            target = os.readlink(f"{folder}/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes[int(target[8:-1])] = int(name)
+    return inodes
+
+
+def _tcp_connections() -> dict[int, tuple[str, str]]:
+    """inode -> (local address, remote address) of every TCP socket in this network namespace."""
+    table = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as lines:
+                next(lines)
+                for line in lines:
+                    fields = line.split()
+                    table[int(fields[9])] = (fields[1], fields[2])
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return table
+
+
+def regroup(init_method: str) -> None:
+    """Make the world group again, in this same process: the old one is gone (aborted, or left
+    with a collective half done), and the objects that hold it must be made again."""
+    import torch.distributed as dist
+
+    from enot_nb._runtime import env
+
+    backend = None
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - an aborted group may refuse; a new one is made anyway
+            pass
+    layout = env.read_layout()
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        import torch
+
+        kwargs["device_id"] = torch.device("cuda", layout.local_rank)
+    dist.init_process_group(
+        backend=backend or _state["backend"],
+        init_method=init_method,
+        rank=layout.rank,
+        world_size=layout.world_size,
+        timeout=_state["timeout"],
+        **kwargs,
+    )
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        dist.barrier()  # every rank connected before any cell runs (see bootstrap._check_connected)

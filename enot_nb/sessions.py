@@ -1,0 +1,252 @@
+"""A persistent session: N supervised torchrun workers that live across cells, the notebook
+mirroring the master.
+
+Example::
+
+    %load_ext enot_nb
+    %enot_session start -n 2 --backend gloo
+
+    %%enot_distributed
+    ddp = DDP(model)                  # built once; lives on every rank
+    train(ddp, steps=50)              # `model` is updated in the notebook, in place
+
+    lr = 0.01                         # a plain cell: reaches every rank before the next cell
+
+    %enot_session stop
+
+Or from code: ``with enot_nb.Session(nprocs=2, backend="gloo") as s: s.run("x = 1")``.
+
+The workers are a ``SessionWorkers`` (_launch/session_workers: start, commands, failures); what
+the ranks hold of the notebook and what changed since is a ``Mirror`` (_state/mirror); the
+rank's side is _worker/session_loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import sys
+import time
+from typing import Any
+
+from enot_nb._defaults import DEFAULT_TIMEOUT
+from enot_nb._launch import relay
+from enot_nb._launch.bring_back import CellInterrupted
+from enot_nb._launch.options import LaunchOptions
+from enot_nb._launch.session_flow import MIRRORS, CellRun, NamespaceFlow, Prepared
+from enot_nb._launch.session_status import RankStatus, SessionStatus, devices, status_of
+from enot_nb._launch.session_workers import CommandOutcome, SessionWorkers
+from enot_nb._worker import cell as _cell
+from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError
+from enot_nb.launcher import plan_launch
+
+__all__ = ["CellRun", "RankStatus", "Session", "SessionStatus", "session"]
+
+_live: list[Session] = []
+
+
+def session() -> Session | None:
+    """The live session of this process, or None."""
+    return _live[0] if _live else None
+
+
+class Session:
+    """N workers that live across cells (see the module's docstring). ``nprocs`` ... ``timeout``:
+    as for ``notebook_launcher`` (one definition: LaunchOptions). ``mirror``: "all" (the
+    notebook mirrors the master; its changes reach every rank before the next task) or "none"
+    (nothing flows unless asked: pull, push). ``namespace``: what code run here sees and gets
+    back (default: the notebook's; outside IPython, a dict of its own). ``output``: whose output
+    ``run`` shows by default."""
+
+    def __init__(
+        self,
+        nprocs: int | None = None,
+        *,
+        backend: str | None = None,
+        seed: int | None = None,
+        cuda_optimize_for_speed: bool = False,
+        cuda_reproducible: bool = False,
+        start_method: str | None = None,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        mirror: str = "all",
+        namespace: dict[str, Any] | None = None,
+        output: str = "master",
+        quiet: bool = False,
+    ) -> None:
+        if mirror not in MIRRORS:
+            raise LaunchConfigError(f"mirror={mirror!r} must be 'all' or 'none'", parameter="mirror")
+        self.options = LaunchOptions(
+            nprocs=nprocs,
+            backend=backend,
+            seed=seed,
+            cuda_optimize_for_speed=cuda_optimize_for_speed,
+            cuda_reproducible=cuda_reproducible,
+            start_method=start_method,
+            output=output,
+            timeout=timeout,
+        )
+        self.plan = plan_launch(self.options)
+        self.mirror_mode = mirror
+        self.output = output
+        self.namespace = namespace if namespace is not None else _notebook_namespace()
+        self.flow = NamespaceFlow(self.namespace, mirror)
+        self.workers: SessionWorkers | None = None
+        if _live:
+            raise LaunchError(
+                "a session is already running in this process; stop it first (`%enot_session stop` "
+                "or session.close()), or restart it with other options (`%enot_session restart ...`)"
+            )
+        self._start(quiet)
+
+    # ------------------------------------------------------------------------- life
+
+    def _start(self, quiet: bool = False) -> None:
+        self.workers = start_workers(self.plan, None if quiet else self.mirror_mode)
+        if self not in _live:
+            _live.append(self)
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop every worker (and their children); the notebook keeps what it holds."""
+        workers, self.workers = self.workers, None
+        if self in _live:
+            _live.remove(self)
+            atexit.unregister(self.close)
+        if workers is not None:
+            workers.close()
+
+    def restart(self, why: str | None = None) -> None:
+        """New workers; the notebook's variables reach them as the next cells use them (under
+        --mirror all). One line says what is gone: what lived only on the workers."""
+        lost = sorted(self.flow.mirror.on_workers) if self.flow.mirrored else ["everything (--mirror none)"]
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        self.flow.mirror.reset()
+        self._start(quiet=True)
+        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost), file=sys.stderr)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _ready(self) -> SessionWorkers:
+        if self.workers is None:
+            raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
+        dead = self.workers.deaths()
+        if dead is not None:
+            self.restart(dead)
+        assert self.workers is not None
+        return self.workers
+
+    def status(self) -> SessionStatus:
+        """A row per rank: pid, device, state, host memory, GPU memory, cells run, uptime."""
+        return status_of(self.workers, self.plan, self.mirror_mode)
+
+    def run(
+        self,
+        code: str,
+        *,
+        output: str | None = None,
+        returns: list[str] | None = None,
+        no_return: bool = False,
+        sync: list[str] | None = None,
+    ) -> Any:
+        """Run ``code`` on every rank, in each rank's namespace; the notebook mirrors the master
+        (--mirror all) and the value of a last expression comes back as a cell's Out."""
+        return self.run_cell(code, CellRun(output or self.output, returns, no_return, sync))
+
+    def run_cell(self, code: str, run: CellRun) -> Any:
+        """A cell with the magic's per-cell options (see ``run``)."""
+        compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error before anything is sent
+        workers = self._ready()
+        prepared = self.flow.cell(code, run)
+        outcome = self._send(workers, prepared, run.output)
+        value = self.flow.after_cell(prepared, outcome)
+        _raise_failure(outcome)
+        return value
+
+    def launch(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on every rank, with the rank's session namespace as its
+        globals (``fn`` travels by value); rank 0's result, as ``notebook_launcher``'s."""
+        if not callable(fn):
+            raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
+        workers = self._ready()
+        prepared = self.flow.call(fn, args, kwargs)
+        outcome = self._send(workers, prepared, self.output)
+        self.flow.after_call(prepared, outcome)
+        _raise_failure(outcome)
+        return outcome.result
+
+    def pull(self, *names: str) -> dict[str, Any]:
+        """The master's values of ``names``: returned, and bound in the namespace, in place
+        where an object of the same type sits at the same path (a module sharded with FSDP2 or
+        FSDP1 comes back whole)."""
+        for name in names:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise LaunchConfigError(f"pull({name!r}): expected variable names")
+        workers = self._ready()
+        prepared = self.flow.pull(list(names))
+        outcome = self._send(workers, prepared, "master")
+        pulled = self.flow.after_pull(prepared, outcome, list(names))
+        _raise_failure(outcome)
+        return pulled
+
+    def push(self, **values: Any) -> None:
+        """Send ``values`` to every rank, bound under their names (under --mirror all, in the
+        notebook too: it mirrors the master). A pushed value replaces what a rank held there."""
+        workers = self._ready()
+        prepared = self.flow.push_values(values)
+        outcome = self._send(workers, prepared, self.output)
+        self.flow.after_push(prepared, outcome)
+        _raise_failure(outcome)
+
+    def _send(self, workers: SessionWorkers, prepared: Prepared, output: str) -> CommandOutcome:
+        outcome = workers.run_task(self.flow.pickle(prepared), output)
+        if outcome.restart is not None:
+            self.restart(outcome.restart)
+        return outcome
+
+
+def _raise_failure(outcome: CommandOutcome) -> None:
+    if outcome.interrupted:
+        raise CellInterrupted()
+    if outcome.failures:
+        raise WorkerFailedError(outcome.failures)
+
+
+def _notebook_namespace() -> dict[str, Any]:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    shell = get_ipython()
+    return shell.user_ns if shell is not None else {}
+
+
+def start_workers(plan: Any, mirror: str | None) -> SessionWorkers:
+    """A session's workers, started; one line says so (unless ``mirror`` is None: quiet)."""
+    started = time.monotonic()
+    workers = SessionWorkers(plan, relay.show if relay.in_ipython() else None)
+    try:
+        workers.start()
+    except BaseException:
+        workers.close()
+        raise
+    if mirror is not None:
+        print(
+            f"enot_nb: session started: {plan.nprocs} rank(s), {plan.backend}, "
+            f"{', '.join(sorted(set(devices(plan))))}, {plan.start_method}, --mirror {mirror}, "
+            f"in {time.monotonic() - started:.2f} s",
+            file=sys.stderr,
+        )
+    return workers
+
+
+def restart_line(nprocs: int, mirrored: bool, why: str | None, lost: list[str]) -> str:
+    reason = f" ({why})" if why else ""
+    gone = f"; gone, as it lived only on the workers: {', '.join(lost)}" if lost else ""
+    restored = "the notebook's state reaches them as the next cells use it" if mirrored else "they hold nothing"
+    return f"enot_nb: session restarted{reason}: {nprocs} new worker(s); {restored}{gone}"

@@ -1,0 +1,184 @@
+"""enot_nb.Session from code: real workers over gloo, kept across calls; failures, deaths and
+interrupts leave a usable (or restarted) session and no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import enot_nb
+from enot_nb.errors import LaunchError, WorkerFailedError
+from enot_nb.sessions import Session, session
+
+pytestmark = pytest.mark.timeout(120)
+
+DDP_SETUP = (
+    "import torch, torch.distributed as dist\n"
+    "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+    "ddp = DDP(model)\n"
+)
+
+
+def start(start_method: str, **kwargs) -> Session:
+    return Session(nprocs=2, backend="gloo", start_method=start_method, quiet=True, **kwargs)
+
+
+def test_state_lives_on_the_ranks_and_the_namespace_mirrors_the_master(start_method):
+    torch.manual_seed(0)
+    ns = {"model": torch.nn.Linear(2, 2), "lr": 0.1}
+    weight = ns["model"].weight
+    with start(start_method, namespace=ns) as s:
+        assert session() is s and enot_nb.session() is s
+        s.run(DDP_SETUP + "opt = torch.optim.SGD(ddp.parameters(), lr=lr)\nsteps = 0")
+        assert "ddp" not in ns  # a DDP wrapper cannot cross; it lives on the ranks
+        train = (
+            "for _ in range(3):\n    opt.zero_grad(); ddp(torch.ones(4, 2)).sum().backward(); opt.step()\nsteps += 3"
+        )
+        s.run(train)  # the wrapper and the optimizer built in the cell before
+        assert ns["steps"] == 3 and ns["model"].weight is weight  # in place, identity kept
+        after_three = weight.detach().clone()
+        ns["lr"] = 0.0  # a plain change reaches every rank before the next run
+        s.run("opt.param_groups[0]['lr'] = lr\n" + train)
+        assert torch.equal(weight, after_three) and ns["steps"] == 6
+        ranks = s.launch(lambda: [float(p.detach().sum()) for p in model.parameters()])  # noqa: F821 - rank's globals
+        assert ranks == [float(p.detach().sum()) for p in ns["model"].parameters()]
+    assert session() is None
+
+
+def test_a_plain_change_in_place_reaches_every_rank():
+    ns = {"t": torch.zeros(4)}
+    with start("fork", namespace=ns) as s:
+        s.run("u = t")  # the ranks hold t (and u, the same tensor)
+        ns["t"][1] = 5.0  # a plain cell writes one element
+        seen = s.launch(lambda: [t.tolist(), u is t])  # noqa: F821
+        assert seen == [[0.0, 5.0, 0.0, 0.0], True]
+        assert s.run("float(t.sum())") == 5.0
+
+
+def test_deleting_and_rebinding_reach_the_ranks():
+    ns = {"a": 1, "b": [1]}
+    with start("fork", namespace=ns) as s:
+        s.run("c = a + len(b)")
+        del ns["a"]
+        ns["b"] = [1, 2, 3]
+        assert s.run("('a' in globals(), len(b))") == (False, 3)
+
+
+def test_launch_ships_the_function_by_value_with_the_session_namespace():
+    ns = {}
+    with start("spawn", namespace=ns) as s:
+        s.run("import torch.distributed as dist\nbase = 10 * (dist.get_rank() + 1)")
+
+        def fn(k, scale=1):
+            return (base + k) * scale  # noqa: F821 - the rank's session variable
+
+        assert s.launch(fn, 1, scale=2) == 22  # rank 0's result
+
+
+def test_mirror_none_moves_nothing_unless_asked():
+    ns = {"t": torch.zeros(3)}
+    held = ns["t"]
+    with start("fork", namespace=ns, mirror="none") as s:
+        s.push(t=torch.ones(3), k=7)
+        s.run("t.mul_(k)\nnew = [1, 2]")
+        assert torch.equal(ns["t"], torch.zeros(3)) and "new" not in ns  # nothing came back
+        pulled = s.pull("t", "new")
+        assert ns["t"] is held and torch.equal(held, torch.full((3,), 7.0))  # in place
+        assert pulled == {"t": held, "new": [1, 2]} and ns["new"] == [1, 2]
+
+
+def test_a_failure_on_one_rank_names_it_and_the_session_goes_on():
+    ns = {"log": []}
+    with start("fork", namespace=ns) as s:
+        cell = "import torch.distributed as dist\nlog.append(1)\nif dist.get_rank() == 1:\n    raise ValueError('x')"
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run(cell)
+        assert failed.value.rank == 1 and "ValueError: x" in str(failed.value)
+        assert ns["log"] == [1]  # the master's state at the failure, as a local cell keeps it
+        assert s.run("log.append(2)\nlen(log)") == 2
+
+
+def test_a_rank_blocked_in_a_collective_is_released_and_the_group_made_again(capfd):
+    torch.manual_seed(0)
+    ns = {"model": torch.nn.Linear(2, 2)}
+    with start("fork", namespace=ns) as s:
+        s.run(DDP_SETUP)  # the wrapper keeps gloo's group alive: its abort alone releases nobody
+        began = time.monotonic()
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run("if dist.get_rank() == 1:\n    raise ValueError('boom')\ndist.barrier()")
+        assert failed.value.rank == 1 and time.monotonic() - began < 8
+        assert "process group was made again" in capfd.readouterr().err
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)") == 2.0  # the new group works
+
+
+def test_a_rank_killed_mid_cell_restarts_the_session_from_the_mirror(capfd, start_method):
+    ns = {"x": 41}
+    with start(start_method, namespace=ns) as s:
+        s.run("import os, signal, torch.distributed as dist\ny = x + 1")
+        pids = [row.pid for row in s.status().rows]
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run("if dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+        assert failed.value.rank == 1 and failed.value.signal_name == "SIGKILL"
+        assert "session restarted (rank 1 died (SIGKILL))" in capfd.readouterr().err
+        rows = s.status().rows
+        assert [r.state for r in rows] == ["idle", "idle"] and not {r.pid for r in rows} & set(pids)
+        assert s.run("x + y") == 83  # the notebook's state reached the new workers
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] == "Z"
+
+
+def test_the_stop_button_interrupts_every_rank_and_they_keep_their_state(capfd):
+    ns = {}
+    with start("fork", namespace=ns) as s:
+        s.run("import time, torch.distributed as dist\nmarks = []")
+        pids = [row.pid for row in s.status().rows]
+        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                s.run("marks.append(dist.get_rank())\ntime.sleep(60)")
+        finally:
+            timer.cancel()
+        err = capfd.readouterr().err
+        assert "[rank 1] where it was" in err and '"<enot_distributed cell>", line 2' in err
+        assert ns["marks"] == [0]  # the master's state at the interrupt
+        assert [row.pid for row in s.status().rows] == pids  # the same workers survived
+        assert s.run("marks + [len(marks)]") == [0, 1]
+
+
+def test_status_shows_a_row_per_rank():
+    with start("fork", namespace={}) as s:
+        s.run("x = 1")
+        status = s.status()
+        assert [r.rank for r in status.rows] == [0, 1]
+        assert all(r.state == "idle" and r.rss_mib and r.cells == 1 and r.device == "cpu" for r in status.rows)
+        assert "rank" in str(status) and "<table>" in status._repr_html_()
+
+
+def test_a_second_session_is_refused_and_a_closed_one_says_so():
+    with start("fork", namespace={}) as s:
+        with pytest.raises(LaunchError, match="already running"):
+            start("fork", namespace={})
+    with pytest.raises(LaunchError, match="closed"):
+        s.run("pass")
+
+
+def test_a_session_with_every_worker_dead_restarts_before_the_cell(capfd):
+    with start("fork", namespace={"v": 3}) as s:
+        for row in s.status().rows:
+            os.kill(row.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(r.running for r in s.workers.attempt.ranks) and time.monotonic() < deadline:
+            s.workers.attempt.handle(s.workers.attempt.select(0.1))
+        assert s.run("v * 2") == 6
+        assert "session restarted (all its workers were dead)" in capfd.readouterr().err
