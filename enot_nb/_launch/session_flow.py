@@ -123,6 +123,9 @@ class NamespaceFlow:
         assert prepared.options is not None and prepared.run is not None
         if prepared.registry is None:
             self.after_push(prepared, outcome)
+            if self.mirrored and outcome.restart is None:  # --no-return: what it wrote stays there
+                written = set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
+                self.mirror.mark_stale({n: "left out by --no-return" for n in written if n in self.namespace})
             if outcome.result is not None and state.has_value and state.value_bundle:
                 return Bundle(*state.value_bundle)
             return None

@@ -1,0 +1,235 @@
+"""A session cell is a local cell, for the master: the differential suite of sessions.
+
+Each case is a sequence of plain and session cells. One real kernel runs every cell plainly; the
+other starts a session (``%enot_session start -n 2 --backend gloo``, fork and spawn) and runs the
+session cells under ``%%enot_distributed``, the plain ones plainly. The same probes are compared
+after every cell: the notebook mirrors the master, and the notebook's changes reach the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import time
+
+import pytest
+
+from tests._util import METHODS
+from tests.kernel import running_kernel
+from tests.test_state_parity import PRELUDE, _fresh, _probe_code
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+S, P, F = "session", "plain", "fails"  # F: a session cell that raises (in both kernels)
+LINEAR = "model = torch.nn.Linear(2, 2)\n"
+STEP = "loss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()\nopt.zero_grad()"
+
+# (id, set-up, [(kind, cell)], probes)
+CASES = [
+    (
+        "model-trained-in-place-lr-changed-in-a-plain-cell",
+        LINEAR + "w = model.weight\n",
+        [
+            (S, "opt = torch.optim.SGD(model.parameters(), lr=0.1)"),
+            (S, STEP),
+            (P, "model.weight.data.mul_(2)"),
+            (S, STEP),
+            (P, "opt.param_groups[0]['lr'] = 0.01"),
+            (S, STEP),
+        ],
+        [
+            "model.weight.tolist()",
+            "model.weight is w",
+            "opt.param_groups[0]['lr']",
+            "opt.param_groups[0]['params'][0] is w",
+        ],
+    ),
+    (
+        "rebound-and-deleted-names",
+        "a = 1\nb = [1]\n",
+        [(S, "c = a + len(b)"), (P, "a = 5\ndel b"), (S, "d = a * 2\ne = 'b' in dir()"), (S, "del c")],
+        ["a", "d", "e", "'b' in dir()", "'c' in dir()"],
+    ),
+    (
+        "aliases-kept",
+        "t = torch.zeros(3)\npair = [t, t]\n",
+        [(S, "t.add_(1)"), (P, "pair.append(torch.ones(1))"), (S, "pair[0].mul_(3)\nn = len(pair)")],
+        ["t.tolist()", "pair[0] is pair[1]", "pair[0] is t", "n", "pair[2].tolist()"],
+    ),
+    (
+        "a-module-attribute-replaced-in-a-plain-cell",
+        LINEAR,
+        [
+            (S, "out = model(torch.ones(1, 2)).tolist()"),
+            (P, "model.extra = torch.nn.Linear(2, 1)"),
+            (S, "model.extra.weight.data.fill_(0.5)\ny = model.extra(torch.ones(1, 2)).item()"),
+        ],
+        ["round(y, 4)", "model.extra.weight.tolist()", "type(model.extra).__name__"],
+    ),
+    (
+        "a-failed-cell-keeps-the-masters-state",
+        "log = []\n",
+        [(F, "log.append(1)\nraise ValueError('x')"), (S, "log.append(2)"), (P, "log.append(3)"), (S, "n = len(log)")],
+        ["log", "n"],
+    ),
+    (
+        "functions-read-globals-changed-in-plain-cells",
+        "",
+        [(P, "k = 3\ndef f(x):\n    return x * k"), (S, "r = f(2)"), (P, "k = 10"), (S, "r2 = f(2)")],
+        ["r", "r2"],
+    ),
+    (
+        "numpy-written-in-both",
+        "arr = np.arange(4.0)\n",
+        [(S, "arr *= 2"), (P, "arr[0] = 100"), (S, "s = float(arr.sum())")],
+        ["arr.tolist()", "s"],
+    ),
+    (
+        "a-cell-value-and-a-new-class",
+        "",
+        [
+            (S, "class Box:\n    def __init__(self, v):\n        self.v = v\nbox = Box(1)"),
+            (P, "box.v = 5"),
+            (S, "box.v + 1"),
+        ],
+        ["box.v", "type(box).__name__", "isinstance(box, Box)"],
+    ),
+]
+
+
+def _run_case(kernels, method, steps, setup, probes):
+    local, dist = kernels
+    seen: list[tuple[list, list]] = []
+    for kernel in (local, dist):
+        _fresh(kernel)
+        if setup:
+            kernel.ok(setup)
+    dist.ok(f"%enot_session start -n 2 --backend gloo --start-method {method}")
+    try:
+        for kind, cell in steps:
+            results = []
+            for kernel in (local, dist):
+                code = cell if kind == P or kernel is local else "%%enot_distributed\n" + cell
+                run = kernel.run(code)
+                if kind == F:
+                    assert run.error is not None, f"{cell!r} should fail in both kernels"
+                else:
+                    assert run.error is None, run.traceback + run.stderr
+                results.append((run.result or {}).get("text/plain"))
+                results.append(json.loads(kernel.ok(_probe_code(probes)).stdout))
+            seen.append((results[:2], results[2:]))
+            assert results[1] == results[3] and results[0] == results[2], f"after {cell!r}: {results}"
+    finally:
+        dist.ok("%enot_session stop")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case_id, setup, steps, probes", CASES, ids=[c[0] for c in CASES])
+def test_a_session_cell_is_a_local_cell(kernels, method, case_id, setup, steps, probes):
+    _run_case(kernels, method, steps, setup, probes)
+
+
+# ----------------------------------------------------------------------------- one kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with running_kernel("%load_ext enot_nb\n" + PRELUDE) as k:
+        yield k
+
+
+@pytest.fixture
+def live(kernel):
+    kernel.ok("%reset -f\n" + PRELUDE)
+    kernel.ok("%enot_session start -n 2 --backend gloo")
+    yield kernel
+    kernel.ok("%enot_session stop")
+
+
+def test_the_table_and_the_start_line(kernel):
+    kernel.ok("%reset -f\n" + PRELUDE)
+    started = kernel.ok("%enot_session start -n 2 --backend gloo")
+    assert "session started: 2 rank(s), gloo, cpu, fork" in started.stderr
+    try:
+        kernel.ok("%%enot_distributed\nx = 1")
+        table = kernel.ok("%enot_session")
+        assert "<table>" in table.result["text/html"] and "idle" in table.result["text/plain"]
+        assert table.result["text/plain"].count("\n") == 3  # a caption, a header, a row per rank
+    finally:
+        kernel.ok("%enot_session stop")
+    assert "no session is running" in kernel.ok("%enot_session").stdout
+
+
+def test_options_that_would_change_the_workers_are_refused(live):
+    for line, words in [
+        ("-n 3", "%enot_session restart -n"),
+        ("--backend gloo", "%enot_session restart --backend"),
+        ("--seed 1", "%enot_session restart --seed"),
+        ("--start-method spawn", "%enot_session restart --start-method"),
+        ("--on-error discard", "cannot roll a failed cell"),
+    ]:
+        run = live.run(f"%%enot_distributed {line}\nx = 1")
+        assert _usage_error(run, words), run.stderr
+    assert live.run("%%enot_distributed --fresh -n 2 --backend gloo\nfresh = 1").error is None
+    assert live.ok("print(fresh)").stdout.strip() == "1"
+    assert (
+        live.ok("%%enot_distributed\nprint(fresh + 1)").stdout.strip() == "2"
+    )  # the one-off's change reached the session
+
+
+def test_output_is_live_and_all_ranks_can_be_shown(live):
+    run = live.ok("%%enot_distributed --output all\nimport torch.distributed as dist\nprint('hi', dist.get_rank())")
+    assert "[rank 0] hi 0" in run.stdout and "[rank 1] hi 1" in run.stdout
+    run = live.ok(
+        "%%enot_distributed\nprint('only', dist.get_rank())\nfrom IPython.display import display\ndisplay({'k': 1})"
+    )
+    assert run.stdout.strip() == "only 0" and run.displays
+
+
+def test_a_variable_left_out_by_no_return_is_stale_until_pulled(live):
+    live.ok("xs = [1]")
+    live.ok("%%enot_distributed --no-return\nxs.append(2)")
+    assert live.ok("print(xs)").stdout.strip() == "[1]"
+    live.ok("xs.append(3)")  # a plain cell changes the stale copy
+    run = live.run("%%enot_distributed\nprint(len(xs))")
+    assert _usage_error(run, "'xs'") and "%enot_pull xs" in run.stderr, run.stderr
+    live.ok("xs.pop()")  # back as it was: nothing to push
+    live.ok("%enot_pull xs")
+    assert live.ok("print(xs)").stdout.strip() == "[1, 2]"
+    assert live.ok("%%enot_distributed\nprint(len(xs))").stdout.strip() == "2"
+
+
+def test_mirror_none_refuses_export_and_pulls_on_request(kernel):
+    kernel.ok("%reset -f\n" + PRELUDE)
+    kernel.ok("%enot_session start -n 2 --backend gloo --mirror none")
+    try:
+        kernel.ok("%%enot_distributed\nimport torch\nbig = torch.ones(3)")  # the ranks start empty
+        assert kernel.ok("print('big' in dir())").stdout.strip() == "False"
+        run = kernel.run("%%enot_distributed --export /tmp/enot_nb_never.py\npass")
+        assert _usage_error(run, "--mirror none"), run.stderr
+        kernel.ok("%enot_pull big")
+        assert kernel.ok("print(big.tolist())").stdout.strip() == "[1.0, 1.0, 1.0]"
+    finally:
+        kernel.ok("%enot_session stop")
+
+
+def _usage_error(run, words: str) -> bool:
+    """IPython prints a UsageError as one line, without a traceback, and replies with an error."""
+    return run.status == "error" and run.stderr.startswith("UsageError: ") and words in run.stderr
+
+
+def test_a_kernel_shutdown_ends_the_session_workers():
+    with running_kernel("%load_ext enot_nb") as k:
+        k.ok("%enot_session start -n 2 --backend gloo")
+        pids = [int(line.split()[1]) for line in k.ok("%enot_session").result["text/plain"].splitlines()[2:]]
+        assert len(pids) == 2
+        pidfds = [os.pidfd_open(p) for p in pids]  # readable once the process has ended
+    try:
+        deadline = time.monotonic() + 10
+        for fd in pidfds:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, "a session worker outlived its kernel"
+    finally:
+        for fd in pidfds:
+            os.close(fd)
