@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -26,9 +27,15 @@ def kernels():
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
-    """Fail a test that leaves a descendant process running (checked for up to 5 s)."""
+    """Fail a test that leaves a descendant process running (checked for up to 5 s), or a
+    session of this process live (its workers would be the next test's leftovers)."""
     before = set(descendants())
     yield
+    sessions = sys.modules.get("enot_nb.sessions")
+    live = sessions.session() if sessions is not None else None
+    if live is not None:
+        live.close()
+    assert live is None, "a session was left running: close it (or use `with Session(...)`)"
     owners = before | {os.getpid()}
     deadline = time.monotonic() + 5
     while True:

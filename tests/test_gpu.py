@@ -340,3 +340,37 @@ def test_a_model_sharded_by_fsdp2_on_cuda_comes_back_whole():
             " bool((w0 != before).any()), torch.cuda.is_initialized())"
         )
         assert check.stdout == "True True cpu True False\n"
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def test_a_nccl_session_binds_its_device_once_and_reuses_its_communicator():
+    """One nccl rank per GPU (NCCL refuses two ranks on one): the device is bound at the start,
+    and the world group (its communicator) is the same object cell after cell."""
+    ns: dict = {}
+    with enot_nb.Session(nprocs=GPUS, backend="nccl", namespace=ns, quiet=True) as s:
+        s.run(
+            "import torch, torch.distributed as dist\n"
+            "device = torch.cuda.current_device()\ngroup = id(dist.distributed_c10d._get_default_group())\n"
+            "t = torch.ones(4, device='cuda')\ndist.all_reduce(t)"
+        )
+        same = s.run(
+            "dist.all_reduce(t)\n"
+            "(torch.cuda.current_device() == device, id(dist.distributed_c10d._get_default_group()) == group)"
+        )
+        assert same == (True, True)
+        assert ns["t"].device.type == "cpu" and ns["t"].tolist() == [float(GPUS**2)] * 4  # a CPU copy
+        ns["t"][0] = 100.0  # a plain change: the rank's CUDA tensor is updated on its device
+        assert s.run("(t.device.type, t[0].item())") == ("cuda", 100.0)
+        rows = s.status().rows
+        assert rows[0].device == "cuda:0" and rows[0].gpu_allocated_mib is not None
+
+
+def test_two_gloo_ranks_on_one_gpu_keep_a_cuda_model_across_cells():
+    ns = {"model": torch.nn.Linear(8, 8)}
+    with enot_nb.Session(nprocs=2, backend="gloo", namespace=ns, quiet=True) as s:
+        s.run("import torch\nmodel.cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
+        s.run("model(torch.ones(2, 8, device='cuda')).sum().backward()\nopt.step()")
+        assert ns["model"].weight.device.type == "cpu"  # mirrored as CPU copies
+        assert s.run("next(model.parameters()).device.type") == "cuda"  # still on the GPU there

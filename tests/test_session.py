@@ -182,3 +182,31 @@ def test_a_session_with_every_worker_dead_restarts_before_the_cell(capfd):
             s.workers.attempt.handle(s.workers.attempt.select(0.1))
         assert s.run("v * 2") == 6
         assert "session restarted (all its workers were dead)" in capfd.readouterr().err
+
+
+def _counts(pid: int) -> tuple[int, int, float]:
+    """Descriptors, threads and resident memory (MiB) of a process, from /proc."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    with open(f"/proc/{pid}/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    return fds, threads, rss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_five_hundred_cells_grow_no_descriptors_threads_or_memory():
+    ns = {"t": torch.zeros(1000), "log": []}
+    with start("fork", namespace=ns) as s:
+        cell = "t.add_(1)\nlog.append(len(log))\nif len(log) > 10:\n    del log[0]\nx = float(t[0])"
+        for _ in range(50):  # warm up: caches, the allocator, lazily made helpers
+            s.run(cell)
+        pids = [os.getpid(), *(row.pid for row in s.status().rows)]
+        before = [_counts(pid) for pid in pids]
+        for _ in range(500):
+            s.run(cell)
+        after = [_counts(pid) for pid in pids]
+        assert ns["x"] == 550.0
+    for pid, (fds0, threads0, rss0), (fds1, threads1, rss1) in zip(pids, before, after):
+        assert (fds1, threads1) == (fds0, threads0), f"pid {pid}: descriptors or threads grew"
+        assert rss1 - rss0 < 16, f"pid {pid}: resident memory grew by {rss1 - rss0:.1f} MiB over 500 cells"
