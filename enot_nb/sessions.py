@@ -114,6 +114,7 @@ class Session:
             atexit.unregister(self.close)
         if workers is not None:
             workers.close()
+        self.flow.mirror.reset()  # its shadow fork too
 
     def restart(self, why: str | None = None) -> None:
         """New workers; the notebook's variables reach them as the next cells use them (under

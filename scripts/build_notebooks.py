@@ -4,7 +4,7 @@ The committed notebooks carry their outputs, so a reader sees them on the reposi
 nbval re-executes them in CI and compares their outputs (notebooks/nbval_sanitize.cfg masks what truly
 varies); only the live progress displays are tagged ``nbval-ignore-output``.
 
-Usage: python scripts/build_notebooks.py
+Usage: python scripts/build_notebooks.py [NAME.ipynb ...]   (all of them by default)
 """
 
 from __future__ import annotations
@@ -322,6 +322,121 @@ for step in tqdm(range(20), desc="master"):
     ),
 ]
 
+SESSION = [
+    md("""
+# A persistent session
+
+`%enot_session start` starts the workers once; every `%%enot_distributed` cell after it runs on
+them, one after another, each rank in a namespace of its own that lives across cells. A DDP
+wrapper, an optimizer, a DataLoader built in one cell are there in the next, and the cell costs
+what it does: no start, no import, no process group, no model shipped. The notebook mirrors the
+master: after each session cell it holds what rank 0 holds, in place; a plain cell's changes
+reach every rank before the next session cell.
+"""),
+    SETUP,
+    code("%enot_session start -n $NPROCS --seed 0"),
+    code("""
+from torch.utils.data import TensorDataset
+
+def make_blobs(n, seed):
+    \"\"\"Four Gaussian blobs in 16 dimensions; the label is the blob.\"\"\"
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(1234))
+    labels = torch.randint(0, 4, (n,), generator=g)
+    points = centers[labels] + torch.randn(n, 16, generator=g) * 2.0
+    return TensorDataset(points, labels)
+
+train_set, test_set = make_blobs(4096, seed=0), make_blobs(1024, seed=1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+lr = 0.05
+"""),
+    md("Build DDP once: the wrapper stays on the ranks (it cannot cross; the notebook gets `model`)."),
+    code("""
+%%enot_distributed
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+ddp = DistributedDataParallel(model)
+sampler = DistributedSampler(train_set, seed=0)
+loader = DataLoader(train_set, batch_size=64, sampler=sampler)
+optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+epochs_done = 0
+
+def train(epochs, quiet=False):
+    global epochs_done
+    for _ in range(epochs):
+        sampler.set_epoch(epochs_done)
+        total = torch.zeros(2)
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)))])
+        dist.all_reduce(total)
+        epochs_done += 1
+        if not quiet:
+            print(f"epoch {epochs_done}: loss {(total[0] / total[1]).item():.3f}")
+"""),
+    code("""
+%%enot_distributed
+train(3)
+"""),
+    md("A plain cell: the model is the master's, trained, in the notebook."),
+    code("""
+def accuracy():
+    with torch.no_grad():
+        x, y = test_set.tensors
+        return (model(x).argmax(dim=1) == y).float().mean().item()
+
+print(f"after {epochs_done} epochs: held-out accuracy above chance: {accuracy() > 0.5}")
+"""),
+    md("Change the learning rate in a plain cell; it reaches every rank before the next session cell."),
+    code("lr = 0.01"),
+    code("""
+%%enot_distributed
+for group in optimizer.param_groups:
+    group["lr"] = lr
+train(2)
+print("learning rate on rank", ed.get_rank(), "is", optimizer.param_groups[0]["lr"])
+"""),
+    md("""
+## Interrupt and continue
+
+The stop button (here a timer sends the kernel the same SIGINT) prints where each rank is, then
+raises `KeyboardInterrupt` inside the cell on every rank. The workers stay, with their state; the
+notebook holds the master's state at the interrupt, as a local cell would.
+"""),
+    code("""
+import os, signal, threading
+threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+"""),
+    code(
+        """
+%%enot_distributed
+import time
+while True:           # until the stop button
+    train(1)
+    time.sleep(0.2)
+""",
+        "raises-exception",
+        LIVE_PROGRESS,  # where the ranks are when the press lands varies
+    ),
+    code("""
+%%enot_distributed
+start = epochs_done
+train(1, quiet=True)  # how many epochs ran before the press varies
+print("the same workers went on:", epochs_done == start + 1, "- the wrapper is still there:", ddp is not None)
+"""),
+    code("%enot_session", LIVE_PROGRESS),  # pids, memory and uptime vary
+    code("""
+print(f"held-out accuracy above chance: {accuracy() > 0.5}")
+%enot_session stop
+"""),
+]
+
 
 def build(name: str, cells: list) -> None:
     notebook = nbformat.v4.new_notebook(cells=cells)
@@ -333,8 +448,16 @@ def build(name: str, cells: list) -> None:
     print("wrote", NOTEBOOKS / name)
 
 
+ALL = {
+    "01_quickstart.ipynb": QUICKSTART,
+    "02_train_classifier.ipynb": TRAIN,
+    "03_launcher_and_errors.ipynb": LAUNCHER,
+    "04_frameworks.ipynb": FRAMEWORKS,
+    "05_session.ipynb": SESSION,
+}
+
 if __name__ == "__main__":
-    build("01_quickstart.ipynb", QUICKSTART)
-    build("02_train_classifier.ipynb", TRAIN)
-    build("03_launcher_and_errors.ipynb", LAUNCHER)
-    build("04_frameworks.ipynb", FRAMEWORKS)
+    import sys
+
+    for name in sys.argv[1:] or ALL:  # e.g. `python scripts/build_notebooks.py 05_session.ipynb`
+        build(name, ALL[name])

@@ -294,11 +294,11 @@ class CommandRound:
                 failed_at = time.monotonic()
             timeout = None if failed_at is None else failed_at + FAIL_GRACE - time.monotonic()
             if timeout is not None and timeout <= 0:
-                self._release_stuck()
+                self._release_stuck(RELEASE_WAIT)
                 return
             attempt.handle(attempt.select(timeout))
 
-    def _release_stuck(self) -> None:
+    def _release_stuck(self, wait: float) -> None:
         """Ranks that do not answer after a peer failed (or was interrupted) wait in a
         collective: the idle ranks abort their groups, which releases them."""
         attempt, outcome = self.attempt, self.outcome
@@ -306,12 +306,12 @@ class CommandRound:
         peers = tuple(r.pid for r in attempt.ranks if r.pid is not None)
         send(attempt, AbortGroups(peers), idle)
         outcome.regrouped = True  # the groups are gone: made again below
-        self._wait_all(RELEASE_WAIT)
+        self._wait_all(wait)
         stuck = self._waiting()
         if stuck:
             outcome.restart = (
                 f"rank(s) {', '.join(str(r.rank) for r in stuck)} did not get back to idle within "
-                f"{RELEASE_WAIT:g} s after the failure (stuck where Python cannot run)"
+                f"{wait:g} s of being released (stuck where Python cannot run)"
             )
 
     def _wait_all(self, seconds: float) -> None:
@@ -342,7 +342,7 @@ class CommandRound:
             attempt.group.signal(r.rank, signal.SIGINT)
         self._wait_all(_attempt.INTERRUPT_SAVE_WAIT)
         if self._waiting():
-            self._release_stuck()
+            self._release_stuck(_attempt.INTERRUPT_SAVE_WAIT)
 
     def _keep_or_regroup(self) -> None:
         """After a failed or interrupted cell: the world group is kept when every rank agrees on

@@ -14,6 +14,11 @@ worker -> launcher, on one message pipe per rank (MessageKind draws the order)::
     Partial(payload)                  rank 0's state at an interrupt or failure
     then exactly one of Result(payload) (rank 0), Done(), ErrorReport(...)
 
+A session's worker (see _worker/session_loop) also reads commands from its message socket
+(RunTask, ReportGroups, AbortGroups, Regroup, StopWorker) and answers each task with an outcome;
+it may send Groups(sequence) and DeviceMemory on the way. Every message, outcomes included, is
+sent after a fence in the worker's output streams (see OUTPUT_FENCE).
+
 A payload is InMemfd(size) (written into the result memfd) or Inline(data) (pickle bytes).
 launcher <-> fork server, on its Unix socket: Ready, Launch (+ descriptors laid out by
 LaunchFds), Started (+ a pidfd per rank) or StartFailed, Exit (see forkserver).
@@ -32,8 +37,8 @@ class MessageKind(enum.Enum):
 
         CONNECTED -> (DISPLAY | CLEAR_OUTPUT | COMM | PARTIAL | IMPORTED)* -> RESULT | DONE | ERROR
 
-    The last three are a rank's outcome (``Rank.outcome``); a worker fences its output before
-    each of the others (see OUTPUT_FENCE)."""
+    The last three are a rank's outcome (``Rank.outcome``; a session's rank sends one per task,
+    and GROUPS, DEVICE_MEMORY between); a worker fences its output before each message."""
 
     CONNECTED = "connected"
     DISPLAY = "display"
@@ -48,8 +53,8 @@ class MessageKind(enum.Enum):
     ERROR = "error"
 
 
-# Written by a worker into its stdout and stderr pipes just before each message that is not an
-# outcome (see bootstrap.send): the launcher shows the output before it, then the message, then
+# Written by a worker into its stdout and stderr pipes just before each message (see
+# bootstrap.send): the launcher shows the output before it, then the message, then
 # what follows (output.Fenced), so prints, display data and widgets keep the worker's order.
 # An APC escape sequence: a terminal that ever received it would show nothing.
 OUTPUT_FENCE = b"\x1b_enot_nb\x1b\\"

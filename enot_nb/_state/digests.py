@@ -162,6 +162,18 @@ def _is_array(obj: Any) -> bool:
 SCAN_MAX = 1 << 20
 
 
+def needs_a_fresh_fork(storages: list[Any]) -> bool:
+    """Whether a snapshot of these storages would be wrong now: it assumes that this process owns
+    none of their large ones' pages (true after a fork, see SCAN_MAX), and this process owns some
+    (or pagemap cannot tell). A long-lived process then makes a shadow fork first (see
+    _processes/shadow); one that wrote none of them since its last shadow fork need not."""
+    large = [s for s in storages if s is not None and s.device.type == "cpu" and s.nbytes() >= SCAN_MAX]
+    if not large:
+        return False
+    masks = _pagemap.own_pages([_storage_area(s) for s in large]) if _pagemap.supported() else None
+    return masks is None or any(mask[1:-1].any() for mask in masks)  # the edge pages are digested
+
+
 class _ForkWatch:
     """The pages of the areas digested by pages that this process owned at each of its forks
     since the snapshot. A fork shares every page with the child (a DataLoader's persistent

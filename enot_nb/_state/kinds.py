@@ -388,7 +388,12 @@ def _attributes_that_pickle(attributes: Attributes, path: str, reason: Reason, l
 
 
 def _dict_children(obj: dict) -> Steps:
-    steps = [(f"[{k!r}]", v) for k, v in list(obj.items())] + [("<key>", k) for k in list(obj)]
+    """An item's step is its key's repr where the key is an atom (``['lr']``), else the key's
+    place (``[<key 3>]``: an optimizer's state is keyed by tensors, whose repr is long and says
+    nothing); a key's own step is its place too, so each step names one object (see paths)."""
+    items = list(obj.items())
+    steps = [(f"[{k!r}]" if type(k) in ATOMS else f"[<key {n}>]", v) for n, (k, v) in enumerate(items)]
+    steps += [(f"<key {n}>", k) for n, (k, _) in enumerate(items) if type(k) not in ATOMS]
     factory = getattr(obj, "default_factory", None)
     if factory is not None:
         steps.append((".default_factory", factory))

@@ -26,8 +26,10 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
+from enot_nb._processes.shadow import SHADOW
 from enot_nb._state import paths
 from enot_nb._state.collect import Changes, StatePickler, collect
+from enot_nb._state.digests import needs_a_fresh_fork
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
 from enot_nb.errors import LaunchError
@@ -94,6 +96,7 @@ class Mirror:
 
     def reset(self) -> None:
         """New workers hold nothing: every variable reaches them again when a cell uses it."""
+        SHADOW.end()
         self.__init__()  # type: ignore[misc]
 
     def push(self, namespace: dict[str, Any], reached: list[str], hidden: Any = ()) -> Push:
@@ -142,6 +145,8 @@ class Mirror:
         now = user_variables(namespace, hidden)
         self.synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
         self.baseline = Registry.of_namespace(namespace, sorted(self.synced))
+        if needs_a_fresh_fork(self.baseline.storages):
+            SHADOW.renew()  # from here, the pages the notebook writes are its own again (see shadow)
         self.snapshot = Snapshot.take(self.baseline)
 
     def mark_stale(self, names: dict[str, str]) -> None:

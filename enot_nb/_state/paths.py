@@ -17,6 +17,8 @@ against the other (see collect, apply).
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, NamedTuple
 
 from enot_nb._serialize.tensors import tensor_storages
@@ -112,9 +114,11 @@ def registry_at(
         registry.parents[spec.at] = (spec.parent, spec.step)
         try:
             obj = _child(registry, spec, children)
-        except PathError:
+        except PathError as err:
             if strict:
                 raise
+            if os.environ.get("ENOT_NB_DEBUG"):
+                print(f"enot_nb: no counterpart here for {err}", file=sys.stderr)
             continue
         kind = kind_of(obj) or Kind.OPAQUE
         registry.objects[spec.at], registry.kinds[spec.at] = obj, kind
@@ -124,6 +128,10 @@ def registry_at(
                 if j >= 0 and registry.find_storage(storage) is None:
                     registry.storages[j] = storage
                     registry.storage_index[id(storage)] = j
+    if storages and any(s is None for s in registry.storages):  # of tensors with no counterpart
+        import torch
+
+        registry.storages = [torch.UntypedStorage(0) if s is None else s for s in registry.storages]
     return registry
 
 

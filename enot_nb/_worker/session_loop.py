@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +43,10 @@ from enot_nb._processes.protocol import (
     SessionCommand,
     StopWorker,
 )
+from enot_nb._processes.shadow import SHADOW
 from enot_nb._serialize import result_file, shm
 from enot_nb._state import apply, collect, paths
+from enot_nb._state.digests import needs_a_fresh_fork
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap, sharded
 from enot_nb._worker import cell as _cell
@@ -154,6 +157,8 @@ def _answer(command: SessionCommand) -> None:
             case _:
                 assert_never(command)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported; the worker stays
+        if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
+            traceback.print_exc()
         bootstrap.report_failure(exc)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -187,6 +192,8 @@ def _run_cell(namespace: dict[str, Any], task: CellTask) -> Any:
     registry = None
     if task.mirror is not None and _state["rank"] == 0:
         registry = _mirror_registry(namespace, task.mirror)
+        if needs_a_fresh_fork(registry.storages):
+            SHADOW.renew()  # the pages the cell writes are the master's own again (see shadow)
     return _cell.run_cell(task.code, namespace, task.options, registry)
 
 

@@ -1,0 +1,258 @@
+"""A persistent session, in a real kernel, beside the alternatives (``run_all.py --only session``).
+
+* A trivial cell (it reaches no tracked state) on a live 2-rank session, against the same cell
+  run locally; beside it a one-off ``%%enot_distributed`` cell, ipyparallel's ``%px`` and
+  ``view.execute`` on 2 engines, and nbdistributed's ``%%distributed`` on 2 workers (both from
+  the package index, installed with ``--no-deps`` so that they keep the CPU torch:
+  ``bash scripts/bench_extras.sh``; a row says so where one is missing or fails).
+* 50 DDP steps in a session cell, against the same 50 steps in a torchrun script already running.
+* A session cell that reaches a ResNet-50-sized model and changes nothing, against the same cell
+  run locally; one that updates it in place, against a one-off cell doing the same (today's
+  return cost), both over the local cell.
+* The push: the notebook holds 2 GiB the ranks hold too; a plain cell writes one 1 MiB tensor;
+  the next session cell, against the same session cell after a plain cell that wrote nothing.
+
+Every timing is taken in the kernel around ``run_cell`` (the magic's work and the workers'),
+medians of the repeats, alternated where two variants are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.harness import ROOT, Row, kernel_json, median, start_kernel
+
+SETUP = r"""
+import json, time, statistics, torch
+%load_ext enot_nb
+shell = get_ipython()
+def run(code):
+    result = shell.run_cell(code, store_history=False)
+    if not result.success:
+        raise RuntimeError(f"cell failed: {code[:60]!r}: {result.error_in_exec or result.error_before_exec}")
+def clock(code, repeats, warmup=2):
+    for _ in range(warmup):
+        run(code)
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(code)
+        out.append(time.perf_counter() - start)
+    return out
+def alternate(first, second, repeats, before=None):
+    a, b = [], []
+    for code in (first, second):
+        run(code)
+    for _ in range(repeats):
+        for code, into in ((first, a), (second, b)):
+            if before:
+                run(before)
+            start = time.perf_counter()
+            run(code)
+            into.append(time.perf_counter() - start)
+    return a, b
+"""
+
+TRIVIAL = "pass"
+BENCH = "session: a trivial cell, 2 ranks"
+
+
+def trivial(kernel, repeats: int) -> list[Row]:
+    n = max(20, repeats * 5)
+    found = kernel_json(
+        kernel,
+        f"""
+run("%enot_session start -n 2 --backend gloo")
+local, session = alternate({TRIVIAL!r}, "%%enot_distributed\\n{TRIVIAL}", {n})
+run("%enot_session stop")
+oneoff = clock("%%enot_distributed -n 2 --backend gloo\\n{TRIVIAL}", {repeats})
+print("RESULT", json.dumps([statistics.median(local), statistics.median(session), statistics.median(oneoff)]))""",
+    )
+    local, session, oneoff = found
+    rows = [
+        Row(BENCH, "the cell run locally (reference)", local, "s", "local", 1.0, "", n),
+        Row(BENCH, "session cell", session, "s", "local", session / local, "", n),
+        Row(BENCH, "session cell: over the local cell", session - local, "s", "local", None, "<= 5 ms", n),
+        Row(BENCH, "one-off %%enot_distributed cell", oneoff, "s", "local", oneoff / local, "", repeats),
+    ]
+    return rows + _ipyparallel(kernel, n, local) + _nbdistributed(kernel, repeats, local)
+
+
+def _ipyparallel(kernel, n: int, local: float) -> list[Row]:
+    try:
+        found = kernel_json(
+            kernel,
+            f"""
+import ipyparallel as ipp
+cluster = ipp.Cluster(n=2, log_level=40)
+rc = cluster.start_and_connect_sync(activate=True)
+rc.wait_for_engines(2, timeout=120)
+view = rc[:]
+execute = [0.0] * {n}
+for i in range(-2, {n}):
+    start = time.perf_counter()
+    view.execute({TRIVIAL!r}, block=True)
+    if i >= 0:
+        execute[i] = time.perf_counter() - start
+px = clock("%px {TRIVIAL}", {n})
+rc.close()
+cluster.stop_cluster_sync()
+print("RESULT", json.dumps([statistics.median(execute), statistics.median(px)]))""",
+            timeout=300,
+        )
+    except Exception as err:  # noqa: BLE001 - a row that says why, instead of no row
+        return [Row(BENCH, f"ipyparallel: not measured ({str(err).splitlines()[-1][:80]})", 0.0, "s", "local")]
+    execute, px = found
+    return [
+        Row(BENCH, "ipyparallel view.execute, 2 engines", execute, "s", "local", execute / local, "", n),
+        Row(BENCH, "ipyparallel %px, 2 engines", px, "s", "local", px / local, "", n),
+    ]
+
+
+def _nbdistributed(kernel, repeats: int, local: float) -> list[Row]:
+    try:
+        found = kernel_json(
+            kernel,
+            f"""
+run("%load_ext nbdistributed")
+run("%dist_init -n 2")
+took = clock("%%distributed\\n{TRIVIAL}", {repeats})
+run("%dist_shutdown")
+print("RESULT", json.dumps(statistics.median(took)))""",
+            timeout=300,
+        )
+    except Exception as err:  # noqa: BLE001 - a row that says why, instead of no row
+        return [Row(BENCH, f"nbdistributed: not measured ({str(err).splitlines()[-1][:80]})", 0.0, "s", "local")]
+    return [Row(BENCH, "nbdistributed %%distributed, 2 workers", found, "s", "local", found / local, "", repeats)]
+
+
+def ddp_steps(kernel, repeats: int) -> list[Row]:
+    bench = "session: 50 DDP steps, 2 ranks"
+    found = kernel_json(
+        kernel,
+        f"""
+run("%enot_session start -n 2 --backend gloo")
+run("%%enot_distributed\\nfrom benchmarks import session_steps_job as job\\nparts = job.build()")
+run("%%enot_distributed\\nddp, optimizer, x, y = (parts[k] for k in ('ddp', 'optimizer', 'x', 'y'))")
+took = clock("%%enot_distributed\\njob.fifty(ddp, optimizer, x, y)", {repeats})
+run("%enot_session stop")
+print("RESULT", json.dumps(statistics.median(took)))""",
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "steps.json"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                str(ROOT / "benchmarks" / "session_steps_job.py"),
+                str(out),
+                str(repeats),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        script = median(json.loads(out.read_text()))
+    return [
+        Row(bench, "torchrun script already running (reference)", script, "s", "torchrun", 1.0, "", repeats),
+        Row(bench, "session cell", found, "s", "torchrun", found / script, "", repeats),
+        Row(bench, "session cell: over the script", found - script, "s", "torchrun", None, "<= 10 ms", repeats),
+    ]
+
+
+def resnet(kernel, repeats: int) -> list[Row]:
+    bench = "session: a ResNet-50-sized model (102 MB) in the notebook and on the ranks"
+    found = kernel_json(
+        kernel,
+        f"""
+from benchmarks.shapes import resnet50_like
+torch.manual_seed(0)
+net = resnet50_like()
+READ = "n = sum(p.numel() for p in net.parameters())"
+STEP = "with torch.no_grad():\\n    for p in net.parameters():\\n        p.add_(1e-3)"
+run("%enot_session start -n 2 --backend gloo")
+run("%%enot_distributed\\n" + READ)  # the ranks get net once
+local_read, session_read = alternate(READ, "%%enot_distributed\\n" + READ, {repeats})
+local_step, session_step = alternate(STEP, "%%enot_distributed\\n" + STEP, {repeats})
+run("%enot_session stop")
+oneoff_step = clock("%%enot_distributed -n 2 --backend gloo\\n" + STEP, {repeats})
+m = statistics.median
+print("RESULT", json.dumps([m(local_read), m(session_read), m(local_step), m(session_step), m(oneoff_step)]))""",
+    )
+    local_read, session_read, local_step, session_step, oneoff_step = found
+    return [
+        Row(bench, "a cell that reads it, locally (reference)", local_read, "s", "local", 1.0, "", repeats),
+        Row(bench, "the same session cell: over local", session_read - local_read, "s", "local", None, "<= 30 ms"),
+        Row(bench, "a cell that updates it in place, locally (reference)", local_step, "s", "local", 1.0, "", repeats),
+        Row(
+            bench,
+            "the same session cell: mirror cost over local",
+            session_step - local_step,
+            "s",
+            "one-off cell's return cost",
+            (session_step - local_step) / max(oneoff_step - local_step, 1e-9),
+            "<= one-off return cost",
+            repeats,
+        ),
+        Row(bench, "one-off cell: over local (today's return cost)", oneoff_step - local_step, "s", "local", None),
+    ]
+
+
+def push(kernel, repeats: int) -> list[Row]:
+    bench = "session: a plain cell writes 1 MiB while the notebook (and the ranks) hold 2 GiB"
+    found = kernel_json(
+        kernel,
+        f"""
+big = torch.zeros(2**29)          # 2 GiB
+small = torch.zeros(2**18)        # 1 MiB
+run("%enot_session start -n 2 --backend gloo")
+run("%%enot_distributed\\nn = big.numel() + small.numel()")  # the ranks hold both
+quiet, pushed = [], []
+run("%%enot_distributed\\npass")
+for _ in range({repeats}):
+    run("marker = 0")          # a plain cell that writes no tensor
+    start = time.perf_counter(); run("%%enot_distributed\\npass"); quiet.append(time.perf_counter() - start)
+    run("small += 1")          # a plain cell that writes the 1 MiB tensor
+    start = time.perf_counter(); run("%%enot_distributed\\npass"); pushed.append(time.perf_counter() - start)
+copy = []
+for _ in range({repeats}):
+    start = time.perf_counter(); small.clone(); copy.append(time.perf_counter() - start)
+run("%enot_session stop")
+m = statistics.median
+print("RESULT", json.dumps([m(quiet), m(pushed), m(copy)]))""",
+        timeout=900,
+    )
+    quiet, pushed, copy = found
+    return [
+        Row(bench, "one copy of 1 MiB (reference)", copy, "s", "1 MiB copy", 1.0, "", repeats),
+        Row(bench, "next session cell, nothing written", quiet, "s", "1 MiB copy", quiet / copy, "", repeats),
+        Row(bench, "next session cell, 1 MiB written", pushed, "s", "1 MiB copy", pushed / copy, "", repeats),
+        Row(
+            bench,
+            "the push: 1 MiB written over nothing written",
+            pushed - quiet,
+            "s",
+            "1 MiB copy",
+            (pushed - quiet) / copy,
+            "a few 1 MiB copies + a constant",
+            repeats,
+        ),
+    ]
+
+
+def run(repeats: int = 5) -> list[Row]:
+    kernel = start_kernel()
+    try:
+        kernel.ok(SETUP)
+        return trivial(kernel, repeats) + ddp_steps(kernel, repeats) + resnet(kernel, repeats) + push(kernel, repeats)
+    finally:
+        kernel.shutdown()
