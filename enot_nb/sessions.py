@@ -91,6 +91,8 @@ class Session:
         self.namespace = namespace if namespace is not None else _notebook_namespace()
         self.flow = NamespaceFlow(self.namespace, mirror)
         self.workers: SessionWorkers | None = None
+        self.last: CommandOutcome | None = None
+        """How the last task ended (its sizes: what the push and the master's changes cost)."""
         if _live:
             raise LaunchError(
                 "a session is already running in this process; stop it first (`%enot_session stop` "
@@ -206,6 +208,7 @@ class Session:
 
     def _send(self, workers: SessionWorkers, prepared: Prepared, output: str) -> CommandOutcome:
         outcome = workers.run_task(self.flow.pickle(prepared), output)
+        self.last = outcome
         if outcome.restart is not None:
             self.restart(outcome.restart)
         return outcome

@@ -116,6 +116,45 @@ MUTATIONS = [
         "            pass\n",
         ["tests/test_preload.py::test_a_fork_waits_for_the_background_import"],
     ),
+    Mutation(
+        "session-push-drops-in-place-changes",
+        "enot_nb/_state/mirror.py",
+        "            changes, changed = collect(self.baseline, self.snapshot, self.synced, namespace, hidden)\n",
+        "            changes, changed = Changes(), []\n",
+        [
+            "tests/test_session.py::test_a_plain_change_in_place_reaches_every_rank",
+            "tests/test_session_parity.py::test_a_session_cell_is_a_local_cell[aliases-kept-fork]",
+        ],
+    ),
+    Mutation(
+        "session-abort-leaves-peer-sockets-open",
+        "enot_nb/_worker/session_loop.py",
+        "    for fd in connections_with(peers):\n",
+        "    for fd in connections_with(set()):\n",
+        ["tests/test_session.py::test_a_rank_blocked_in_a_collective_is_released_and_the_group_made_again"],
+    ),
+    Mutation(
+        "session-outcome-not-fenced",
+        "enot_nb/_launch/ranks.py",
+        "            while name in r.open_reads and r.fenced[name].fences <= r.handled and self.read(r, name):\n",
+        "            while False:\n",
+        ["tests/test_session_parity.py::test_output_is_live_and_all_ranks_can_be_shown"],
+    ),
+    Mutation(
+        "session-widgets-under-the-first-cell",
+        "enot_nb/_worker/session_loop.py",
+        "                frontend.follow_parent(parent)\n",
+        "                pass\n",
+        ["tests/test_session_parity.py::test_widgets_and_output_captures_hang_under_the_cell_that_runs"],
+    ),
+    Mutation(
+        "session-no-shadow-fork",
+        "enot_nb/_state/digests.py",
+        "    return masks is None or any(mask[1:-1].any() for mask in masks)  # the edge pages are digested\n",
+        "    return False\n",
+        ["tests/test_session.py::test_one_element_written_into_a_large_tensor_sends_a_page"],
+    ),
+
 ]
 
 

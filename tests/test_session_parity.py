@@ -233,3 +233,14 @@ def test_a_kernel_shutdown_ends_the_session_workers():
     finally:
         for fd in pidfds:
             os.close(fd)
+
+
+def test_widgets_and_output_captures_hang_under_the_cell_that_runs(live):
+    """The ranks' widgets reach the notebook in every session cell, and an Output widget captures
+    under the cell that runs it, not the one that started the session."""
+    live.ok("%%enot_distributed\nimport ipywidgets")
+    body = "out = ipywidgets.Output()\ndisplay(out)\nwith out:\n    print('inside the widget')\ndel out"
+    for _ in range(2):
+        run = live.ok("%%enot_distributed\n" + body)
+        assert {"msg_id": run.msg_id} in run.comm_states(), run.comm_states()
+        assert "inside the widget" in run.stdout

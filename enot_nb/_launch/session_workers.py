@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._launch import attempt as _attempt
+from enot_nb._launch import relay
 from enot_nb._launch.attempt import Attempt, load_payload, stack_report
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._processes import forkserver_client, framing
@@ -38,6 +39,7 @@ from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._processes.protocol import (
     AbortGroups,
+    InMemfd,
     MessageKind,
     Regroup,
     ReportGroups,
@@ -76,6 +78,10 @@ class CommandOutcome:
     restart: str | None = None
     """Why the workers must be started again (a rank died or stayed stuck); None: they live."""
     regrouped: bool = False
+    task_bytes: int = 0
+    """The size of the task sent (the push travels in it)."""
+    result_bytes: int = 0
+    """The size of rank 0's result (the master's changes travel in it)."""
 
 
 class SessionWorkers:
@@ -200,7 +206,9 @@ class SessionWorkers:
         size = result_file.write_result(self.task_fd, task.main, task.buffers)
         self._show_output(output)
         self.cells += 1
-        outcome = self._command(RunTask(size, tuple(task.specs), task.objects, task.storages))
+        parent = relay.kernel_parent()
+        outcome = self._command(RunTask(size, tuple(task.specs), task.objects, task.storages, parent))
+        outcome.task_bytes = size
         if outcome.restart is None and outcome.regrouped:
             print(
                 "enot_nb: the ranks' process group was made again (a collective was left half done); "
@@ -275,6 +283,9 @@ class CommandRound:
         master = next(r for r in ranks if r.rank == 0)
         if master.outcome == MessageKind.RESULT and master.payload is not None:
             outcome.result = load_payload(attempt.result_fd, master.payload)
+            outcome.result_bytes = (
+                master.payload.size if isinstance(master.payload, InMemfd) else len(master.payload.data)
+            )
         elif master.partial is not None:
             outcome.partial = load_payload(attempt.result_fd, master.partial)
         if outcome.restart is None and (outcome.failures or outcome.interrupted):

@@ -228,6 +228,8 @@ class RunTask(NamedTuple):
     specs: tuple
     objects: int
     storages: int
+    parent: dict | None = None
+    """The message the kernel answers now (its cell's): the rank's widgets hang under it."""
 
 
 class ReportGroups(NamedTuple):

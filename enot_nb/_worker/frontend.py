@@ -206,6 +206,21 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
     return shell
 
 
+def follow_parent(parent: dict | None) -> None:
+    """A session's worker runs many cells: its widgets and Output captures hang under the cell
+    the kernel answers now, not the one that started the session."""
+    if parent is None:
+        return
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell: Any = InteractiveShell.instance() if InteractiveShell.initialized() else None
+    stand_in = getattr(shell, "kernel", None)
+    if isinstance(stand_in, KernelStandIn):
+        stand_in._parent = parent
+        if hasattr(shell, "set_parent"):
+            shell.set_parent(parent)
+
+
 def _shell(in_kernel: bool) -> Any:
     """The kernel's shell, inherited by fork (never use its sockets); under spawn a new one of the
     same class when launched from a Jupyter kernel: libraries recognise a notebook by the class

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -48,7 +49,7 @@ from enot_nb._serialize import result_file, shm
 from enot_nb._state import apply, collect, paths
 from enot_nb._state.digests import needs_a_fresh_fork
 from enot_nb._state.registry import Registry
-from enot_nb._worker import bootstrap, sharded
+from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import cell as _cell
 
 
@@ -60,6 +61,15 @@ class Mirrored:
     specs: list[paths.ObjectSpec]
     objects: int
     storages: int
+
+    def __reduce__(self) -> tuple:
+        # Plain data, pickled in one go by the C pickler: the task's pickler (a Python subclass
+        # that looks every object up in the registry) would visit each of its thousands of parts.
+        return _mirrored, (pickle.dumps((self.specs, self.objects, self.storages), protocol=5),)
+
+
+def _mirrored(data: bytes) -> Mirrored:
+    return Mirrored(*pickle.loads(data))
 
 
 @dataclass
@@ -139,7 +149,8 @@ def _answer(command: SessionCommand) -> None:
     rank = _state["rank"]
     try:
         match command:
-            case RunTask(size=size, specs=specs, objects=objects, storages=storages):
+            case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent):
+                frontend.follow_parent(parent)
                 try:
                     result = run_task(size, specs, objects, storages)
                 finally:
