@@ -36,6 +36,7 @@ from enot_nb._processes.protocol import (
     MessageKind,
     Partial,
     Payload,
+    Pushed,
     Result,
     WorkerMessage,
 )
@@ -59,6 +60,7 @@ class Rank:
     partial: Payload | None = None  # rank 0's state at an interrupt or failure (Partial)
     imported: tuple[str, ...] = ()  # what a cell's master imported (Imported; see preload)
     groups: Groups | None = None  # a session rank's answer to ReportGroups
+    pushed: bool = False  # a session rank applied its task's push (Pushed)
     device_memory: DeviceMemory | None = None  # a session rank's GPU memory after its last task
     stack_text: str = ""
     stop_signals: set[int] = field(default_factory=set)  # the stop signals we sent it
@@ -197,6 +199,8 @@ class RankIO:
                 r.groups = message
             case DeviceMemory():
                 r.device_memory = message
+            case Pushed():
+                r.pushed = True
             case ErrorReport():
                 r.outcome = message.kind
                 self.on_error(r, message)

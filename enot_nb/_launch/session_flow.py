@@ -80,11 +80,9 @@ class NamespaceFlow:
     def after_push(self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None) -> None:
         """The ranks hold what was pushed, unless they could not apply it (or were replaced:
         new workers hold nothing)."""
-        if prepared.push is None or outcome.restart is not None:
-            return
-        refused = any(f.error_type == "PathError" for f in outcome.failures)
-        held = [] if refused else prepared.push.names
-        self.mirror.synced_after(self.namespace, [*held, *(names or [])], self._hidden())
+        if prepared.push is None or outcome.restart is not None or outcome.refused:
+            return  # refused: the record stays as it was, and the next task pushes it all again
+        self.mirror.synced_after(self.namespace, [*prepared.push.names, *(names or [])], self._hidden())
 
     # ------------------------------------------------------------------------- a cell
 

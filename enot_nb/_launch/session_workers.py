@@ -41,6 +41,7 @@ from enot_nb._processes.protocol import (
     AbortGroups,
     InMemfd,
     MessageKind,
+    Proceed,
     Regroup,
     ReportGroups,
     RunTask,
@@ -78,6 +79,8 @@ class CommandOutcome:
     restart: str | None = None
     """Why the workers must be started again (a rank died or stayed stuck); None: they live."""
     regrouped: bool = False
+    refused: bool = False
+    """A rank could not apply the task's push: the task ran nowhere."""
     task_bytes: int = 0
     """The size of the task sent (the push travels in it)."""
     result_bytes: int = 0
@@ -207,7 +210,8 @@ class SessionWorkers:
         self._show_output(output)
         self.cells += 1
         parent = relay.kernel_parent()
-        outcome = self._command(RunTask(size, tuple(task.specs), task.objects, task.storages, parent))
+        confirm = task.has_push
+        outcome = self._command(RunTask(size, tuple(task.specs), task.objects, task.storages, parent, confirm))
         outcome.task_bytes = size
         if outcome.restart is None and outcome.regrouped:
             print(
@@ -260,10 +264,12 @@ class CommandRound:
         attempt, outcome = self.attempt, self.outcome
         ranks = attempt.ranks
         for r in ranks:
-            r.outcome, r.payload, r.partial, r.groups = None, None, None, None
+            r.outcome, r.payload, r.partial, r.groups, r.pushed = None, None, None, None, False
         attempt.failures = []
         send(attempt, command, ranks)
         try:
+            if isinstance(command, RunTask) and command.confirm:
+                self._confirm_push()
             self._supervise()
         except KeyboardInterrupt:
             outcome.interrupted = True
@@ -291,6 +297,18 @@ class CommandRound:
         if outcome.restart is None and (outcome.failures or outcome.interrupted):
             self._keep_or_regroup()
         return outcome
+
+    def _confirm_push(self) -> None:
+        """Every rank applies the push first; the task runs only if all could (a rank that
+        could not has answered with its error: the others skip the task)."""
+        attempt = self.attempt
+        while any(r.running and r.outcome is None and not r.pushed for r in attempt.ranks):
+            if any(not r.running for r in attempt.ranks):
+                return  # a rank died: the caller restarts the session
+            attempt.handle(attempt.select(None))
+        go = not attempt.failures
+        self.outcome.refused = not go
+        send(attempt, Proceed(go), [r for r in attempt.ranks if r.pushed and r.outcome is None])
 
     def _waiting(self) -> list:
         return [r for r in self.attempt.ranks if r.running and r.outcome is None]
@@ -361,8 +379,7 @@ class CommandRound:
         attempt, outcome = self.attempt, self.outcome
         if not outcome.regrouped:
             self._exchange(ReportGroups())
-            sequences = {r.groups.sequence if r.groups is not None else None for r in attempt.ranks}
-            if len(sequences) == 1 and None not in sequences:
+            if _groups_agree([r.groups.sequences if r.groups is not None else None for r in attempt.ranks]):
                 return
         outcome.regrouped = True
         answered = self._exchange(Regroup(self.workers._init_method()))
@@ -394,6 +411,18 @@ def send(attempt: Attempt, command: SessionCommand, ranks: list) -> None:
         for r in ranks:
             if r.running:
                 _write_all(r.pipes["msg"][0], data)
+
+
+def _groups_agree(reports: list[dict[str, int] | None]) -> bool:
+    """Whether every member of each group began as many collectives (see protocol.Groups)."""
+    if any(report is None for report in reports):
+        return False
+    seen: dict[str, set[int]] = {}
+    for report in reports:
+        assert report is not None
+        for name, sequence in report.items():
+            seen.setdefault(name, set()).add(sequence)
+    return all(len(sequences) == 1 for sequences in seen.values())
 
 
 class _Reconnect(Exception):

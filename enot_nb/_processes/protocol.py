@@ -47,6 +47,7 @@ class MessageKind(enum.Enum):
     PARTIAL = "partial"
     IMPORTED = "imported"
     GROUPS = "groups"
+    PUSHED = "pushed"
     DEVICE_MEMORY = "device_memory"
     RESULT = "result"
     DONE = "done"
@@ -150,15 +151,25 @@ class Imported(NamedTuple):
 
 
 class Groups(NamedTuple):
-    """A session rank's answer to ``ReportGroups``: the sequence number of its world group (how
-    many collectives it began), or None without one. Equal on every rank: no collective was left
-    half done, so the groups may be kept after a failed cell."""
+    """A session rank's answer to ``ReportGroups``: the sequence number (how many collectives it
+    began) of each process group it belongs to, by the group's name; None where a backend does
+    not count. Equal on every member of each group: no collective was left half done, so the
+    groups may be kept after a failed cell."""
 
-    sequence: int | None
+    sequences: dict[str, int] | None
 
     @property
     def kind(self) -> MessageKind:
         return MessageKind.GROUPS
+
+
+class Pushed(NamedTuple):
+    """A session rank applied a task's push and waits for ``Proceed``: the cell runs on no rank
+    unless every rank could apply it."""
+
+    @property
+    def kind(self) -> MessageKind:
+        return MessageKind.PUSHED
 
 
 class DeviceMemory(NamedTuple):
@@ -211,7 +222,7 @@ FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage
 """What the kernel publishes for the ranks whose output is shown (relay.show)."""
 FencedMessage: TypeAlias = Connected | Partial | Imported | FrontEndMessage
 """What a worker fences its output for: shown between what it printed before and after."""
-WorkerMessage: TypeAlias = FencedMessage | Groups | DeviceMemory | Result | Done | ErrorReport
+WorkerMessage: TypeAlias = FencedMessage | Groups | Pushed | DeviceMemory | Result | Done | ErrorReport
 
 
 # ----------------------------------------------------------------------------- launcher -> session worker
@@ -230,6 +241,16 @@ class RunTask(NamedTuple):
     storages: int
     parent: dict | None = None
     """The message the kernel answers now (its cell's): the rank's widgets hang under it."""
+    confirm: bool = False
+    """The task carries a push: each rank answers ``Pushed`` once it applied it, then waits for
+    ``Proceed``."""
+
+
+class Proceed(NamedTuple):
+    """After every rank answered a push (``Pushed``, or an error): run the task (``go``), or skip it
+    (a rank could not apply the push: it runs nowhere; each rank answers Done)."""
+
+    go: bool
 
 
 class ReportGroups(NamedTuple):
@@ -253,7 +274,7 @@ class StopWorker(NamedTuple):
     """Leave the loop: the session is closing."""
 
 
-SessionCommand: TypeAlias = RunTask | ReportGroups | AbortGroups | Regroup | StopWorker
+SessionCommand: TypeAlias = RunTask | Proceed | ReportGroups | AbortGroups | Regroup | StopWorker
 
 
 # ----------------------------------------------------------------------------- fork server

@@ -36,6 +36,14 @@ class Shadow:
         self.pid: int | None = None
         self._wake: int | None = None  # the pipe's write end: closing it ends the shadow
 
+    def before_snapshot(self, owned_share: float) -> bool:
+        """Make a shadow if there is none or too many pages are owned again; whether the
+        snapshot must read the large storages' pages (the shadow is older than some writes)."""
+        if self.pid is None or owned_share > RENEW_ABOVE:
+            self.renew()
+            return self.pid is None  # no shadow could be made (not Linux): read everything
+        return True
+
     def renew(self) -> None:
         """Fork a new shadow, then end the old one: from here on, pages written are owned again.
         The old one is killed first and reaped after the fork, so that its exit (freeing its page
@@ -51,14 +59,22 @@ class Shadow:
             return
         with interrupts_deferred():  # made and recorded as one step
             read, write = os.pipe()
+            parent = os.getpid()
             with warnings.catch_warnings():  # Python 3.12 warns of forking a threaded process;
                 warnings.simplefilter("ignore", DeprecationWarning)  # the child takes no lock
                 pid = os.fork()
             if pid == 0:  # the shadow: wait to be killed, touch nothing
                 try:
                     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Jupyter interrupts the whole group
+                    # No descriptor of the parent's stays open here: a peer's connection (gloo's
+                    # sockets, which an aborting rank shuts to release its peers), a pipe whose
+                    # end of file someone waits for. Only the pipe's read end, which never ends:
+                    # the parent holds the write end until it kills this process.
+                    os.closerange(0, read)
+                    os.closerange(read + 1, os.sysconf("SC_OPEN_MAX"))
                     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-                    os.read(read, 1)  # never returns: this process holds the write end
+                    if os.getppid() == parent:  # else the parent died before prctl: leave
+                        os.read(read, 1)
                 finally:
                     os._exit(0)
             os.close(read)
@@ -90,6 +106,11 @@ class Shadow:
             except ChildProcessError:  # reaped already (the user ignores SIGCHLD)
                 pass
 
+
+RENEW_ABOVE = 0.25
+"""A shadow is renewed once this share of the tracked large storages' pages is owned again:
+until then a snapshot digests the owned pages (written since the shadow), which costs less than
+a fork while they are few."""
 
 SHADOW = Shadow()
 """The process's one shadow: the notebook's (between session cells) or a session master's."""

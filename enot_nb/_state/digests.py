@@ -51,6 +51,11 @@ class DeviceDigest(NamedTuple):
 StorageDigest = AreaDigest | PagesDigest | DeviceDigest
 
 
+def digested_size(before: StorageDigest) -> int:
+    """The bytes a storage had when it was digested."""
+    return before.nbytes if isinstance(before, DeviceDigest) else before.size
+
+
 class ArrayDigest(NamedTuple):
     """A NumPy array's view and contents: a digest of its area (one block of memory), of a
     contiguous copy (strided), or the ids of its items (an object array)."""
@@ -83,9 +88,12 @@ def _storage_area(storage: Any) -> Area:
     return (storage.data_ptr(), storage.nbytes()) if storage.device.type == "cpu" else (0, 0)
 
 
-def storage_digests(storages: list[Any]) -> list[StorageDigest]:
+def storage_digests(storages: list[Any], scan_large: bool = False) -> list[StorageDigest]:
+    """``scan_large``: the large storages' pages are read too (see SCAN_MAX): this process may own
+    some of them (a long-lived one whose shadow fork is older than its last writes)."""
     cpu = [j for j, s in enumerate(storages) if s.device.type == "cpu"]
-    found = dict(zip(cpu, _area_digests([_storage_area(storages[j]) for j in cpu], [storages[j] for j in cpu])))
+    areas, owners = [_storage_area(storages[j]) for j in cpu], [storages[j] for j in cpu]
+    found = dict(zip(cpu, _area_digests(areas, owners, scan_large)))
     return [found[j] if j in found else _device_digest(s) for j, s in enumerate(storages)]
 
 
@@ -162,16 +170,18 @@ def _is_array(obj: Any) -> bool:
 SCAN_MAX = 1 << 20
 
 
-def needs_a_fresh_fork(storages: list[Any]) -> bool:
-    """Whether a snapshot of these storages would be wrong now: it assumes that this process owns
-    none of their large ones' pages (true after a fork, see SCAN_MAX), and this process owns some
-    (or pagemap cannot tell). A long-lived process then makes a shadow fork first (see
-    _processes/shadow); one that wrote none of them since its last shadow fork need not."""
+def owned_share(storages: list[Any]) -> float:
+    """The share of the large storages' pages (see SCAN_MAX) that this process owns alone: 1.0
+    where pagemap cannot tell, 0.0 without large storages. A long-lived process (a session's
+    master, the notebook between session cells) makes a shadow fork (see _processes/shadow)
+    when it is high: a snapshot then digests, and a change sends, only the pages written since."""
     large = [s for s in storages if s is not None and s.device.type == "cpu" and s.nbytes() >= SCAN_MAX]
     if not large:
-        return False
+        return 0.0
     masks = _pagemap.own_pages([_storage_area(s) for s in large]) if _pagemap.supported() else None
-    return masks is None or any(mask[1:-1].any() for mask in masks)  # the edge pages are digested
+    if masks is None:
+        return 1.0
+    return sum(int(mask[1:-1].sum()) for mask in masks) / max(1, sum(len(mask) - 2 for mask in masks))
 
 
 class _ForkWatch:
@@ -238,11 +248,11 @@ def watch_forks() -> None:
     FORKS.reset()
 
 
-def _area_digests(areas: list[Area], owners: list[Any]) -> list[AreaDigest | PagesDigest]:
+def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False) -> list[AreaDigest | PagesDigest]:
     """What tells later whether an area's bytes changed: where pagemap works, the pages this
     process already owns (with a digest of just their bytes); elsewhere a digest of it all."""
     # Only torch storages: a spawned worker's NumPy arrays arrive inside the pickle, already its own.
-    skip = [area[1] >= SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
+    skip = [area[1] >= SCAN_MAX and not _is_array(owner) and not scan_large for area, owner in zip(areas, owners)]
     scanned = [(0, 0) if skipped else area for area, skipped in zip(areas, skip)]
     masks = _pagemap.own_pages(scanned) if _pagemap.supported() else None
     digests: list[AreaDigest | PagesDigest] = []

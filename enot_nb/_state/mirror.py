@@ -29,7 +29,7 @@ from typing import Any
 from enot_nb._processes.shadow import SHADOW
 from enot_nb._state import paths
 from enot_nb._state.collect import Changes, StatePickler, collect
-from enot_nb._state.digests import needs_a_fresh_fork
+from enot_nb._state.digests import digested_size, owned_share
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
 from enot_nb.errors import LaunchError
@@ -65,6 +65,8 @@ class PickledTask:
     specs: list[paths.ObjectSpec]
     objects: int
     storages: int
+    has_push: bool = False
+    """It carries changes for the ranks to apply first (they confirm, see protocol.RunTask)."""
 
 
 class _RecordingPickler(StatePickler):
@@ -136,8 +138,13 @@ class Mirror:
             storages |= {s.storage for s in push.storages}
         objects |= set(paths.storage_holders(registry, storages))
         objects.discard(0)
-        specs = paths.specs_of(registry, sorted(objects))
-        return PickledTask(stream.getvalue(), buffers, specs, len(registry.objects), len(registry.storages))
+        sizes = None
+        if self.snapshot is not None and registry is self.baseline:  # as the ranks hold them
+            sizes = [digested_size(d) for d in self.snapshot.storages]
+        specs = paths.specs_of(registry, sorted(objects), sizes)
+        return PickledTask(
+            stream.getvalue(), buffers, specs, len(registry.objects), len(registry.storages), push is not None
+        )
 
     def synced_after(self, namespace: dict[str, Any], names: list[str], hidden: Any = ()) -> None:
         """The ranks now hold ``names`` as the notebook does: walk them, snapshot them (the
@@ -145,9 +152,9 @@ class Mirror:
         now = user_variables(namespace, hidden)
         self.synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
         self.baseline = Registry.of_namespace(namespace, sorted(self.synced))
-        if needs_a_fresh_fork(self.baseline.storages):
-            SHADOW.renew()  # from here, the pages the notebook writes are its own again (see shadow)
-        self.snapshot = Snapshot.take(self.baseline)
+        # From here, the pages the notebook writes are its own again (see shadow).
+        scan = SHADOW.before_snapshot(owned_share(self.baseline.storages)) if self.baseline.storages else False
+        self.snapshot = Snapshot.take(self.baseline, scan_large=scan)
 
     def mark_stale(self, names: dict[str, str]) -> None:
         self.stale.update(names)

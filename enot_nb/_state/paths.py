@@ -35,6 +35,9 @@ class ObjectSpec(NamedTuple):
     step: str
     type_name: str
     storages: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    """The bytes of each of its storages where the notebook's and the rank's should agree: a
+    tensor of another shape on a rank must not take the notebook's bytes."""
 
 
 class PathError(LookupError):
@@ -50,19 +53,28 @@ def type_name(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def specs_of(registry: Registry, indices: list[int] | None = None) -> list[ObjectSpec]:
+def specs_of(registry: Registry, indices: list[int] | None = None, sizes: list[int] | None = None) -> list[ObjectSpec]:
     """The specs of ``indices`` (every object if None) and of all their parents, in index order
-    (a parent before its children: the walk is breadth first)."""
+    (a parent before its children: the walk is breadth first). ``sizes``: each storage's bytes
+    as the rank should have them (a push: as they were at the last sync); default: now."""
     wanted: set[int] = set()
     for i in range(1, len(registry.objects)) if indices is None else indices:
         while i > 0 and i not in wanted:
             wanted.add(i)
             i = registry.parents[i][0]
     owners = _storage_owners(registry, wanted)
-    return [
-        ObjectSpec(i, registry.parents[i][0], registry.parents[i][1], type_name(registry.objects[i]), owners.get(i, ()))
-        for i in sorted(wanted)
-    ]
+    if sizes is None:
+        sizes = [s.nbytes() for s in registry.storages]
+    specs = []
+    for i in sorted(wanted):
+        held = owners.get(i, ())
+        parent, step = registry.parents[i]
+        specs.append(
+            ObjectSpec(
+                i, parent, step, type_name(registry.objects[i]), held, tuple(sizes[j] if j >= 0 else -1 for j in held)
+            )
+        )
+    return specs
 
 
 def _storage_owners(registry: Registry, wanted: set[int]) -> dict[int, tuple[int, ...]]:
@@ -135,12 +147,16 @@ def registry_at(
     return registry
 
 
+def _variable(registry: Registry, spec: ObjectSpec) -> str:
+    root = spec.at
+    while registry.parents[root][0] > 0:
+        root = registry.parents[root][0]
+    return registry.parents[root][1]
+
+
 def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, list[Any]]]) -> Any:
     def fail(why: str) -> PathError:
-        root = spec.at
-        while registry.parents[root][0] > 0:
-            root = registry.parents[root][0]
-        return PathError(registry.parents[root][1], registry.path(spec.at), why)
+        return PathError(_variable(registry, spec), registry.path(spec.at), why)
 
     parent = registry.objects[spec.parent]
     if isinstance(parent, _Missing):
@@ -165,4 +181,8 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
         obj = found[0]
     if type_name(obj) != spec.type_name:
         raise fail(f"a {spec.type_name} in the notebook, a {type_name(obj)} on this rank")
+    if spec.sizes:
+        here = tuple(s.nbytes() for s in tensor_storages(obj))
+        if here != spec.sizes:
+            raise fail(f"its storage holds {spec.sizes} bytes in the notebook, {here} on this rank")
     return obj

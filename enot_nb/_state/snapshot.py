@@ -25,7 +25,8 @@ class Snapshot:
     storages: list[StorageDigest]
 
     @classmethod
-    def take(cls, registry: Registry) -> Snapshot:
+    def take(cls, registry: Registry, scan_large: bool = False) -> Snapshot:
+        """``scan_large``: see digests.storage_digests (a long-lived process's snapshot)."""
         watch_forks()
         states = []
         for obj, kind in zip(registry.objects, registry.kinds):
@@ -34,7 +35,7 @@ class Snapshot:
                 states.append(None if snapshot is None else snapshot(obj))
             except Exception:  # noqa: BLE001 - left untracked, as an opaque object
                 states.append(None)
-        return cls(states, storage_digests(registry.storages))
+        return cls(states, storage_digests(registry.storages, scan_large))
 
     def changed_objects(self, registry: Registry) -> list[int]:
         changed = []

@@ -347,6 +347,12 @@ def _remove_own_multiprocessing_folder() -> None:
     _multiprocessing_folder.clear()
 
 
+def leave(exitcode: int) -> NoReturn:
+    """Leave the process as a finished worker does, sending nothing more (a session's worker:
+    its last outcome is its last task's, whose result the notebook may still be reading)."""
+    _leave(exitcode)
+
+
 def _leave(exitcode: int) -> NoReturn:
     _remove_own_multiprocessing_folder()
     for stream in (sys.stdout, sys.stderr):

@@ -94,12 +94,17 @@ def split_cell(code: str, first_line: int) -> tuple[ast.Module, ast.Expression |
 
 
 def run_cell(
-    code: str, namespace: dict[str, Any], options: CellOptions, registry: Registry | None = None
+    code: str,
+    namespace: dict[str, Any],
+    options: CellOptions,
+    registry: Registry | None = None,
+    scan_large: bool = False,
 ) -> CellOutcome | None:
     """Run the cell as this rank; the master returns what goes back to the notebook.
 
     ``registry``: the notebook's objects (inherited by fork, or the shipped copies); None in an
-    exported script, where the namespace is this process's own.
+    exported script, where the namespace is this process's own. ``scan_large``: a session
+    master's snapshot reads the large storages' pages (see digests.storage_digests).
     """
     from enot_nb import distributed
 
@@ -118,7 +123,7 @@ def run_cell(
         if registry is None:
             registry = reach.reach(namespace, code, hidden).registry
         reached = {n for n, v in list(namespace.items()) if registry.find(v) is not None}
-        tracker = _Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached))
+        tracker = _Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large)
     figures_before = _open_figures()
     modules_before = set(sys.modules)
     try:
@@ -207,13 +212,18 @@ class _Tracker:
     """The master's view of the notebook's objects: a snapshot before, the changes after."""
 
     def __init__(
-        self, registry: Registry, namespace: dict[str, Any], hidden: Any, sharded_before: dict[str, Any]
+        self,
+        registry: Registry,
+        namespace: dict[str, Any],
+        hidden: Any,
+        sharded_before: dict[str, Any],
+        scan_large: bool = False,
     ) -> None:
         self.registry, self.namespace, self.hidden = registry, namespace, hidden
         self.sharded_before = sharded_before
         """Each used module's tensors before the cell, by name (see sharded.originals)."""
         self.names_before = user_variables(namespace, hidden)
-        self.snapshot = Snapshot.take(registry)
+        self.snapshot = Snapshot.take(registry, scan_large)
 
     def outcome(
         self,

@@ -28,7 +28,7 @@ import sys
 import traceback
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from typing_extensions import assert_never
 
@@ -38,6 +38,8 @@ from enot_nb._processes.protocol import (
     DeviceMemory,
     Done,
     Groups,
+    Proceed,
+    Pushed,
     Regroup,
     ReportGroups,
     RunTask,
@@ -47,7 +49,7 @@ from enot_nb._processes.protocol import (
 from enot_nb._processes.shadow import SHADOW
 from enot_nb._serialize import result_file, shm
 from enot_nb._state import apply, collect, paths
-from enot_nb._state.digests import needs_a_fresh_fork
+from enot_nb._state.digests import owned_share
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import cell as _cell
@@ -116,7 +118,7 @@ _state: dict[str, Any] = {}
 """This worker's session: its namespace, the task file's descriptor, the backend and rank."""
 
 
-def serve(task_fd: int | None, backend: str, timeout: Any) -> None:
+def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
     """The worker's loop (the session job's function); returns when the session closes.
     ``task_fd``: the session's task file (fork); None: it came as the shared memfd (spawn).
     ``backend``, ``timeout``: the world group's, for making it again (regroup)."""
@@ -133,15 +135,16 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> None:
     assert bootstrap._message_fd is not None
     sock = socket.socket(fileno=os.dup(bootstrap._message_fd))
     reader: framing.MessageReader[SessionCommand] = framing.MessageReader()
+    _state.update(sock=sock, reader=reader)
     while True:
         try:
             command = framing.recv_message(sock, reader)
         except KeyboardInterrupt:
             continue  # a press meant for a cell that had just ended
         except EOFError:
-            return  # the kernel is gone: leave (the parent-death signal would kill us anyway)
+            bootstrap.leave(0)  # the kernel is gone (the parent-death signal would kill us anyway)
         if isinstance(command, StopWorker):
-            return
+            bootstrap.leave(0)  # no outcome: the result file may hold the last task's, being read
         _answer(command)
 
 
@@ -149,15 +152,20 @@ def _answer(command: SessionCommand) -> None:
     rank = _state["rank"]
     try:
         match command:
-            case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent):
+            case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent, confirm=confirm):
                 frontend.follow_parent(parent)
                 try:
-                    result = run_task(size, specs, objects, storages)
+                    result = run_task(size, specs, objects, storages, confirm)
                 finally:
                     _report_device_memory()
-                bootstrap.send_outcome(rank, result)
+                if result is _SKIPPED:
+                    bootstrap.send(Done())
+                else:
+                    bootstrap.send_outcome(rank, result)
+            case Proceed():
+                pass  # a late one (its task failed here): nothing to do
             case ReportGroups():
-                bootstrap.send(Groups(_sequence()))
+                bootstrap.send(Groups(_sequences()))
             case AbortGroups(peers=peers):  # no answer: the rank has answered its task already
                 abort_groups(set(peers) - {os.getpid()})
             case Regroup(init_method=init_method):
@@ -175,8 +183,17 @@ def _answer(command: SessionCommand) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def run_task(size: int, specs: tuple, objects: int, storages: int) -> Any:
-    """Load the task against this rank's objects, apply its push, run it; rank 0's result."""
+class PushRefused(RuntimeError):
+    """The notebook's changes could not all be applied on this rank (before the task runs)."""
+
+
+_SKIPPED = object()
+"""The task ran nowhere: another rank could not apply its push."""
+
+
+def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: bool = False) -> Any:
+    """Load the task against this rank's objects, apply its push, run it; rank 0's result.
+    ``confirm``: say the push is applied, and run the task only if every rank could."""
     namespace = _state["namespace"]
     registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
     state = result_file.read_result(_state["task_fd"], size, raw=True)
@@ -184,8 +201,13 @@ def run_task(size: int, specs: tuple, objects: int, storages: int) -> Any:
     if task.push is not None:
         problems = apply.apply_changes(namespace, registry, task.push, None)
         if problems:
-            raise RuntimeError("the notebook's changes could not all be applied here: " + "; ".join(problems))
+            raise PushRefused("the notebook's changes could not all be applied on this rank: " + "; ".join(problems))
         _to_module_devices(registry, task.push)
+    if confirm:
+        bootstrap.send(Pushed())
+        command = framing.recv_message(_state["sock"], _state["reader"])
+        if not (isinstance(command, Proceed) and command.go):
+            return _SKIPPED
     match task:
         case CellTask():
             return _run_cell(namespace, task)
@@ -200,12 +222,12 @@ def run_task(size: int, specs: tuple, objects: int, storages: int) -> Any:
 
 
 def _run_cell(namespace: dict[str, Any], task: CellTask) -> Any:
-    registry = None
+    registry, scan = None, False
     if task.mirror is not None and _state["rank"] == 0:
         registry = _mirror_registry(namespace, task.mirror)
-        if needs_a_fresh_fork(registry.storages):
-            SHADOW.renew()  # the pages the cell writes are the master's own again (see shadow)
-    return _cell.run_cell(task.code, namespace, task.options, registry)
+        if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
+            scan = SHADOW.before_snapshot(owned_share(registry.storages))
+    return _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan)
 
 
 def _in_namespace(fn: Any, namespace: dict[str, Any]) -> Any:
@@ -265,14 +287,16 @@ def _report_device_memory() -> None:
         bootstrap.send(DeviceMemory(torch.cuda.memory_allocated() / mib, torch.cuda.memory_reserved() / mib))
 
 
-def _sequence() -> int | None:
+def _sequences() -> dict[str, int] | None:
+    """Each process group's sequence number on this rank, by group name (see protocol.Groups)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return None
+    world = dist.distributed_c10d._world
+    groups: list[Any] = list(world.pg_map)  # their counter is not in torch's stubs
     try:
-        group: Any = dist.distributed_c10d._get_default_group()  # the counter is not in torch's stubs
-        return int(group._get_sequence_number_for_group())
+        return {world.pg_names[group]: int(group._get_sequence_number_for_group()) for group in groups}
     except Exception:  # noqa: BLE001 - a backend that does not count: assume the worst
         return None
 
@@ -285,6 +309,14 @@ def abort_groups(peers: set[int]) -> None:
     in a gloo wait sees "connection closed" within milliseconds)."""
     import torch.distributed as dist
 
+    # Our own descriptors of them, taken while the groups still hold them (an abort may close
+    # theirs, and a number closed may be reused by then).
+    connections = []
+    for fd in connections_with(peers):
+        try:
+            connections.append(socket.socket(fileno=os.dup(fd)))
+        except OSError:
+            pass
     if dist.is_initialized():
         try:
             dist.distributed_c10d._abort_process_group()
@@ -293,12 +325,13 @@ def abort_groups(peers: set[int]) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the sockets below release them anyway
                 pass
-    for fd in connections_with(peers):
+    for connection in connections:
         try:
-            with socket.socket(fileno=os.dup(fd)) as connection:
-                connection.shutdown(socket.SHUT_RDWR)
+            connection.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        finally:
+            connection.close()
 
 
 def connections_with(peers: set[int]) -> list[int]:
