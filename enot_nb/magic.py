@@ -417,16 +417,24 @@ def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> Non
 # ----------------------------------------------------------------------------- sessions
 
 
-def _worker_flags_given(args: argparse.Namespace) -> list[str]:
-    """The flags among WORKER_FLAGS whose values differ from their defaults."""
-    defaults = parse_argstring(EnotMagics.enot_distributed, "")
-    return [
-        flag
-        for flag in sorted(WORKER_FLAGS)
-        if flag.startswith("--")
-        and hasattr(args, flag[2:].replace("-", "_"))
-        and getattr(args, flag[2:].replace("-", "_")) != getattr(defaults, flag[2:].replace("-", "_"))
-    ] + (["-n"] if getattr(args, "nprocs", None) is not None else [])
+def given_options(magic: Any, line: str) -> dict[str, str]:
+    """The options written on a magic's line, as {dest: the flag as written}: what the user asked
+    for, whatever its value (a value equal to the default is asked for too). Abbreviations are
+    resolved as argparse resolves them."""
+    actions = magic.parser._option_string_actions
+    given = {}
+    for token in shlex.split(line):
+        if not token.startswith("-") or token == "--":
+            continue
+        flag = token.split("=", 1)[0]
+        if flag not in actions and not flag.startswith("--"):
+            flag = flag[:2]  # -n2
+        matches = [f for f in actions if f == flag] or [
+            f for f in actions if flag.startswith("--") and f.startswith(flag)
+        ]
+        if len(matches) == 1:
+            given[actions[matches[0]].dest] = matches[0]
+    return given
 
 
 def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args: argparse.Namespace, line: str) -> Any:
@@ -435,16 +443,16 @@ def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args:
 
     if shell is None:
         raise UsageError("%%enot_distributed runs inside IPython or Jupyter")
-    changing = [f for f in _worker_flags_given(args) if f != "--nprocs"]
+    given = given_options(EnotMagics.enot_distributed, line)
+    changing = [flag for flag in given.values() if flag in WORKER_FLAGS]
     if changing:
-        flag = changing[-1] if "-n" in changing else changing[0]
+        flag = "-n" if changing[0] == "--nprocs" else changing[0]
         raise UsageError(
             f"%%enot_distributed {flag}: a session is running, and {flag} would change its workers; "
             f"run `%enot_session restart {flag} ...` to start them again with it, or add --fresh to run "
             "this cell as a one-off launch"
         )
-    tokens = shlex.split(line)
-    if args.on_error == "discard" and any(t.startswith("--on") for t in tokens):
+    if given.get("on_error") and args.on_error == "discard":
         raise UsageError(
             "%%enot_distributed --on-error discard: a session's ranks live on and cannot roll a failed cell "
             "back; the notebook keeps the master's state at the failure, as a local cell keeps its partial "
@@ -489,7 +497,7 @@ def run_session_magic(shell: InteractiveShell | None, line: str) -> Any:
 
     args = parse_argstring(EnotMagics.enot_session, line)
     live = session()
-    given = _worker_flags_given(args) + (["--mirror"] if args.mirror != "all" else [])
+    given = given_options(EnotMagics.enot_session, line)
     if args.action == "status":
         if given:
             raise UsageError("%enot_session: options go with start or restart, e.g. %enot_session start -n 2")
@@ -512,10 +520,11 @@ def run_session_magic(shell: InteractiveShell | None, line: str) -> Any:
     if args.action == "restart" and live is not None and not given:
         live.restart("asked for")
         return None
-    options = _session_options(args, live.options if live is not None else None, live.mirror_mode if live else None)
-    if live is not None:
-        live.close()
+    options = _session_options(args, given, live)
     try:
+        plan_launch(LaunchOptions(**{k: v for k, v in options.items() if k != "mirror"}))  # checked first
+        if live is not None:
+            live.close()
         Session(**options, namespace=shell.user_ns if shell is not None else None)
     except LaunchConfigError as err:
         flag = LaunchOptions.FLAGS.get(err.parameter or "")
@@ -523,11 +532,10 @@ def run_session_magic(shell: InteractiveShell | None, line: str) -> Any:
     return None
 
 
-def _session_options(args: argparse.Namespace, before: LaunchOptions | None, mirror: str | None) -> dict[str, Any]:
+def _session_options(args: argparse.Namespace, given: dict[str, str], live: Any) -> dict[str, Any]:
     """A session's options from the magic's flags; on a restart, the flags given replace the
     running session's options, the others are kept."""
-    defaults = parse_argstring(EnotMagics.enot_session, "")
-    fields = {
+    dests = {
         "nprocs": "nprocs",
         "backend": "backend",
         "seed": "seed",
@@ -537,12 +545,10 @@ def _session_options(args: argparse.Namespace, before: LaunchOptions | None, mir
         "timeout": "timeout",
     }
     options: dict[str, Any] = {}
-    for name, dest in fields.items():
-        value = getattr(args, dest)
-        if before is not None and value == getattr(defaults, dest):
-            value = getattr(before, name)
-        options[name] = value
-    options["mirror"] = mirror if mirror is not None and args.mirror == defaults.mirror else args.mirror
+    for name, dest in dests.items():
+        keep = live is not None and dest not in given
+        options[name] = getattr(live.options, name) if keep else getattr(args, dest)
+    options["mirror"] = live.mirror_mode if live is not None and "mirror" not in given else args.mirror
     return options
 
 

@@ -179,9 +179,9 @@ class Session:
         workers = self._ready()
         prepared = self.flow.call(fn, args, kwargs)
         outcome = self._send(workers, prepared, self.output)
-        self.flow.after_call(prepared, outcome)
+        value = self.flow.after_call(prepared, outcome)
         _raise_failure(outcome)
-        return outcome.result
+        return value
 
     def pull(self, *names: str) -> dict[str, Any]:
         """The master's values of ``names``: returned, and bound in the namespace, in place

@@ -223,3 +223,84 @@ def test_five_hundred_cells_grow_no_descriptors_threads_or_memory():
     for pid, (fds0, threads0, rss0), (fds1, threads1, rss1) in zip(pids, before, after):
         assert (fds1, threads1) == (fds0, threads0), f"pid {pid}: descriptors or threads grew"
         assert rss1 - rss0 < 16, f"pid {pid}: resident memory grew by {rss1 - rss0:.1f} MiB over 500 cells"
+
+
+def test_a_blocked_peer_is_released_while_the_master_holds_a_shadow_fork(capfd):
+    """The master's shadow fork (it tracks a large tensor) holds none of its gloo sockets, so
+    the master's abort still releases the peer waiting in a collective with it."""
+    ns = {"big": torch.zeros(2**19)}  # 2 MiB: the master makes a shadow fork before the cell
+    with start("fork", namespace=ns) as s:
+        s.run("import torch, torch.distributed as dist")
+        pids = [row.pid for row in s.status().rows]
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run(
+                "big[0] = 1.0\nif dist.get_rank() == 0:\n    raise ValueError('x')\ndist.all_reduce(torch.ones(300000))"
+            )
+        assert failed.value.rank == 0 and "restarted" not in capfd.readouterr().err
+        assert [row.pid for row in s.status().rows] == pids and float(ns["big"][0]) == 1.0
+
+
+def test_a_restart_keeps_the_masters_state_at_the_failure(capfd, monkeypatch):
+    """A rank that cannot be released makes the session restart; the master's state at the
+    failure (a large tensor written) is in the notebook, and the notebook lives on."""
+    from enot_nb._launch import session_workers
+
+    monkeypatch.setattr(session_workers, "RELEASE_WAIT", 1.0)
+    ns = {"big": torch.zeros(2**19)}
+    with start("fork", namespace=ns) as s:
+        s.run("import signal, threading, torch.distributed as dist\nn = big.numel()")
+        cell = (
+            "big.fill_(3.0)\nif dist.get_rank() == 0:\n    raise ValueError('x')\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\nthreading.Event().wait()"
+        )
+        with pytest.raises(WorkerFailedError):
+            s.run(cell)
+        assert "session restarted" in capfd.readouterr().err
+        assert float(ns["big"].sum()) == 3.0 * 2**19
+        assert s.run("float(big.sum())") == 3.0 * 2**19  # the new workers got the notebook's
+
+
+def test_a_half_done_collective_on_a_subgroup_makes_the_groups_again(capfd):
+    with start("fork", namespace={}) as s:
+        s.run("import torch, torch.distributed as dist\nsub = dist.new_group([0, 1])")
+        with pytest.raises(WorkerFailedError):
+            s.run(
+                "t = torch.ones(1)\nif dist.get_rank() == 1:\n    raise ValueError('x')\n"
+                "work = dist.all_reduce(t, group=sub, async_op=True)"
+            )
+        assert "process group was made again" in capfd.readouterr().err
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)") == 2.0
+
+
+def test_a_push_one_rank_cannot_apply_runs_the_cell_nowhere_and_keeps_the_record():
+    ns = {"d": {"k": [1]}, "m": torch.nn.Linear(1, 1)}
+    with start("fork", namespace=ns) as s:
+        s.run("import torch.distributed as dist\nheld = [m]\nif dist.get_rank() == 1:\n    d['k'] = (1,)")
+        ns["d"]["k"].append(2)  # a change rank 1 cannot apply: it holds a tuple there
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run("ran = True")
+        assert failed.value.rank == 1 and "d['k']" in str(failed.value) and "PathError" in str(failed.value)
+        assert "ran" not in ns  # the master did not run the cell either
+        ns["d"]["k"] = [1, 2]  # rebound: every rank takes it by value
+        assert s.run("(d['k'], held[0] is m)") == ([1, 2], True)  # the ranks' own objects kept
+
+
+def test_a_tensor_of_another_size_on_a_rank_refuses_the_push():
+    ns = {"w": torch.zeros(2)}
+    with start("fork", namespace=ns) as s:
+        s.run("import torch, torch.distributed as dist\nif dist.get_rank() == 1:\n    w.resize_(5).zero_()")
+        ns["w"].add_(1)
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run("pass")
+        assert failed.value.rank == 1 and "w: its storage holds (8,) bytes in the notebook, (20,)" in str(failed.value)
+
+
+def test_a_stale_variable_can_be_pulled_after_a_change_here():
+    ns = {"x": [1]}
+    with start("fork", namespace=ns) as s:
+        s.run("x.append(2)", no_return=True)
+        ns["x"].append(3)
+        with pytest.raises(LaunchError, match="'x'"):
+            s.run("pass")
+        assert s.pull("x") == {"x": [1, 2]} and ns["x"] == [1, 2]
+        assert s.run("len(x)") == 2

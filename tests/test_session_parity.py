@@ -178,6 +178,20 @@ def test_options_that_would_change_the_workers_are_refused(live):
     )  # the one-off's change reached the session
 
 
+def test_restart_keeps_the_options_not_given_and_checks_the_new_ones_first(kernel):
+    kernel.ok("%reset -f\n" + PRELUDE)
+    kernel.ok("%enot_session start -n 2 --backend gloo --mirror none")
+    try:
+        kernel.ok("%enot_session restart --mirror all")
+        assert "--mirror all" in kernel.ok("%enot_session").result["text/plain"]
+        run = kernel.run("%enot_session restart -n 0")
+        assert _usage_error(run, "-n"), run.stderr
+        table = kernel.ok("%enot_session").result["text/plain"]
+        assert "2 rank(s), gloo, --mirror all" in table  # still running, as it was
+    finally:
+        kernel.ok("%enot_session stop")
+
+
 def test_output_is_live_and_all_ranks_can_be_shown(live):
     run = live.ok("%%enot_distributed --output all\nimport torch.distributed as dist\nprint('hi', dist.get_rank())")
     assert "[rank 0] hi 0" in run.stdout and "[rank 1] hi 1" in run.stdout

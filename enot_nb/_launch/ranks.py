@@ -157,6 +157,8 @@ class RankIO:
             data = os.read(fd, 1 << 20)
         except BlockingIOError:
             return False
+        except ConnectionResetError:  # a session worker died with a command unread: its end
+            data = b""
         if not data:
             if fd in self.selector.get_map():
                 self.selector.unregister(fd)

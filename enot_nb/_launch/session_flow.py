@@ -74,8 +74,8 @@ class NamespaceFlow:
     def pickle(self, prepared: Prepared) -> PickledTask:
         return self.mirror.pickle(prepared.task, self.namespace)
 
-    def _push(self, reached: list[str]) -> Push | None:
-        return self.mirror.push(self.namespace, reached, self._hidden()) if self.mirrored else None
+    def _push(self, reached: list[str], pulling: list[str] | None = None) -> Push | None:
+        return self.mirror.push(self.namespace, reached, self._hidden(), pulling) if self.mirrored else None
 
     def after_push(self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None) -> None:
         """The ranks hold what was pushed, unless they could not apply it (or were replaced:
@@ -131,18 +131,23 @@ class NamespaceFlow:
             self.namespace, prepared.registry, state, prepared.options, show_value=outcome.result is not None
         )
         if outcome.restart is None:  # new workers hold nothing yet
-            self._record_cell(prepared, state, outcome)
+            written = set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
+            self._record(prepared, state, outcome, written, prepared.run.returns)
         return value
 
-    def _record_cell(self, prepared: Prepared, state: _cell.CellOutcome, outcome: CommandOutcome) -> None:
+    def _record(
+        self,
+        prepared: Prepared,
+        state: _cell.CellOutcome,
+        outcome: CommandOutcome,
+        written: set[str],
+        returns: list[str] | None,
+    ) -> None:
         """The ranks and the notebook agree on what came back; what did not is stale here."""
-        run = prepared.run
-        assert run is not None
-        written = set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
         returned = set(state.changed_names)
         not_back = {n: why for n, why in state.not_returned.items() if n.isidentifier()}
-        if run.returns is not None:
-            not_back |= {n: "left out by --return" for n in written - set(run.returns) if n in self.namespace}
+        if returns is not None:
+            not_back |= {n: "left out by --return" for n in written - set(returns) if n in self.namespace}
         self.mirror.on_workers.update({n: why for n, why in not_back.items() if n not in self.namespace})
         self.mirror.mark_stale({n: why for n, why in not_back.items() if n in self.namespace})
         self.mirror.refreshed(sorted(returned - set(not_back)))
@@ -152,24 +157,39 @@ class NamespaceFlow:
     # ------------------------------------------------------------------------- launch, pull, push
 
     def call(self, fn: Any, args: tuple, kwargs: dict) -> Prepared:
-        prepared = Prepared(task=None)
+        """``launch(fn)``: the function's globals are pushed, and what it changes of them comes
+        back, as a cell's."""
+        prepared = Prepared(task=None, options=_cell.CellOptions(keep_on_error=True))
+        mirror = None
         if self.mirrored:
             found = reach.reach(self.namespace, "", self._hidden(), found=reach.global_names(fn))
+            prepared.reached, prepared.registry = found.names, found.registry
             prepared.push = self._push(found.names)
-        prepared.task = CallTask(prepared.push.changes if prepared.push else None, fn, args, kwargs)
-        prepared.reached = sorted(_stored_globals(fn))
+            registry = found.registry
+            mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+        prepared.task = CallTask(prepared.push.changes if prepared.push else None, fn, args, kwargs, mirror)
         return prepared
 
-    def after_call(self, prepared: Prepared, outcome: CommandOutcome) -> None:
-        self.after_push(prepared, outcome)
-        if self.mirrored and outcome.restart is None:
-            changed = {n: "launch() changed it on the workers" for n in prepared.reached if n in self.namespace}
-            self.mirror.mark_stale(changed)
+    def after_call(self, prepared: Prepared, outcome: CommandOutcome) -> Any:
+        """The master's changes in the notebook; fn's result on rank 0."""
+        if prepared.registry is None:  # --mirror none: fn's result alone
+            self.after_push(prepared, outcome)
+            return outcome.result
+        value, state = outcome.result if outcome.result is not None else (None, outcome.partial)  # the master's pair
+        if not isinstance(state, _cell.CellOutcome):
+            self.after_push(prepared, outcome)
+            return value
+        assert prepared.options is not None
+        bring_back(self.namespace, prepared.registry, state, prepared.options, show_value=False)
+        if outcome.restart is None:
+            written = set(prepared.reached) & _stored_globals(prepared.task.fn)
+            self._record(prepared, state, outcome, written, None)
+        return value
 
     def pull(self, names: list[str]) -> Prepared:
         registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
         mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
-        push = self._push([])
+        push = self._push([], pulling=list(names))
         return Prepared(PullTask(push.changes if push else None, list(names), mirror), push, registry)
 
     def after_pull(self, prepared: Prepared, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:

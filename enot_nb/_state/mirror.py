@@ -28,7 +28,7 @@ from typing import Any
 
 from enot_nb._processes.shadow import SHADOW
 from enot_nb._state import paths
-from enot_nb._state.collect import Changes, StatePickler, collect
+from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
 from enot_nb._state.digests import digested_size, owned_share
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
@@ -41,7 +41,8 @@ class StaleError(LaunchError):
     def __init__(self, name: str, why: str) -> None:
         self.name = name
         super().__init__(
-            f"{name!r} was changed in the notebook, but the notebook's copy is stale ({why}): pushing it "
+            f"{name!r} (or an object it holds) was changed in the notebook, but the notebook's copy is "
+            f"stale ({why}): pushing it "
             f"would overwrite rank 0's newer value. Run `%enot_pull {name}` (or session.pull({name!r})) "
             "before changing it here, or set it inside a session cell"
         )
@@ -101,26 +102,70 @@ class Mirror:
         SHADOW.end()
         self.__init__()  # type: ignore[misc]
 
-    def push(self, namespace: dict[str, Any], reached: list[str], hidden: Any = ()) -> Push:
-        """What changed since the last sync, and the reached variables the ranks lack."""
+    def push(
+        self, namespace: dict[str, Any], reached: list[str], hidden: Any = (), pulling: list[str] | None = None
+    ) -> Push:
+        """What changed since the last sync, and the reached variables the ranks lack.
+        ``pulling``: variables about to be pulled: their changes here are not pushed (the
+        master's values replace them), and their being stale refuses nothing."""
         now = user_variables(namespace, hidden)
         changes = Changes()
         if self.snapshot is not None and self.baseline.objects[0] is namespace:
-            changes, changed = collect(self.baseline, self.snapshot, self.synced, namespace, hidden)
-            for i in changed:
-                name = self.baseline.root_name(i)
-                if name in self.stale:
-                    raise StaleError(name, self.stale[name])
+            changes, _ = collect(self.baseline, self.snapshot, self.synced, namespace, hidden)
+            self._only_reachable(namespace, changes, now)
+            changes.objects, changes.storages = self._refuse_stale(namespace, changes, pulling or [])
         changes.bound = {
             n: v for n, v in now.items() if (n in self.synced or n in reached) and self.synced.get(n, _NONE) is not v
         }
         changes.deleted = [n for n in self.synced if n not in now]
         for name in [*changes.bound, *changes.deleted]:
-            if name in self.stale:
+            if name in self.stale and name not in (pulling or []):
                 raise StaleError(name, self.stale[name])
+        changes.bound = {n: v for n, v in changes.bound.items() if n not in (pulling or [])}
+        changes.deleted = [n for n in changes.deleted if n not in (pulling or [])]
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
         names = [n for n in {**self.synced, **changes.bound} if n not in changes.deleted]
         return Push(None if empty else changes, names)
+
+    def _only_reachable(self, namespace: dict[str, Any], changes: Changes, now: dict[str, Any]) -> None:
+        """Drop the changes of objects no variable reaches any more (a list written, then replaced
+        by another): nothing on the ranks would see them, and their old paths may hold something
+        else there."""
+        if not changes.objects and not changes.storages:
+            return
+        current = Registry.of_namespace(namespace, sorted(set(self.synced) & set(now)))
+        changes.objects = [(i, s) for i, s in changes.objects if current.find(self.baseline.objects[i]) is not None]
+        changes.storages = [
+            new for new in changes.storages if current.find_storage(self.baseline.storages[new.storage]) is not None
+        ]
+
+    def _refuse_stale(self, namespace: dict[str, Any], changes: Changes, pulling: list[str]) -> tuple[list, list]:
+        """The changes, less those of what ``pulling`` reaches; StaleError for one made to an
+        object a stale variable reaches (through any alias: found by walking the stale ones)."""
+        held: dict[int, str] = {}
+        if not changes.objects and not changes.storages:
+            return [], []
+        for name in sorted(({*self.stale} | set(pulling)) & set(namespace)):
+            walked = Registry.of_namespace(namespace, [name])
+            for obj in walked.objects[1:]:
+                held.setdefault(id(obj), name)
+            for storage in walked.storages:
+                held.setdefault(id(storage), name)
+        kept_objects: list[tuple[int, Any]] = []
+        kept_storages: list[StorageBytes] = []
+        for i, state in changes.objects:
+            holder = held.get(id(self.baseline.objects[i]))
+            if holder is None:
+                kept_objects.append((i, state))
+            elif holder not in pulling:
+                raise StaleError(holder, self.stale[holder])
+        for new in changes.storages:
+            holder = held.get(id(self.baseline.storages[new.storage]))
+            if holder is None:
+                kept_storages.append(new)
+            elif holder not in pulling:
+                raise StaleError(holder, self.stale[holder])
+        return kept_objects, kept_storages
 
     def pickle(self, task: Any, namespace: dict[str, Any]) -> PickledTask:
         """``task`` pickled against the baseline (the ranks' objects by index, new ones by

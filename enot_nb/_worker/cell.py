@@ -123,7 +123,7 @@ def run_cell(
         if registry is None:
             registry = reach.reach(namespace, code, hidden).registry
         reached = {n for n, v in list(namespace.items()) if registry.find(v) is not None}
-        tracker = _Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large)
+        tracker = Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large)
     figures_before = _open_figures()
     modules_before = set(sys.modules)
     try:
@@ -208,7 +208,7 @@ def run_shipped_cell(
         raise
 
 
-class _Tracker:
+class Tracker:
     """The master's view of the notebook's objects: a snapshot before, the changes after."""
 
     def __init__(
@@ -263,6 +263,10 @@ class _Tracker:
         outcome.state, outcome.moved_to_cpu = collect.dump(changes, self.registry, outcome.not_returned)
         return outcome
 
+    def send_partial(self, options: CellOptions) -> None:
+        """The state reached, sent before the failure is reported (see _send_partial)."""
+        _send_partial(self, options)
+
 
 def names_written(*trees: ast.AST | None) -> set[str]:
     """Names a cell's text binds or deletes (``x = 1; del x`` bound x, though it left none;
@@ -278,7 +282,7 @@ def names_written(*trees: ast.AST | None) -> set[str]:
     return names
 
 
-def _send_partial(tracker: _Tracker, options: CellOptions) -> None:
+def _send_partial(tracker: Tracker, options: CellOptions) -> None:
     """The master failed or was interrupted: send the state it reached, bounded by the launcher's
     patience (it stops this process after ENOT_NB_INTERRUPT_SAVE_WAIT seconds)."""
     import signal

@@ -93,6 +93,8 @@ class CallTask:
     fn: Any
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    mirror: Mirrored | None = None
+    """The notebook's registry of what fn reaches: what fn changes comes back, as a cell's."""
 
 
 @dataclass
@@ -211,8 +213,8 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: bool
     match task:
         case CellTask():
             return _run_cell(namespace, task)
-        case CallTask(fn=fn, args=args, kwargs=kwargs):
-            return sharded.whole_result(_in_namespace(fn, namespace)(*args, **kwargs))
+        case CallTask():
+            return _call(namespace, task)
         case PullTask():
             return _pull(namespace, task)
         case SyncTask():
@@ -228,6 +230,23 @@ def _run_cell(namespace: dict[str, Any], task: CellTask) -> Any:
         if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
             scan = SHADOW.before_snapshot(owned_share(registry.storages))
     return _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan)
+
+
+def _call(namespace: dict[str, Any], task: CallTask) -> Any:
+    """fn on this rank; the master also returns what fn changed of the notebook's objects."""
+    fn = _in_namespace(task.fn, namespace)
+    if task.mirror is None or _state["rank"] != 0:
+        return sharded.whole_result(fn(*task.args, **task.kwargs))
+    registry = _mirror_registry(namespace, task.mirror)
+    scan = SHADOW.before_snapshot(owned_share(registry.storages)) if registry.storages else False
+    tracker = _cell.Tracker(registry, namespace, (), {}, scan)
+    options = _cell.CellOptions(keep_on_error=True)
+    try:
+        value = fn(*task.args, **task.kwargs)
+    except BaseException:
+        tracker.send_partial(options)
+        raise
+    return sharded.whole_result(value), tracker.outcome(options, None, False, None, None)
 
 
 def _in_namespace(fn: Any, namespace: dict[str, Any]) -> Any:
