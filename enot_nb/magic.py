@@ -182,9 +182,12 @@ class EnotMagics(Magics):
         live = session()
         if live is None:
             raise UsageError("%enot_pull: no session is running; start one with `%enot_session start -n N`")
-        names = _names(line.strip() or None)
-        if names is None:
-            raise UsageError("%enot_pull NAME[,NAME]: name the variables to bring back, e.g. %enot_pull model")
+        names = [n for n in line.replace(",", " ").split() if n]
+        bad = [n for n in names if not n.isidentifier()]
+        if bad or not names:
+            raise UsageError(
+                f"%enot_pull NAME[,NAME]: name the variables to bring back, e.g. %enot_pull model (got {line!r})"
+            )
         live.pull(*names)
 
 

@@ -121,13 +121,17 @@ class Session:
     def restart(self, why: str | None = None) -> None:
         """New workers; the notebook's variables reach them as the next cells use them (under
         --mirror all). One line says what is gone: what lived only on the workers."""
-        lost = sorted(self.flow.mirror.on_workers) if self.flow.mirrored else ["everything (--mirror none)"]
+        if self.workers is None and self not in _live:
+            raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
+        mirror = self.flow.mirror
+        lost = sorted(mirror.on_workers) if self.flow.mirrored else ["everything (--mirror none)"]
+        older = sorted(mirror.stale) if self.flow.mirrored else []
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-        self.flow.mirror.reset()
+        mirror.reset()
         self._start(quiet=True)
-        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost), file=sys.stderr)
+        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older), file=sys.stderr)
 
     def __enter__(self) -> Session:
         return self
@@ -165,6 +169,7 @@ class Session:
         """A cell with the magic's per-cell options (see ``run``)."""
         compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error before anything is sent
         workers = self._ready()
+        workers.cells += 1
         prepared = self.flow.cell(code, run)
         outcome = self._send(workers, prepared, run.output)
         value = self.flow.after_cell(prepared, outcome)
@@ -249,8 +254,13 @@ def start_workers(plan: Any, mirror: str | None) -> SessionWorkers:
     return workers
 
 
-def restart_line(nprocs: int, mirrored: bool, why: str | None, lost: list[str]) -> str:
+def restart_line(nprocs: int, mirrored: bool, why: str | None, lost: list[str], older: list[str]) -> str:
+    """What a restart restored (the notebook's state, as cells use it), from an older copy (the
+    stale variables), and what is gone (what lived only on the workers)."""
     reason = f" ({why})" if why else ""
-    gone = f"; gone, as it lived only on the workers: {', '.join(lost)}" if lost else ""
     restored = "the notebook's state reaches them as the next cells use it" if mirrored else "they hold nothing"
-    return f"enot_nb: session restarted{reason}: {nprocs} new worker(s); {restored}{gone}"
+    older_line = (
+        f"; from the notebook's older copy (the master's newer one is lost): {', '.join(older)}" if older else ""
+    )
+    gone = f"; gone, as it lived only on the workers: {', '.join(lost)}" if lost else ""
+    return f"enot_nb: session restarted{reason}: {nprocs} new worker(s); {restored}{older_line}{gone}"

@@ -304,3 +304,35 @@ def test_a_stale_variable_can_be_pulled_after_a_change_here():
             s.run("pass")
         assert s.pull("x") == {"x": [1, 2]} and ns["x"] == [1, 2]
         assert s.run("len(x)") == 2
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.02, 0.08, 0.3])
+def test_a_stop_press_at_any_moment_leaves_a_usable_session(delay):
+    """A press while the notebook sends the task, while the ranks apply its push, run it or
+    send their answers: afterwards the session runs cells and the mirror holds."""
+    ns = {"t": torch.zeros(2**18), "log": []}
+    with start("fork", namespace=ns) as s:
+        s.run("import time\nn = t.numel()")
+        ns["t"].add_(1)  # a push to apply
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        try:  # the one press lands anywhere in here
+            timer.start()
+            s.run("log.append(1)\nt.add_(1)\ntime.sleep(0.2)")
+            timer.join()
+        except KeyboardInterrupt:
+            pass
+        timer.join()
+        assert s.run("float(t[0])") == float(ns["t"][0])  # the ranks and the notebook agree
+        assert s.run("len(log)") == len(ns["log"])
+
+
+def test_a_one_off_spawn_launch_runs_beside_a_spawn_session():
+    """A spawn session has its own fork server and holds no launch lock between cells."""
+    with start("spawn", namespace={}) as s:
+        s.run("x = 1")
+        assert enot_nb.notebook_launcher(_rank_plus, args=(10,), nprocs=2, backend="gloo", start_method="spawn") == 10
+        assert s.run("x + 1") == 2
+
+
+def _rank_plus(k: int) -> int:
+    return enot_nb.distributed.get_rank() + k

@@ -99,7 +99,7 @@ class SessionWorkers:
         """The task file (a memfd every rank maps): what a command carries beyond its record."""
         self.started_at = 0.0
         self.generation = 0
-        self.cells = 0
+        self.cells = 0  # cells run (counted by the session: pushes and pulls are tasks too)
 
     # ------------------------------------------------------------------------- start, close
 
@@ -208,7 +208,6 @@ class SessionWorkers:
         assert self.attempt is not None and self.task_fd is not None
         size = result_file.write_result(self.task_fd, task.main, task.buffers)
         self._show_output(output)
-        self.cells += 1
         parent = relay.kernel_parent()
         confirm = task.has_push
         outcome = self._command(RunTask(size, tuple(task.specs), task.objects, task.storages, parent, confirm))
@@ -443,13 +442,19 @@ def _death(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+WRITE_WAIT = 30.0
+"""Seconds an idle rank gets to take in a command (it reads it at once: it is idle)."""
+
+
 def _write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to a non-blocking socket (the rank reads it: it is idle)."""
+    """Write all of ``data`` to a non-blocking socket; a rank that takes none of it within
+    WRITE_WAIT is not reading (not idle): it stops being sent to, and its end is seen later."""
     view = memoryview(data)
     while view:
         try:
             view = view[os.write(fd, view) :]
         except BlockingIOError:
-            select.select([], [fd], [])
-        except BrokenPipeError:
+            if not select.select([], [fd], [], WRITE_WAIT)[1]:
+                return
+        except (BrokenPipeError, ConnectionResetError):
             return  # the rank is gone: its exit is seen through its pidfd

@@ -20,6 +20,7 @@ so an object the ranks already hold travels as its index and is found here by it
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import pickle
 import signal
@@ -27,6 +28,7 @@ import socket
 import sys
 import traceback
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -140,6 +142,7 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
     _state.update(sock=sock, reader=reader)
     while True:
         try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held while answering
             command = framing.recv_message(sock, reader)
         except KeyboardInterrupt:
             continue  # a press meant for a cell that had just ended
@@ -151,6 +154,8 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
 
 
 def _answer(command: SessionCommand) -> None:
+    """Do one command and send its one answer. A stop press is held while an answer is sent (it
+    would send a second one); it arrives at the next idle read, which ignores it."""
     rank = _state["rank"]
     try:
         match command:
@@ -160,10 +165,11 @@ def _answer(command: SessionCommand) -> None:
                     result = run_task(size, specs, objects, storages, confirm)
                 finally:
                     _report_device_memory()
-                if result is _SKIPPED:
-                    bootstrap.send(Done())
-                else:
-                    bootstrap.send_outcome(rank, result)
+                with _presses_held():
+                    if result is _SKIPPED:
+                        bootstrap.send(Done())
+                    else:
+                        bootstrap.send_outcome(rank, result)
             case Proceed():
                 pass  # a late one (its task failed here): nothing to do
             case ReportGroups():
@@ -178,11 +184,20 @@ def _answer(command: SessionCommand) -> None:
             case _:
                 assert_never(command)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported; the worker stays
-        if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
-            traceback.print_exc()
-        bootstrap.report_failure(exc)
+        with _presses_held():
+            if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
+                traceback.print_exc()
+            bootstrap.report_failure(exc)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def _presses_held() -> Iterator[None]:
+    """SIGINT blocked (not ignored) from here: one that comes is delivered when the loop, idle,
+    unblocks it where a press is ignored (see serve)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    yield
 
 
 class PushRefused(RuntimeError):
