@@ -336,3 +336,21 @@ def test_a_one_off_spawn_launch_runs_beside_a_spawn_session():
 
 def _rank_plus(k: int) -> int:
     return enot_nb.distributed.get_rank() + k
+
+
+def test_the_device_checksum_sees_every_byte_and_its_place(monkeypatch):
+    """GPU storages are checksummed where they are (digests.device_checksum); run here on the
+    CPU, with chunks small enough that words, tails and chunk edges are all met."""
+    from enot_nb._state import digests
+
+    monkeypatch.setattr(digests, "_CHECKSUM_CHUNK", 64)
+    data = torch.arange(203, dtype=torch.uint8)
+    before = digests.device_checksum(data.untyped_storage())
+    for at in (0, 7, 63, 64, 200, 202):
+        data[at] += 1
+        assert digests.device_checksum(data.untyped_storage()) != before, at
+        data[at] -= 1
+    assert digests.device_checksum(data.untyped_storage()) == before
+    swapped = data.clone()
+    swapped[0:8], swapped[8:16] = data[8:16].clone(), data[0:8].clone()  # the same words, moved
+    assert digests.device_checksum(swapped.untyped_storage()) != before

@@ -98,7 +98,32 @@ def storage_digests(storages: list[Any], scan_large: bool = False) -> list[Stora
 
 
 def _device_digest(storage: Any) -> DeviceDigest:
-    return DeviceDigest(storage.data_ptr(), storage.nbytes(), digest(storage_array(storage)))
+    return DeviceDigest(storage.data_ptr(), storage.nbytes(), device_checksum(storage))
+
+
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's bits), as a signed int64
+_MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64's multiplier), as a signed int64
+_CHECKSUM_CHUNK = 1 << 26  # bytes hashed per step: the step's temporaries stay small
+
+
+def device_checksum(storage: Any) -> tuple[int, int]:
+    """A checksum of a storage's bytes computed where they are (a GPU's storage is never copied
+    to the host): each 8-byte word mixed with its place, summed with wrapping int64 arithmetic,
+    one number brought back. (nbytes, checksum), as ``digest`` returns."""
+    import torch
+
+    data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    total = torch.zeros((), dtype=torch.int64, device=storage.device)
+    for start in range(0, data.numel(), _CHECKSUM_CHUNK):
+        part = data[start : start + _CHECKSUM_CHUNK]
+        whole = part.numel() // 8 * 8
+        words = part[:whole].view(torch.int64)
+        place = torch.arange(start // 8 + 1, start // 8 + 1 + words.numel(), dtype=torch.int64, device=data.device)
+        total += ((words ^ (place * _MIX)) * _MIX2).sum()
+        if whole < part.numel():
+            tail = part[whole:].to(torch.int64)
+            total += ((tail + 1) * (torch.arange(1, tail.numel() + 1, device=data.device) * _MIX2)).sum()
+    return data.numel(), int(total.item())
 
 
 def changed_storages(storages: list[Any], before: list[StorageDigest]) -> list[int]:
