@@ -75,32 +75,21 @@ class Session:
     ) -> None:
         if mirror not in MIRRORS:
             raise LaunchConfigError(f"mirror={mirror!r} must be 'all' or 'none'", parameter="mirror")
-        self.options = LaunchOptions(
-            nprocs=nprocs,
-            backend=backend,
-            seed=seed,
-            cuda_optimize_for_speed=cuda_optimize_for_speed,
-            cuda_reproducible=cuda_reproducible,
-            start_method=start_method,
-            output=output,
-            timeout=timeout,
-        )
+        given = locals()  # the launch options, by their one definition's names
+        self.options = LaunchOptions(**{name: given[name] for name in LaunchOptions.names() if name in given})
         self.plan = plan_launch(self.options)
         self.mirror_mode = mirror
         self.output = output
         self.namespace = namespace if namespace is not None else _notebook_namespace()
         self.flow = NamespaceFlow(self.namespace, mirror)
         self.workers: SessionWorkers | None = None
-        self.last: CommandOutcome | None = None
-        """How the last task ended (its sizes: what the push and the master's changes cost)."""
+        self.last: CommandOutcome | None = None  # the last task's end (its sizes: what moved)
         if _live:
             raise LaunchError(
                 "a session is already running in this process; stop it first (`%enot_session stop` "
                 "or session.close()), or restart it with other options (`%enot_session restart ...`)"
             )
         self._start(quiet)
-
-    # ------------------------------------------------------------------------- life
 
     def _start(self, quiet: bool = False) -> None:
         self.workers = start_workers(self.plan, None if quiet else self.mirror_mode)

@@ -61,12 +61,8 @@ class NamespaceFlow:
     """The notebook's namespace and what the ranks hold of it (see the module's docstring)."""
 
     def __init__(self, namespace: dict[str, Any], mode: str) -> None:
-        self.namespace, self.mode = namespace, mode
-        self.mirror = Mirror()
-
-    @property
-    def mirrored(self) -> bool:
-        return self.mode == "all"
+        self.namespace, self.mode, self.mirror = namespace, mode, Mirror()
+        self.mirrored = mode == "all"
 
     def _hidden(self) -> Any:
         return reach.hidden_names(self.namespace)
@@ -83,8 +79,6 @@ class NamespaceFlow:
         if prepared.push is None or outcome.restart is not None or outcome.refused:
             return  # refused: the record stays as it was, and the next task pushes it all again
         self.mirror.synced_after(self.namespace, [*prepared.push.names, *(names or [])], self._hidden())
-
-    # ------------------------------------------------------------------------- a cell
 
     def cell(self, code: str, run: CellRun) -> Prepared:
         back = self.mirrored and not run.no_return

@@ -142,7 +142,7 @@ class SessionWorkers:
         attempt = self.attempt
         while not all(r.connected for r in attempt.ranks):
             if attempt.failures or any(not r.running for r in attempt.ranks):
-                self._await_exits(2.0)
+                attempt.stopper.wait(2.0, force_show=False, until=lambda: False)  # the others' ends
                 failures = attempt.failures or [
                     WorkerFailure.died(r.rank, r.exitcode or -9, 0, r.sinks["err"].tail())
                     for r in attempt.ranks
@@ -154,10 +154,6 @@ class SessionWorkers:
                 self.close()
                 raise WorkerFailedError(failures)
             attempt.handle(attempt.select(None))
-
-    def _await_exits(self, seconds: float) -> None:
-        assert self.attempt is not None
-        self.attempt.stopper.wait(seconds, force_show=False, until=lambda: False)
 
     def close(self) -> None:
         """Stop every rank (StopWorker, then the one escalation) and release everything."""
