@@ -146,7 +146,11 @@ class NamespaceFlow:
         self.mirror.mark_stale({n: why for n, why in not_back.items() if n in self.namespace})
         self.mirror.refreshed(sorted(returned - set(not_back)))
         came = [n for n in prepared.reached + sorted(returned) if n in self.namespace]
-        self.after_push(prepared, outcome, list(self.mirror.synced) + came)
+        names = list(self.mirror.synced) + came
+        push = prepared.push
+        if push is not None and push.changes is None and not returned and set(names) <= set(self.mirror.synced):
+            return  # nothing moved either way: the last sync's record still holds (and costs nothing)
+        self.after_push(prepared, outcome, names)
 
     # ------------------------------------------------------------------------- launch, pull, push
 
