@@ -179,8 +179,7 @@ class Session:
 
     def pull(self, *names: str) -> dict[str, Any]:
         """The master's values of ``names``: returned, and bound in the namespace, in place
-        where an object of the same type sits at the same path (a module sharded with FSDP2 or
-        FSDP1 comes back whole)."""
+        where an object of the same type sits at the same path."""
         for name in names:
             if not isinstance(name, str) or not name.isidentifier():
                 raise LaunchConfigError(f"pull({name!r}): expected variable names")

@@ -91,6 +91,7 @@ class NamespaceFlow:
             source_header=run.source_header,
             shown=run.output != "none",
             keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
+            gather_sharded=False,  # the ranks' FSDP modules live on, sharded
         )
         prepared = Prepared(task=None, options=options, code=code, run=run)
         if self.mirrored:

@@ -51,6 +51,9 @@ class CellOptions:
     figure_prefix: str = "cell"
     keep_on_error: bool = False
     """--on-error keep: a failing master sends the state it reached."""
+    gather_sharded: bool = True
+    """Make sharded modules whole on the master after the cell (in place: right for a one-off
+    cell's workers, which end; a session's live FSDP modules must stay sharded)."""
 
 
 @dataclass
@@ -136,7 +139,7 @@ def run_cell(
     finally:
         if rank == 0:
             _report_imports(modules_before, body, last)
-    if not options.no_return and sharded.may_be_sharded():  # every rank: collectives
+    if not options.no_return and options.gather_sharded and sharded.may_be_sharded():  # every rank
         reached = used | set(reach.reach(namespace, code, hidden).names)  # train() may shard `model`
         whole_before = tracker.sharded_before if tracker is not None else {}
         for line in sharded.gather_whole(namespace, sorted(reached & set(namespace)), whole_before):

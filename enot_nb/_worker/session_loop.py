@@ -283,14 +283,14 @@ def _mirror_registry(namespace: dict[str, Any], mirror: Mirrored) -> Registry:
 
 def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
     """The master's values of ``names``: every object the notebook has at their paths as
-    changed (its whole state travels, into the notebook's object), the rest by value."""
+    changed (its whole state travels, into the notebook's object), the rest by value. A module
+    sharded by FSDP is not gathered here (that would unshard the ranks' live module): its
+    DTensors do not pickle, and it is named as not brought back."""
     if _state["rank"] != 0:
         return None
     missing = [n for n in task.names if n not in namespace]
     if missing:
         raise NameError(f"pull: rank 0 has no variable {', '.join(map(repr, missing))}")
-    for name in task.names:
-        sharded.gather_whole(namespace, [name], {})
     registry = _mirror_registry(namespace, task.mirror)
     not_returned: dict[str, str] = {}
     state, _ = collect.dump(collect.everything(registry, namespace, task.names), registry, not_returned)
