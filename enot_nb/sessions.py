@@ -108,19 +108,29 @@ class Session:
         self.flow.mirror.reset()  # its shadow fork too
 
     def restart(self, why: str | None = None) -> None:
-        """New workers; the notebook's variables reach them as the next cells use them (under
-        --mirror all). One line says what is gone: what lived only on the workers."""
+        """New workers, given what the old ones held of the notebook's state (by value, on the
+        CPU); one line says what was restored, from an older copy, and what is gone."""
         if self.workers is None and self not in _live:
             raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
         mirror = self.flow.mirror
         lost = sorted(mirror.on_workers) if self.flow.mirrored else ["everything (--mirror none)"]
         older = sorted(mirror.stale) if self.flow.mirrored else []
+        held = [n for n in mirror.synced if n in self.namespace] if self.flow.mirrored else []
         if self.workers is not None:
             self.workers.close()
             self.workers = None
         mirror.reset()
         self._start(quiet=True)
-        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older), file=sys.stderr)
+        restored = self._restore(held) if held else []
+        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older, restored), file=sys.stderr)
+
+    def _restore(self, names: list[str]) -> list[str]:
+        """The variables the old workers held, pushed to the new ones; those restored."""
+        assert self.workers is not None
+        prepared = self.flow.push_values({n: self.namespace[n] for n in names})
+        outcome = self.workers.run_task(self.flow.pickle(prepared), "none")
+        self.flow.after_push(prepared, outcome)  # refused: the next cell pushes what it uses
+        return [] if outcome.failures or outcome.restart is not None else names
 
     def __enter__(self) -> Session:
         return self
@@ -168,8 +178,6 @@ class Session:
     def launch(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on every rank, with the rank's session namespace as its
         globals (``fn`` travels by value); rank 0's result, as ``notebook_launcher``'s."""
-        if not callable(fn):
-            raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
         workers = self._ready()
         prepared = self.flow.call(fn, args, kwargs)
         outcome = self._send(workers, prepared, self.output)
@@ -180,9 +188,6 @@ class Session:
     def pull(self, *names: str) -> dict[str, Any]:
         """The master's values of ``names``: returned, and bound in the namespace, in place
         where an object of the same type sits at the same path."""
-        for name in names:
-            if not isinstance(name, str) or not name.isidentifier():
-                raise LaunchConfigError(f"pull({name!r}): expected variable names")
         workers = self._ready()
         prepared = self.flow.pull(list(names))
         outcome = self._send(workers, prepared, "master")
@@ -242,13 +247,20 @@ def start_workers(plan: Any, mirror: str | None) -> SessionWorkers:
     return workers
 
 
-def restart_line(nprocs: int, mirrored: bool, why: str | None, lost: list[str], older: list[str]) -> str:
-    """What a restart restored (the notebook's state, as cells use it), from an older copy (the
-    stale variables), and what is gone (what lived only on the workers)."""
+def restart_line(
+    nprocs: int, mirrored: bool, why: str | None, lost: list[str], older: list[str], restored: list[str]
+) -> str:
+    """What a restart restored (the notebook's state), from an older copy (the stale variables),
+    and what is gone (what lived only on the workers)."""
     reason = f" ({why})" if why else ""
-    restored = "the notebook's state reaches them as the next cells use it" if mirrored else "they hold nothing"
+    if not mirrored:
+        restored_line = "they hold nothing"
+    elif restored:
+        restored_line = f"restored from the notebook (on the CPU): {', '.join(restored)}"
+    else:
+        restored_line = "the notebook's state reaches them as the next cells use it"
     older_line = (
         f"; from the notebook's older copy (the master's newer one is lost): {', '.join(older)}" if older else ""
     )
     gone = f"; gone, as it lived only on the workers: {', '.join(lost)}" if lost else ""
-    return f"enot_nb: session restarted{reason}: {nprocs} new worker(s); {restored}{older_line}{gone}"
+    return f"enot_nb: session restarted{reason}: {nprocs} new worker(s); {restored_line}{older_line}{gone}"

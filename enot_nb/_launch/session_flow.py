@@ -27,6 +27,7 @@ from enot_nb._state.mirror import Mirror, PickledTask, Push
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
 from enot_nb._worker.session_loop import CallTask, CellTask, Mirrored, PullTask, SyncTask
+from enot_nb.errors import LaunchConfigError
 
 MIRRORS = ("all", "none")
 
@@ -140,14 +141,7 @@ class NamespaceFlow:
     ) -> None:
         """The ranks and the notebook agree on what came back; what did not is stale here."""
         returned = set(state.changed_names)
-        not_back = {n: why for n, why in state.not_returned.items() if n.isidentifier()}
-        if returns is not None:
-            not_back |= {n: "left out by --return" for n in written - set(returns) if n in self.namespace}
-        self.mirror.on_workers.update({n: why for n, why in not_back.items() if n not in self.namespace})
-        self.mirror.mark_stale({n: why for n, why in not_back.items() if n in self.namespace})
-        self.mirror.refreshed(sorted(returned - set(not_back)))
-        came = [n for n in prepared.reached + sorted(returned) if n in self.namespace]
-        names = list(self.mirror.synced) + came
+        names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
         push = prepared.push
         if push is not None and push.changes is None and not returned and set(names) <= set(self.mirror.synced):
             return  # nothing moved either way: the last sync's record still holds (and costs nothing)
@@ -158,6 +152,8 @@ class NamespaceFlow:
     def call(self, fn: Any, args: tuple, kwargs: dict) -> Prepared:
         """``launch(fn)``: the function's globals are pushed, and what it changes of them comes
         back, as a cell's."""
+        if not callable(fn):
+            raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
         prepared = Prepared(task=None, options=_cell.CellOptions(keep_on_error=True))
         mirror = None
         if self.mirrored:
@@ -186,6 +182,9 @@ class NamespaceFlow:
         return value
 
     def pull(self, names: list[str]) -> Prepared:
+        for name in names:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise LaunchConfigError(f"pull({name!r}): expected variable names")
         registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
         mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
         push = self._push([], pulling=list(names))

@@ -99,6 +99,7 @@ class SessionWorkers:
         """The task file (a memfd every rank maps): what a command carries beyond its record."""
         self.started_at = 0.0
         self.generation = 0
+        self.tasks = 0  # tasks sent: each one's number
         self.cells = 0  # cells run (counted by the session: pushes and pulls are tasks too)
 
     # ------------------------------------------------------------------------- start, close
@@ -204,9 +205,9 @@ class SessionWorkers:
         assert self.attempt is not None and self.task_fd is not None
         size = result_file.write_result(self.task_fd, task.main, task.buffers)
         self._show_output(output)
-        parent = relay.kernel_parent()
-        confirm = task.has_push
-        outcome = self._command(RunTask(size, tuple(task.specs), task.objects, task.storages, parent, confirm))
+        parent, self.tasks = relay.kernel_parent(), self.tasks + 1
+        command = RunTask(size, tuple(task.specs), task.objects, task.storages, parent, task.has_push, self.tasks)
+        outcome = self._command(command)
         outcome.task_bytes = size
         if outcome.restart is None and outcome.regrouped:
             print(
@@ -261,10 +262,10 @@ class CommandRound:
         for r in ranks:
             r.outcome, r.payload, r.partial, r.groups, r.pushed = None, None, None, None, False
         attempt.failures = []
-        send(attempt, command, ranks)
-        try:
+        try:  # a press held while the command goes out lands here: the ranks have it
+            send(attempt, command, ranks)
             if isinstance(command, RunTask) and command.confirm:
-                self._confirm_push()
+                self._confirm_push(command.task)
             self._supervise()
         except KeyboardInterrupt:
             outcome.interrupted = True
@@ -293,7 +294,7 @@ class CommandRound:
             self._keep_or_regroup()
         return outcome
 
-    def _confirm_push(self) -> None:
+    def _confirm_push(self, task: int) -> None:
         """Every rank applies the push first; the task runs only if all could (a rank that
         could not has answered with its error: the others skip the task)."""
         attempt = self.attempt
@@ -303,7 +304,7 @@ class CommandRound:
             attempt.handle(attempt.select(None))
         go = not attempt.failures
         self.outcome.refused = not go
-        send(attempt, Proceed(go), [r for r in attempt.ranks if r.pushed and r.outcome is None])
+        send(attempt, Proceed(go, task), [r for r in attempt.ranks if r.pushed and r.outcome is None])
 
     def _waiting(self) -> list:
         return [r for r in self.attempt.ranks if r.running and r.outcome is None]

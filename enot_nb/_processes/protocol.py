@@ -244,6 +244,8 @@ class RunTask(NamedTuple):
     confirm: bool = False
     """The task carries a push: each rank answers ``Pushed`` once it applied it, then waits for
     ``Proceed``."""
+    task: int = 0
+    """The task's number: a ``Proceed`` meant for an earlier, interrupted task is not this one's."""
 
 
 class Proceed(NamedTuple):
@@ -251,6 +253,7 @@ class Proceed(NamedTuple):
     (a rank could not apply the push: it runs nowhere; each rank answers Done)."""
 
     go: bool
+    task: int = 0
 
 
 class ReportGroups(NamedTuple):

@@ -201,6 +201,25 @@ class Mirror:
         scan = SHADOW.before_snapshot(owned_share(self.baseline.storages)) if self.baseline.storages else False
         self.snapshot = Snapshot.take(self.baseline, scan_large=scan)
 
+    def came_back(
+        self,
+        namespace: dict[str, Any],
+        not_returned: dict[str, str],
+        returned: set[str],
+        written: set[str],
+        returns: list[str] | None,
+        reached: list[str],
+    ) -> list[str]:
+        """After a task the master answered: what did not come back is stale here (or lives on
+        the workers only), what did is current; the variables the ranks now hold."""
+        not_back = {n: why for n, why in not_returned.items() if n.isidentifier()}
+        if returns is not None:
+            not_back |= {n: "left out by --return" for n in written - set(returns) if n in namespace}
+        self.on_workers.update({n: why for n, why in not_back.items() if n not in namespace})
+        self.mark_stale({n: why for n, why in not_back.items() if n in namespace})
+        self.refreshed(sorted(returned - set(not_back)))
+        return list(self.synced) + [n for n in reached + sorted(returned) if n in namespace]
+
     def mark_stale(self, names: dict[str, str]) -> None:
         self.stale.update(names)
 

@@ -159,10 +159,10 @@ def _answer(command: SessionCommand) -> None:
     rank = _state["rank"]
     try:
         match command:
-            case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent, confirm=confirm):
+            case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent):
                 frontend.follow_parent(parent)
                 try:
-                    result = run_task(size, specs, objects, storages, confirm)
+                    result = run_task(size, specs, objects, storages, command.task if command.confirm else None)
                 finally:
                     _report_device_memory()
                 with _presses_held():
@@ -208,9 +208,10 @@ _SKIPPED = object()
 """The task ran nowhere: another rank could not apply its push."""
 
 
-def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: bool = False) -> Any:
+def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int | None = None) -> Any:
     """Load the task against this rank's objects, apply its push, run it; rank 0's result.
-    ``confirm``: say the push is applied, and run the task only if every rank could."""
+    ``confirm``: the task's number: say the push is applied, and run the task only if every rank
+    could (a Proceed of an earlier task, interrupted before it was read, is passed over)."""
     namespace = _state["namespace"]
     registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
     state = result_file.read_result(_state["task_fd"], size, raw=True)
@@ -220,9 +221,11 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: bool
         if problems:
             raise PushRefused("the notebook's changes could not all be applied on this rank: " + "; ".join(problems))
         _to_module_devices(registry, task.push)
-    if confirm:
+    if confirm is not None:
         bootstrap.send(Pushed())
         command = framing.recv_message(_state["sock"], _state["reader"])
+        while isinstance(command, Proceed) and command.task != confirm:
+            command = framing.recv_message(_state["sock"], _state["reader"])
         if not (isinstance(command, Proceed) and command.go):
             return _SKIPPED
     match task:
