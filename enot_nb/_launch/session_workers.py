@@ -291,7 +291,10 @@ class CommandRound:
         elif master.partial is not None:
             outcome.partial = load_payload(attempt.result_fd, master.partial)
         if outcome.restart is None and (outcome.failures or outcome.interrupted):
-            self._keep_or_regroup()
+            try:
+                self._keep_or_regroup()
+            except KeyboardInterrupt:  # the ranks' groups are half made: new workers are sure
+                outcome.interrupted, outcome.restart = True, "the stop button was pressed while the groups were checked"
         return outcome
 
     def _confirm_push(self, task: int) -> None:
