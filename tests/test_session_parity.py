@@ -249,6 +249,16 @@ def test_a_kernel_shutdown_ends_the_session_workers():
             os.close(fd)
 
 
+def test_a_cells_whole_output_comes_before_its_end(live):
+    """More output than a pipe holds: the worker's outcome waits behind it, and the kernel shows
+    all of it under this cell (the outcome is fenced too), none under the next."""
+    body = "for i in range(400):\n    print(f'line {i} ' + 'x' * 1000)\nprint('last line')"
+    for _ in range(3):
+        run = live.ok("%%enot_distributed\n" + body)
+        assert run.stdout.rstrip().endswith("last line"), run.stdout[-200:]
+        assert "line" not in live.ok("%%enot_distributed\npass").stdout
+
+
 def test_widgets_and_output_captures_hang_under_the_cell_that_runs(live):
     """The ranks' widgets reach the notebook in every session cell, and an Output widget captures
     under the cell that runs it, not the one that started the session."""
