@@ -17,18 +17,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import ROOT, Row, kernel_json, median, start_kernel
+from benchmarks.harness import Row, kernel_json, median, start_kernel, torchrun_json
 
 SETUP = r"""
 import json, os, time, torch, cloudpickle
@@ -575,24 +569,7 @@ get_ipython().run_cell_magic("enot_distributed", f"-n {NPROCS} --return rate",
 print("RESULT", json.dumps(rate))""",
             )
         )
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rate.json"
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    "--nproc-per-node=2",
-                    str(ROOT / "benchmarks" / "train_job.py"),
-                    str(out),
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-            theirs.append(json.loads(out.read_text()))
+        theirs.append(torchrun_json("train_job.py"))
     return [
         Row(
             "training: DDP steps/s after start-up",

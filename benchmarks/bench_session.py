@@ -18,14 +18,7 @@ medians of the repeats, alternated where two variants are compared.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
-from benchmarks.harness import ROOT, Row, kernel_json, median, start_kernel
+from benchmarks.harness import Row, kernel_json, median, start_kernel, torchrun_json
 
 SETUP = r"""
 import json, time, statistics, torch
@@ -143,25 +136,7 @@ took = clock("%%enot_distributed\\njob.fifty(ddp, optimizer, x, y)", {repeats})
 run("%enot_session stop")
 print("RESULT", json.dumps(statistics.median(took)))""",
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "steps.json"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=2",
-                str(ROOT / "benchmarks" / "session_steps_job.py"),
-                str(out),
-                str(repeats),
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        script = median(json.loads(out.read_text()))
+    script = median(torchrun_json("session_steps_job.py", str(repeats)))
     return [
         Row(bench, "torchrun script already running (reference)", script, "s", "torchrun", 1.0, "", repeats),
         Row(bench, "session cell", found, "s", "torchrun", found / script, "", repeats),

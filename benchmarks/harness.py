@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -72,6 +75,30 @@ def kernel_json(kernel: Kernel, code: str, timeout: float = 600) -> object:
         raise RuntimeError("\n".join(run.error["traceback"]))
     line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+def torchrun_json(script: str, *args: str) -> object:
+    """Run ``benchmarks/<script>`` under torchrun on 2 processes; the script writes its result as
+    JSON to the path given as its first argument (rank 0 does), which is read back here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                str(ROOT / "benchmarks" / script),
+                str(out),
+                *args,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        return json.loads(out.read_text())
 
 
 def start_kernel() -> Kernel:
