@@ -40,6 +40,21 @@ NPROCS = torch.cuda.device_count() or 2
     """
 )
 
+BLOBS = """
+from torch.utils.data import TensorDataset
+
+def make_blobs(n, seed):
+    \"\"\"Four Gaussian blobs in 16 dimensions; the label is the blob.\"\"\"
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(1234))
+    labels = torch.randint(0, 4, (n,), generator=g)
+    points = centers[labels] + torch.randn(n, 16, generator=g) * 2.0
+    return TensorDataset(points, labels)
+
+train_set, test_set = make_blobs(4096, seed=0), make_blobs(1024, seed=1)
+"""
+"""The data set of the training notebooks (02, 05): made here, no download."""
+
 QUICKSTART = [
     md("""
 # enot_nb quickstart
@@ -106,23 +121,14 @@ A data set made here (no download), a small MLP, `DistributedDataParallel` with 
 The trained model comes back and is evaluated in the notebook.
 """),
     SETUP,
-    code("""
-from torch.utils.data import TensorDataset
-
-def make_blobs(n, seed):
-    \"\"\"Four Gaussian blobs in 16 dimensions; the label is the blob.\"\"\"
-    g = torch.Generator().manual_seed(seed)
-    centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(1234))
-    labels = torch.randint(0, 4, (n,), generator=g)
-    points = centers[labels] + torch.randn(n, 16, generator=g) * 2.0
-    return TensorDataset(points, labels)
-
-train_set, test_set = make_blobs(4096, seed=0), make_blobs(1024, seed=1)
-
+    code(
+        BLOBS
+        + """
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 EPOCHS = 6
-"""),
+"""
+    ),
     md("""
 The training cell. `model` is synced from the master before the cell runs; the master prints
 and plots; `--return model,losses` brings those two back (the model updated in place).
@@ -335,22 +341,13 @@ reach every rank before the next session cell.
 """),
     SETUP,
     code("%enot_session start -n $NPROCS --seed 0"),
-    code("""
-from torch.utils.data import TensorDataset
-
-def make_blobs(n, seed):
-    \"\"\"Four Gaussian blobs in 16 dimensions; the label is the blob.\"\"\"
-    g = torch.Generator().manual_seed(seed)
-    centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(1234))
-    labels = torch.randint(0, 4, (n,), generator=g)
-    points = centers[labels] + torch.randn(n, 16, generator=g) * 2.0
-    return TensorDataset(points, labels)
-
-train_set, test_set = make_blobs(4096, seed=0), make_blobs(1024, seed=1)
-torch.manual_seed(0)
+    code(
+        BLOBS
+        + """torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 lr = 0.05
-"""),
+"""
+    ),
     md("Build DDP once: the wrapper stays on the ranks (it cannot cross; the notebook gets `model`)."),
     code("""
 %%enot_distributed
