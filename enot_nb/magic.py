@@ -191,16 +191,22 @@ class EnotMagics(Magics):
         live.pull(*names)
 
 
-def parse_options(line: str) -> tuple[argparse.Namespace, LaunchPlan | None]:
-    """The magic's options and the launch they describe (None with --export); UsageError
-    (no traceback) if bad."""
-    args = parse_argstring(EnotMagics.enot_distributed, line)
+def check_cell_options(args: argparse.Namespace) -> None:
+    """The per-cell options a one-off cell and a session cell share: UsageError if they
+    contradict each other or name no variable."""
     if args.sync and args.no_sync:
         raise UsageError("--sync and --no-sync contradict each other; keep one")
     if args.returns and args.no_return:
         raise UsageError("--return and --no-return contradict each other; keep one")
     _names(args.sync)
     _names(args.returns)
+
+
+def parse_options(line: str) -> tuple[argparse.Namespace, LaunchPlan | None]:
+    """The magic's options and the launch they describe (None with --export); UsageError
+    (no traceback) if bad."""
+    args = parse_argstring(EnotMagics.enot_distributed, line)
+    check_cell_options(args)
     try:
         options = launch_options(args)
         # --export runs nothing here: torchrun decides the processes (-n may be omitted).
@@ -469,10 +475,7 @@ def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args:
             )
         parsed, plan = parse_options(line)
         return run_distributed_cell(shell, cell, parsed, plan, line)
-    if args.sync and args.no_sync:
-        raise UsageError("--sync and --no-sync contradict each other; keep one")
-    if args.returns and args.no_return:
-        raise UsageError("--return and --no-return contradict each other; keep one")
+    check_cell_options(args)
     code = shell.transform_cell(cell)
     NOTES.start_cell()
     run = CellRun(

@@ -61,8 +61,9 @@ RELEASE_WAIT = float(os.environ.get("ENOT_NB_SESSION_RELEASE_WAIT", "10.0"))
 
 
 class RankState(enum.Enum):
+    """A session rank between tasks (the status table's "state")."""
+
     IDLE = "idle"
-    RUNNING = "running"
     DEAD = "dead"
 
 

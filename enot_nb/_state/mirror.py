@@ -108,21 +108,23 @@ class Mirror:
         """What changed since the last sync, and the reached variables the ranks lack.
         ``pulling``: variables about to be pulled: their changes here are not pushed (the
         master's values replace them), and their being stale refuses nothing."""
+        pulling = pulling or []
         now = user_variables(namespace, hidden)
         changes = Changes()
         if self.snapshot is not None and self.baseline.objects[0] is namespace:
             changes, _ = collect(self.baseline, self.snapshot, self.synced, namespace, hidden)
             self._only_reachable(namespace, changes, now)
-            changes.objects, changes.storages = self._refuse_stale(namespace, changes, pulling or [])
+            changes.objects, changes.storages = self._refuse_stale(namespace, changes, pulling)
+        # collect's rule for names, kept to those the ranks hold and those the task uses
         changes.bound = {
             n: v for n, v in now.items() if (n in self.synced or n in reached) and self.synced.get(n, _NONE) is not v
         }
         changes.deleted = [n for n in self.synced if n not in now]
         for name in [*changes.bound, *changes.deleted]:
-            if name in self.stale and name not in (pulling or []):
+            if name in self.stale and name not in pulling:
                 raise StaleError(name, self.stale[name])
-        changes.bound = {n: v for n, v in changes.bound.items() if n not in (pulling or [])}
-        changes.deleted = [n for n in changes.deleted if n not in (pulling or [])]
+        changes.bound = {n: v for n, v in changes.bound.items() if n not in pulling}
+        changes.deleted = [n for n in changes.deleted if n not in pulling]
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
         names = [n for n in {**self.synced, **changes.bound} if n not in changes.deleted]
         return Push(None if empty else changes, names)

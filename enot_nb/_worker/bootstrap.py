@@ -202,16 +202,12 @@ def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
             from enot_nb._worker import sharded
 
             result = sharded.whole_result(result)
-        _send_result(spec, result)
+        send_outcome(spec.rank, result)
         exitcode = 0
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, SystemExit included
-        exitcode = _report_failure(spec, exc, connecting and _is_transient_connect_error(exc))
+        exitcode = report_failure(exc, connecting and _is_transient_connect_error(exc))
     finally:
         _leave(exitcode)
-
-
-def _send_result(spec: WorkerSpec, result: Any) -> None:
-    send_outcome(spec.rank, result)
 
 
 def send_outcome(rank: int, result: Any) -> None:
@@ -283,10 +279,6 @@ def _injected_connect_fault() -> None:
     except FileExistsError:
         return
     raise RuntimeError("Gloo connectFullMesh failed with [ENOT_NB_TEST_CONNECT_FAULT] Connection closed by peer")
-
-
-def _report_failure(spec: WorkerSpec, exc: BaseException, connecting: bool = False) -> int:
-    return report_failure(exc, connecting)
 
 
 def report_failure(exc: BaseException, connecting: bool = False) -> int:
