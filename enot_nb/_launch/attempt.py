@@ -226,16 +226,15 @@ class Attempt:
             try:
                 self.close()
             finally:
+                self.close()  # a no-op, unless a press landed on the line above
                 keep_imports(self.ranks)
 
     # ------------------------------------------------------------------------- start
 
     def close(self) -> None:
-        """Kill and reap every rank, release every resource: once, whatever a press cuts."""
-        try:
-            finish(self._close)
-        finally:
-            finish(self._close)  # a no-op, unless a press landed on the line above
+        """Kill and reap every rank, release every resource, presses held; it can run again, and
+        callers do, in a ``finally`` (see run): a press may land on the line that calls it."""
+        finish(self._close)
 
     def start(self) -> None:
         """Start every rank (a session's runs until told to stop); ``close`` undoes it."""

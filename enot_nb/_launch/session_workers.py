@@ -103,8 +103,6 @@ class SessionWorkers:
         self.tasks = 0  # tasks sent: each one's number
         self.cells = 0  # cells run (counted by the session: pushes and pulls are tasks too)
 
-    # ------------------------------------------------------------------------- start, close
-
     def start(self) -> None:
         """Start the ranks and wait until every one is connected; WorkerFailedError if not."""
         for tries in range(1 + _attempt.RECONNECTS):
@@ -159,7 +157,7 @@ class SessionWorkers:
 
     def close(self) -> None:
         """Stop every rank (StopWorker, then the one escalation) and release everything."""
-        attempt, self.attempt = self.attempt, None
+        attempt = self.attempt  # kept until it is closed: a press here leaves it for the next close
         try:
             if attempt is not None:
                 try:
@@ -171,9 +169,13 @@ class SessionWorkers:
                         )
                         attempt.stopper.stop([r for r in attempt.ranks if r.running], (signal.SIGTERM, signal.SIGKILL))
                 finally:
-                    attempt.close()
+                    try:
+                        attempt.close()
+                    finally:
+                        attempt.close()  # a no-op, unless a press landed on the line above
         finally:
             with interrupts_deferred():
+                self.attempt = None
                 fd, self.task_fd = self.task_fd, None
                 server, self.server = self.server, None
                 if fd is not None:
@@ -198,8 +200,6 @@ class SessionWorkers:
     def pids(self) -> dict[int, int | None]:
         assert self.attempt is not None
         return {r.rank: r.pid for r in self.attempt.ranks}
-
-    # ------------------------------------------------------------------------- commands
 
     def run_task(self, task: PickledTask, output: str) -> CommandOutcome:
         """Lay the task out in the task file, send it to every rank, supervise it."""
