@@ -27,6 +27,7 @@ import atexit
 import datetime
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from enot_nb._defaults import DEFAULT_TIMEOUT
@@ -36,6 +37,7 @@ from enot_nb._launch.options import LaunchOptions
 from enot_nb._launch.session_flow import MIRRORS, CellRun, NamespaceFlow, Prepared
 from enot_nb._launch.session_status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._launch.session_workers import CommandOutcome, SessionWorkers
+from enot_nb._processes.interrupts import PressHold
 from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError
 from enot_nb.launcher import plan_launch
@@ -128,8 +130,12 @@ class Session:
         """The variables the old workers held, pushed to the new ones; those restored."""
         assert self.workers is not None
         prepared = self.flow.push_values({n: self.namespace[n] for n in names})
-        outcome = self.workers.run_task(self.flow.pickle(prepared), "none")
-        self.flow.after_push(prepared, outcome)  # refused: the next cell pushes what it uses
+        hold = PressHold()
+        try:
+            outcome = self.workers.run_task(self.flow.pickle(prepared), "none", hold)
+            self.flow.after_push(prepared, outcome)  # refused: the next cell pushes what it uses
+        finally:
+            hold.release()
         return [] if outcome.failures or outcome.restart is not None else names
 
     def __enter__(self) -> Session:
@@ -170,8 +176,7 @@ class Session:
         workers = self._ready()
         workers.cells += 1
         prepared = self.flow.cell(code, run)
-        outcome = self._send(workers, prepared, run.output)
-        value = self.flow.after_cell(prepared, outcome)
+        outcome, value = self._send(workers, prepared, run.output, lambda done: self.flow.after_cell(prepared, done))
         _raise_failure(outcome)
         return value
 
@@ -180,8 +185,7 @@ class Session:
         globals (``fn`` travels by value); rank 0's result, as ``notebook_launcher``'s."""
         workers = self._ready()
         prepared = self.flow.call(fn, args, kwargs)
-        outcome = self._send(workers, prepared, self.output)
-        value = self.flow.after_call(prepared, outcome)
+        outcome, value = self._send(workers, prepared, self.output, lambda done: self.flow.after_call(prepared, done))
         _raise_failure(outcome)
         return value
 
@@ -190,8 +194,9 @@ class Session:
         where an object of the same type sits at the same path."""
         workers = self._ready()
         prepared = self.flow.pull(list(names))
-        outcome = self._send(workers, prepared, "master")
-        pulled = self.flow.after_pull(prepared, outcome, list(names))
+        outcome, pulled = self._send(
+            workers, prepared, "master", lambda done: self.flow.after_pull(prepared, done, list(names))
+        )
         _raise_failure(outcome)
         return pulled
 
@@ -200,16 +205,27 @@ class Session:
         notebook too: it mirrors the master). A pushed value replaces what a rank held there."""
         workers = self._ready()
         prepared = self.flow.push_values(values)
-        outcome = self._send(workers, prepared, self.output)
-        self.flow.after_push(prepared, outcome)
+        outcome, _ = self._send(workers, prepared, self.output, lambda done: self.flow.after_push(prepared, done))
         _raise_failure(outcome)
 
-    def _send(self, workers: SessionWorkers, prepared: Prepared, output: str) -> CommandOutcome:
-        outcome = workers.run_task(self.flow.pickle(prepared), output)
-        self.last = outcome
-        if outcome.restart is not None:
-            self.restart(outcome.restart)
-        return outcome
+    def _send(
+        self, workers: SessionWorkers, prepared: Prepared, output: str, apply: Callable[[CommandOutcome], Any]
+    ) -> tuple[CommandOutcome, Any]:
+        """The task sent and supervised; its outcome applied by ``apply`` whole, with presses
+        held from the ranks' answers to its end (a press then is raised after it); then new
+        workers, where the old ones must be replaced (from the notebook, which now holds what
+        the master reached)."""
+        hold, outcome = PressHold(), None
+        try:
+            outcome = workers.run_task(self.flow.pickle(prepared), output, hold)
+            self.last = outcome
+            value = apply(outcome)
+            hold.release(deliver=not outcome.interrupted)  # an interrupted task raises CellInterrupted
+        finally:
+            hold.release(deliver=False)  # an error on its way up (else released above)
+            if outcome is not None and outcome.restart is not None:
+                self.restart(outcome.restart)
+        return outcome, value
 
 
 def _raise_failure(outcome: CommandOutcome) -> None:

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 import enot_nb
+from enot_nb._launch import session_workers
+from enot_nb._state import apply
+from enot_nb._state.snapshot import Snapshot
 from enot_nb.errors import LaunchError, WorkerFailedError
 from enot_nb.sessions import Session, session
 
@@ -328,6 +331,79 @@ def test_a_stop_press_at_any_moment_leaves_a_usable_session(delay):
         seen = s.run("float(t[0])")
         assert seen == float(ns["t"][0]), (first, s.last)  # the ranks and the notebook agree
         assert s.run("len(log)") == len(ns["log"])
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        (session_workers, "load_payload"),  # every rank answered; the master's answer not read yet
+        (apply, "apply_changes"),  # the master's changes about to be applied in the notebook
+        (Snapshot, "take"),  # the mirror's record of the ranks half made
+    ],
+    ids=["answers-read", "changes-applied", "record-taken"],
+)
+def test_a_press_after_the_ranks_answered_comes_once_the_notebook_holds_the_answer(where, monkeypatch):
+    """The cell is over on every rank: the notebook takes all of its answer, and its record of
+    the ranks stays whole (a press there had left the record of one state beside the registry
+    of another: the next push failed), then the press is raised."""
+    ns = {"t": torch.zeros(2**18), "log": []}
+    with start("fork", namespace=ns) as s:
+        s.run("n = t.numel()")
+        owner, name = where
+        original, presses = getattr(owner, name), []
+
+        def pressed_first(*args, **kwargs):
+            if not presses:
+                presses.append(name)
+                os.kill(os.getpid(), signal.SIGINT)  # handled in this thread, at once
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, pressed_first)
+        with pytest.raises(KeyboardInterrupt):
+            s.run("log.append(1)\nt.add_(1)")
+        monkeypatch.undo()
+        assert presses == [name]
+        assert ns["log"] == [1] and float(ns["t"][0]) == 1.0  # all of the answer came
+        ns["t"].add_(1)  # a plain change: pushed against a whole record
+        assert s.run("float(t[0]), len(log)") == (2.0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_press_before_any_line_of_the_notebook_side_leaves_the_ranks_and_the_notebook_agreeing():
+    """A press before each line the notebook runs for a session cell (the push, the send, the
+    outcome applied, the record taken), one line per cell: the cell ran nowhere, or it ran and
+    the notebook holds its answer; the next cell and push see the same state on both sides."""
+    import sys
+
+    from enot_nb import sessions
+    from enot_nb._launch import bring_back, session_flow
+    from enot_nb._state import mirror, snapshot
+    from tests._util import press_before_line
+
+    files = {m.__file__ for m in (sessions, session_flow, bring_back, mirror, snapshot)}
+    ns = {"t": torch.zeros(2**18), "log": []}
+
+    def cell(press_at: int | None) -> int:
+        where: list[str] = []
+        seen, tracer = press_before_line(press_at, lambda code: code.co_filename in files, where)
+        sys.settrace(tracer)
+        try:
+            s.run("log.append(1)\nt.add_(1)")
+        except KeyboardInterrupt:
+            assert where, "a press nobody made"
+        finally:
+            sys.settrace(None)
+        ns["t"].add_(1)  # a plain change, pushed against the record the cell left
+        assert s.run("float(t[0]), len(log)") == (float(ns["t"][0]), len(ns["log"])), where
+        return seen[0]
+
+    with start("fork", namespace=ns) as s:
+        s.run("n = t.numel()")
+        lines = cell(None)
+        assert lines > 100
+        for k in range(1, lines + 1):
+            cell(k)
 
 
 def test_a_one_off_spawn_launch_runs_beside_a_spawn_session():

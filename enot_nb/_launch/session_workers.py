@@ -17,6 +17,10 @@ rank has answered (its outcome), or one died::
                                     DataLoader workers are left alone), INTERRUPT_SAVE_WAIT to
                                     answer, the stuck ones released as above
     not back within the deadline -> the caller restarts the session (one line says so)
+
+Once every rank has answered, a press is held until the caller has applied the outcome (the
+master's changes in the notebook, the mirror's record of the ranks): the cell is over by then,
+and a press in the middle would leave the notebook and its record out of step.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from enot_nb._launch.attempt import Attempt, load_payload, stack_report
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._processes import forkserver_client, framing
 from enot_nb._processes import rendezvous as _rendezvous
-from enot_nb._processes.interrupts import interrupts_deferred
+from enot_nb._processes.interrupts import PressHold, interrupts_deferred
 from enot_nb._processes.protocol import (
     AbortGroups,
     InMemfd,
@@ -201,14 +205,16 @@ class SessionWorkers:
         assert self.attempt is not None
         return {r.rank: r.pid for r in self.attempt.ranks}
 
-    def run_task(self, task: PickledTask, output: str) -> CommandOutcome:
-        """Lay the task out in the task file, send it to every rank, supervise it."""
+    def run_task(self, task: PickledTask, output: str, hold: PressHold) -> CommandOutcome:
+        """Lay the task out in the task file, send it to every rank, supervise it. From the
+        moment every rank answered, presses are held by ``hold``: the caller applies the outcome,
+        then releases it."""
         assert self.attempt is not None and self.task_fd is not None
         size = result_file.write_result(self.task_fd, task.main, task.buffers)
         self._show_output(output)
         parent, self.tasks = relay.kernel_parent(), self.tasks + 1
         command = RunTask(size, tuple(task.specs), task.objects, task.storages, parent, task.has_push, self.tasks)
-        outcome = self._command(command)
+        outcome = CommandRound(self, self.attempt, hold).run(command)
         outcome.task_bytes = size
         if outcome.restart is None and outcome.regrouped:
             print(
@@ -234,10 +240,6 @@ class SessionWorkers:
             for sink in r.sinks.values():
                 sink.show, sink.prefix = show, f"[rank {r.rank}] " if output == "all" else ""
 
-    def _command(self, command: SessionCommand) -> CommandOutcome:
-        assert self.attempt is not None
-        return CommandRound(self, self.attempt).run(command)
-
     def _init_method(self) -> str:
         """Where the ranks meet to make the world group again: a fresh store each time."""
         attempt = self.attempt
@@ -253,8 +255,8 @@ class CommandRound:
     """One command on every rank, supervised until each answered (see the module's docstring):
     its outcome, the stuck ranks released, the group kept or made again."""
 
-    def __init__(self, workers: SessionWorkers, attempt: Attempt) -> None:
-        self.workers, self.attempt = workers, attempt
+    def __init__(self, workers: SessionWorkers, attempt: Attempt, hold: PressHold) -> None:
+        self.workers, self.attempt, self.hold = workers, attempt, hold
         self.outcome = CommandOutcome()
 
     def run(self, command: SessionCommand) -> CommandOutcome:
@@ -268,12 +270,15 @@ class CommandRound:
             if isinstance(command, RunTask) and command.confirm:
                 self._confirm_push(command.task)
             self._supervise()
+            self.hold.start()  # every rank answered: the answer is applied whole (see run_task)
         except KeyboardInterrupt:
             outcome.interrupted = True
             try:
                 self._interrupt()
+                self.hold.start()
             except KeyboardInterrupt:  # pressed again: no more waiting
                 outcome.restart = "the stop button was pressed again while the ranks were being stopped"
+                self.hold.start()
         dead = [r for r in ranks if not r.running]
         if dead and outcome.restart is None:
             r = dead[0]
@@ -292,10 +297,7 @@ class CommandRound:
         elif master.partial is not None:
             outcome.partial = load_payload(attempt.result_fd, master.partial)
         if outcome.restart is None and (outcome.failures or outcome.interrupted):
-            try:
-                self._keep_or_regroup()
-            except KeyboardInterrupt:  # the ranks' groups are half made: new workers are sure
-                outcome.interrupted, outcome.restart = True, "the stop button was pressed while the groups were checked"
+            self._keep_or_regroup()  # a press is held (bounded by RELEASE_WAIT)
         return outcome
 
     def _confirm_push(self, task: int) -> None:

@@ -19,28 +19,57 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 
+class PressHold:
+    """Presses held from ``start`` to ``release``, over a span no single ``with`` block covers
+    (a session command: from the moment every rank answered until the notebook applied the
+    answer; a press in between would leave the notebook half updated, or its record of the
+    ranks' state out of step with it). A press meanwhile goes to the previous handler at release
+    (KeyboardInterrupt, for Python's default)."""
+
+    def __init__(self) -> None:
+        self.pressed: list[Any] = []  # the frame each press interrupted
+        self._previous: Any = None
+        self._holding = False
+
+    def start(self) -> None:
+        """Hold presses from here (once; a no-op where handlers cannot be set)."""
+        if (
+            self._holding
+            or threading.current_thread() is not threading.main_thread()  # only it sets handlers
+            or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN)  # set from C, or ignored
+        ):
+            return
+        self._previous = signal.signal(signal.SIGINT, lambda signum, frame: self.pressed.append(frame))
+        self._holding = True
+
+    def release(self, deliver: bool = True) -> None:
+        """Stop holding; a press meanwhile is handled now (``deliver``) or dropped (an exception
+        is already on its way up, or the press was already answered)."""
+        if not self._holding:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        self._holding = False
+        if not self.pressed or not deliver:
+            return
+        frame, self.pressed = self.pressed[0], []
+        if callable(self._previous):
+            self._previous(signal.SIGINT, frame)
+        elif self._previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+
+
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
     """Hold SIGINT while the block runs; a press meanwhile goes to the previous handler after
     it (KeyboardInterrupt, for Python's default)."""
-    if (
-        threading.current_thread() is not threading.main_thread()  # only it sets handlers
-        or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN)
-    ):  # set from C, or ignored
-        yield
-        return
-    pressed: list[Any] = []  # the frame each press interrupted
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(frame))
+    hold = PressHold()
+    hold.start()
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if not pressed:
-        return
-    if callable(previous):
-        previous(signal.SIGINT, pressed[0])
-    elif previous == signal.SIG_DFL:
-        signal.raise_signal(signal.SIGINT)
+    except BaseException:
+        hold.release(deliver=False)
+        raise
+    hold.release()
 
 
 def finish(cleanup: Callable[[], None]) -> None:
