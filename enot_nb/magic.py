@@ -307,7 +307,7 @@ def _run_cell_job(
         return None
     if args.no_return:
         print("enot_nb: --no-return: nothing came back; the notebook is as it was before the cell", file=sys.stderr)
-    return bring_back(shell.user_ns, registry, outcome, options)
+    return bring_back(shell.user_ns, registry, outcome, options).value
 
 
 def _check_sync(namespace: dict[str, Any], names: list[str] | None) -> None:

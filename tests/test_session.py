@@ -338,7 +338,7 @@ def test_a_stop_press_at_any_moment_leaves_a_usable_session(delay):
     [
         (session_workers, "load_payload"),  # every rank answered; the master's answer not read yet
         (apply, "apply_changes"),  # the master's changes about to be applied in the notebook
-        (Snapshot, "take"),  # the mirror's record of the ranks half made
+        (Snapshot, "retake"),  # the mirror's record of the ranks half updated
     ],
     ids=["answers-read", "changes-applied", "record-taken"],
 )
@@ -434,3 +434,72 @@ def test_the_device_checksum_sees_every_byte_and_its_place(monkeypatch):
     swapped = data.clone()
     swapped[0:8], swapped[8:16] = data[8:16].clone(), data[0:8].clone()  # the same words, moved
     assert digests.device_checksum(swapped.untyped_storage()) != before
+
+
+def _record_is_a_fresh_walk(mirror, namespace, where) -> None:
+    """The mirror's record, however it was made (walked again or updated in place), is what a
+    fresh walk of the synced names gives: the same objects and storages, each at a path that
+    finds it, and a snapshot that sees no change now."""
+    from enot_nb._state import paths
+    from enot_nb._state.registry import Registry
+
+    record, fresh = mirror.baseline, Registry.of_namespace(namespace, sorted(mirror.synced))
+    assert {id(o) for o in record.objects} == {id(o) for o in fresh.objects}
+    assert {id(s) for s in record.storages} == {id(s) for s in fresh.storages}
+    found = paths.registry_at(namespace, paths.specs_of(record), len(record.objects), len(record.storages), strict=True)
+    assert all(a is b for a, b in zip(found.objects, record.objects))
+    assert mirror.snapshot.changed_objects(record) == [], where
+    assert mirror.snapshot.changed_storages(record) == [], where
+
+
+def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch):
+    """After each task the mirror updates its record where the task moved something (new names,
+    written storages, objects that hold more) or walks it again (a name rebound, an object that
+    holds less): either way it must be what a fresh walk gives, or the next push misses a change
+    or refers to an object at a path that holds another."""
+    from enot_nb._state.mirror import Mirror
+
+    ns = {"model": torch.nn.Linear(3, 2), "log": [], "cfg": {"lr": 0.1}, "big": torch.zeros(2**18)}
+    updates: list[bool] = []
+    update = Mirror._update
+
+    def checked(self, namespace, synced, moved):
+        updated = update(self, namespace, synced, moved)
+        updates.append(updated)
+        return updated
+
+    monkeypatch.setattr(Mirror, "_update", checked)
+    steps = [
+        ("cell", "n = sum(p.numel() for p in model.parameters())"),  # a new name
+        ("cell", "log.append(n)\nbig[5] = 1.0"),  # a list that holds more, a storage written
+        ("plain", lambda: ns["big"].add_(1)),  # pushed: a storage
+        ("cell", "opt = torch.optim.SGD(model.parameters(), lr=cfg['lr'], momentum=0.9)"),
+        ("cell", "model(torch.ones(4, 3)).sum().backward()\nopt.step()"),  # grads, optimizer state
+        ("cell", "opt.step()\nlog.append(float(model.weight.sum()))"),  # contents only
+        ("plain", lambda: ns["cfg"].update(lr=0.2)),  # pushed: a dict's item
+        ("cell", "cfg['extra'] = [1, 2]"),
+        ("cell", "log.pop(0)"),  # a list that holds less: walked again
+        ("cell", "model.bias = torch.nn.Parameter(torch.ones(2))"),  # another parameter
+        ("plain", lambda: ns.__setitem__("cfg", {"lr": 0.3})),  # a synced name rebound
+        ("cell", "cfg['lr'] += 1"),
+        ("cell", "del cfg['lr']\nopt.zero_grad(set_to_none=True)"),
+    ]
+    with start("fork", namespace=ns) as s:
+        s.run("import torch")
+        for kind, step in steps:
+            if kind == "plain":
+                step()
+            else:
+                s.run(step)
+                _record_is_a_fresh_walk(s.flow.mirror, ns, (step, updates[-1:]))
+        seen = s.run(
+            "float(big.sum()), len(log), sorted(cfg), opt.state_dict()['state'][0]['momentum_buffer'].tolist()"
+        )
+        assert seen == (
+            float(ns["big"].sum()),
+            len(ns["log"]),
+            sorted(ns["cfg"]),
+            ns["opt"].state[ns["model"].weight]["momentum_buffer"].tolist(),
+        )
+        assert ns["cfg"] == {} and len(ns["log"]) == 1
+    assert True in updates and False in updates  # both ways were taken

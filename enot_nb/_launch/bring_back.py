@@ -10,6 +10,7 @@ from typing import Any
 
 from enot_nb._launch.notes import NOTES, Note
 from enot_nb._state import apply
+from enot_nb._state.collect import Changes
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
 
@@ -25,13 +26,21 @@ class Bundle:
         return self.data, self.metadata
 
 
+@dataclass
+class BroughtBack:
+    """What bring_back did: the changes it applied (None: none came), the value to show."""
+
+    changes: Changes | None
+    value: Any = None
+
+
 def bring_back(
     namespace: dict[str, Any],
     registry: Registry,
     outcome: _cell.CellOutcome,
     options: _cell.CellOptions,
     show_value: bool = True,
-) -> Any:
+) -> BroughtBack:
     """Apply the master's changes to the notebook, in place; say what could not come back."""
     changes = apply.load(outcome.state, registry) if outcome.state is not None else None
     problems = []
@@ -64,8 +73,11 @@ def bring_back(
             "such variable; everything else came back",
             file=sys.stderr,
         )
-    if not show_value or not outcome.has_value:
-        return None
+    return BroughtBack(changes, _value(namespace, outcome, changes) if show_value and outcome.has_value else None)
+
+
+def _value(namespace: dict[str, Any], outcome: _cell.CellOutcome, changes: Changes | None) -> Any:
+    """The cell's value, as a local cell's Out."""
     if (
         outcome.value_name is not None
         and outcome.value_name not in outcome.not_returned

@@ -19,11 +19,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._launch.bring_back import Bundle, bring_back
+from enot_nb._launch.bring_back import BroughtBack, Bundle, bring_back
 from enot_nb._launch.session_workers import CommandOutcome
 from enot_nb._state import apply, paths, reach
 from enot_nb._state.collect import Changes
-from enot_nb._state.mirror import Mirror, PickledTask, Push
+from enot_nb._state.mirror import Mirror, Moved, PickledTask, Push
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
 from enot_nb._worker.session_loop import CallTask, CellTask, Mirrored, PullTask, SyncTask
@@ -74,12 +74,17 @@ class NamespaceFlow:
     def _push(self, reached: list[str], pulling: list[str] | None = None) -> Push | None:
         return self.mirror.push(self.namespace, reached, self._hidden(), pulling) if self.mirrored else None
 
-    def after_push(self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None) -> None:
+    def after_push(
+        self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None, moved: Moved | None = None
+    ) -> None:
         """The ranks hold what was pushed, unless they could not apply it (or were replaced:
-        new workers hold nothing)."""
-        if prepared.push is None or outcome.restart is not None or outcome.refused:
+        new workers hold nothing). ``moved``: what the task brought back (the push is added)."""
+        push = prepared.push
+        if push is None or outcome.restart is not None or outcome.refused:
             return  # refused: the record stays as it was, and the next task pushes it all again
-        self.mirror.synced_after(self.namespace, [*prepared.push.names, *(names or [])], self._hidden())
+        if moved is not None:
+            moved.add(push.changes, self.mirror.baseline)  # pickled against it: it is the same still
+        self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
 
     def cell(self, code: str, run: CellRun) -> Prepared:
         back = self.mirrored and not run.no_return
@@ -123,13 +128,13 @@ class NamespaceFlow:
             if outcome.result is not None and state.has_value and state.value_bundle:
                 return Bundle(*state.value_bundle)
             return None
-        value = bring_back(
+        brought = bring_back(
             self.namespace, prepared.registry, state, prepared.options, show_value=outcome.result is not None
         )
         if outcome.restart is None:  # new workers hold nothing yet
             written = set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
-            self._record(prepared, state, outcome, written, prepared.run.returns)
-        return value
+            self._record(prepared, state, outcome, written, prepared.run.returns, brought)
+        return brought.value
 
     def _record(
         self,
@@ -138,6 +143,7 @@ class NamespaceFlow:
         outcome: CommandOutcome,
         written: set[str],
         returns: list[str] | None,
+        brought: BroughtBack,
     ) -> None:
         """The ranks and the notebook agree on what came back; what did not is stale here."""
         returned = set(state.changed_names)
@@ -145,7 +151,10 @@ class NamespaceFlow:
         push = prepared.push
         if push is not None and push.changes is None and not returned and set(names) <= set(self.mirror.synced):
             return  # nothing moved either way: the last sync's record still holds (and costs nothing)
-        self.after_push(prepared, outcome, names)
+        moved = Moved()
+        assert prepared.registry is not None
+        moved.add(brought.changes, prepared.registry)
+        self.after_push(prepared, outcome, names, moved)
 
     # ------------------------------------------------------------------------- launch, pull, push
 
@@ -175,10 +184,10 @@ class NamespaceFlow:
             self.after_push(prepared, outcome)
             return value
         assert prepared.options is not None
-        bring_back(self.namespace, prepared.registry, state, prepared.options, show_value=False)
+        brought = bring_back(self.namespace, prepared.registry, state, prepared.options, show_value=False)
         if outcome.restart is None:
             written = set(prepared.reached) & _stored_globals(prepared.task.fn)
-            self._record(prepared, state, outcome, written, None)
+            self._record(prepared, state, outcome, written, None, brought)
         return value
 
     def pull(self, names: list[str]) -> Prepared:

@@ -195,18 +195,22 @@ def _is_array(obj: Any) -> bool:
 SCAN_MAX = 1 << 20
 
 
-def owned_share(storages: list[Any]) -> float:
+def owned_share(storages: list[Any], recorded: list[StorageDigest] | None = None) -> float:
     """The share of the large storages' pages (see SCAN_MAX) that this process owns alone: 1.0
     where pagemap cannot tell, 0.0 without large storages. A long-lived process (a session's
     master, the notebook between session cells) makes a shadow fork (see _processes/shadow)
-    when it is high: a snapshot then digests, and a change sends, only the pages written since."""
+    when it is high: a snapshot then digests, and a change sends, only the pages written since.
+    ``recorded``: the digests of other storages, kept from before: the pages they digest (owned
+    when they were taken) count as owned, since each comparison digests them again."""
     large = [s for s in storages if s is not None and s.device.type == "cpu" and s.nbytes() >= SCAN_MAX]
-    if not large:
+    kept = [d.mask[1:-1] for d in recorded or () if isinstance(d, PagesDigest) and d.size >= SCAN_MAX]
+    if not large and not kept:
         return 0.0
-    masks = _pagemap.own_pages([_storage_area(s) for s in large]) if _pagemap.supported() else None
-    if masks is None:
+    masks = _pagemap.own_pages([_storage_area(s) for s in large]) if large and _pagemap.supported() else []
+    if masks is None or (large and not masks):
         return 1.0
-    return sum(int(mask[1:-1].sum()) for mask in masks) / max(1, sum(len(mask) - 2 for mask in masks))
+    pages = [mask[1:-1] for mask in masks] + kept
+    return sum(int(mask.sum()) for mask in pages) / max(1, sum(len(mask) for mask in pages))
 
 
 class _ForkWatch:
@@ -226,7 +230,8 @@ class _ForkWatch:
         self.children_before, self.seen = _children(), set()
 
     def add(self, area: Area) -> None:
-        self.masks.setdefault(area, None)
+        """Watch ``area`` from now (digested now: the forks before do not matter to it)."""
+        self.masks[area] = None
 
     def before_fork(self) -> None:
         areas = list(self.masks)
@@ -236,8 +241,9 @@ class _ForkWatch:
             self.masks[area] = mask.copy() if was is None else was | mask
 
     def after_fork(self) -> None:
-        if self.masks:
-            self.seen |= _children() or set()
+        # Even with no area watched yet: one may be digested before the next reset (a record
+        # updated in place, see Snapshot.retake), and this child must not look unseen then.
+        self.seen |= _children() or set()
 
     def at_forks(self, area: Area) -> Any:
         """The pages of ``area`` owned at some fork since the snapshot (None: no fork)."""

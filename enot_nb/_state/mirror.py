@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._processes.shadow import SHADOW
+from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state import paths
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
 from enot_nb._state.digests import digested_size, owned_share
+from enot_nb._state.kinds import OPS, kind_of
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
 from enot_nb.errors import LaunchError
@@ -193,15 +195,51 @@ class Mirror:
             stream.getvalue(), buffers, specs, len(registry.objects), len(registry.storages), push is not None
         )
 
-    def synced_after(self, namespace: dict[str, Any], names: list[str], hidden: Any = ()) -> None:
-        """The ranks now hold ``names`` as the notebook does: walk them, snapshot them (the
-        baseline of the next push)."""
+    def synced_after(
+        self, namespace: dict[str, Any], names: list[str], hidden: Any = (), moved: Moved | None = None
+    ) -> None:
+        """The ranks now hold ``names`` as the notebook does: the baseline of the next push.
+        ``moved``: all that the task changed in the notebook; where it changed contents only (and
+        bound new names), the record is updated there, at a cost that follows it (_update);
+        else (or without ``moved``) the names are walked and snapshotted again."""
         now = user_variables(namespace, hidden)
-        self.synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
+        synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
+        if moved is not None and self._update(namespace, synced, moved):
+            return
+        self.synced = synced
         self.baseline = Registry.of_namespace(namespace, sorted(self.synced))
         # From here, the pages the notebook writes are its own again (see shadow).
         scan = SHADOW.before_snapshot(owned_share(self.baseline.storages)) if self.baseline.storages else False
         self.snapshot = Snapshot.take(self.baseline, scan_large=scan)
+
+    def _update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> bool:
+        """The record updated in place: the moved objects' states and storages' digests taken
+        again, and what they and the new names reach that it lacks walked into it; False (and
+        nothing done) where a walk could give other paths: a synced name rebound or deleted,
+        an object no longer holding what it held (that may now be unreachable, or elsewhere), a
+        tensor on another storage."""
+        baseline, snapshot = self.baseline, self.snapshot
+        if snapshot is None or baseline.objects[0] is not namespace:
+            return False
+        if any(synced.get(n, _NONE) is not v for n, v in self.synced.items()):
+            return False
+        indices = sorted({i for i in map(baseline.find, moved.objects) if i is not None and i > 0})
+        starts = _new_children(baseline, indices)
+        if starts is None:
+            return False
+        objects, storages = len(baseline.objects), len(baseline.storages)
+        baseline.grow([*starts, *((synced[n], 0, n) for n in sorted(set(synced) - set(self.synced)))])
+        written = {j for j in map(baseline.find_storage, moved.storages) if j is not None}
+        written |= set(range(storages, len(baseline.storages)))
+        scan = True
+        if written:
+            kept = [d for j, d in enumerate(snapshot.storages) if j not in written]
+            scan = SHADOW.before_snapshot(owned_share([baseline.storages[j] for j in written], kept))
+            if not scan:  # a new shadow shares every page again: each storage digested anew, cheaply
+                written = set(range(len(baseline.storages)))
+        snapshot.retake(baseline, [*indices, *range(objects, len(baseline.objects))], sorted(written), scan)
+        self.synced = synced
+        return True
 
     def came_back(
         self,
@@ -231,6 +269,50 @@ class Mirror:
         for name in names:
             self.stale.pop(name, None)
             self.on_workers.pop(name, None)
+
+
+@dataclass
+class Moved:
+    """What a task changed in the notebook (the push applied there by plain cells, the master's
+    changes brought back): the objects whose state changed, and the storages written."""
+
+    objects: list[Any] = field(default_factory=list)
+    storages: list[Any] = field(default_factory=list)
+
+    def add(self, changes: Changes | None, registry: Registry) -> None:
+        """The objects and storages ``changes`` (pickled against ``registry``) changed."""
+        if changes is not None:
+            self.objects += [registry.objects[i] for i, _ in changes.objects]
+            self.storages += [registry.storages[new.storage] for new in changes.storages]
+
+
+def _new_children(registry: Registry, indices: list[int]) -> list[tuple[Any, int, str]] | None:
+    """What the objects at ``indices`` now hold that ``registry`` lacks, as starts of its walk
+    (grow); None if one no longer holds a child at the step it was registered by, or a tensor
+    is on a storage it lacks."""
+    if not indices:
+        return []
+    wanted = set(indices)
+    held: dict[int, list[int]] = {}  # parent -> the children registered by a step of it
+    for j, (parent, _) in enumerate(registry.parents):
+        if parent in wanted:
+            held.setdefault(parent, []).append(j)
+    starts = []
+    for i in indices:
+        obj, ops = registry.objects[i], OPS[registry.kinds[i]]
+        if kind_of(obj) is not registry.kinds[i]:
+            return None
+        if ops.has_storage and any(registry.find_storage(s) is None for s in tensor_storages(obj)):
+            return None
+        try:
+            steps = ops.children(obj) if ops.children is not None else []
+        except Exception:  # noqa: BLE001 - as the walk: left opaque
+            return None
+        now = {(step, id(child)) for step, child in steps}
+        if any((registry.parents[j][1], id(registry.objects[j])) not in now for j in held.get(i, ())):
+            return None
+        starts += [(child, i, step) for step, child in steps if registry.find(child) is None]
+    return starts
 
 
 _NONE = object()

@@ -115,9 +115,14 @@ class Registry:
 
     def extend(self, names: list[str], namespace: dict[str, Any]) -> None:
         """Walk more roots (breadth first, so paths are short)."""
+        self.grow([(namespace[name], 0, name) for name in names])
+
+    def grow(self, starts: list[tuple[Any, int, str]]) -> None:
+        """Walk from more objects, each (object, index of its parent, step), breadth first; the
+        objects already registered keep their index and path."""
         queue: collections.deque[int] = collections.deque()
-        for name in names:
-            self._visit(namespace[name], 0, name, queue)
+        for obj, parent, step in starts:
+            self._visit(obj, parent, step, queue)
         while queue:
             i = queue.popleft()
             children = OPS[self.kinds[i]].children

@@ -28,14 +28,20 @@ class Snapshot:
     def take(cls, registry: Registry, scan_large: bool = False) -> Snapshot:
         """``scan_large``: see digests.storage_digests (a long-lived process's snapshot)."""
         watch_forks()
-        states = []
-        for obj, kind in zip(registry.objects, registry.kinds):
-            snapshot = OPS[kind].snapshot
-            try:
-                states.append(None if snapshot is None else snapshot(obj))
-            except Exception:  # noqa: BLE001 - left untracked, as an opaque object
-                states.append(None)
+        states = [_state_of(obj, kind) for obj, kind in zip(registry.objects, registry.kinds)]
         return cls(states, storage_digests(registry.storages, scan_large))
+
+    def retake(self, registry: Registry, objects: list[int], storages: list[int], scan_large: bool = False) -> None:
+        """Take again the states of ``objects`` and the digests of ``storages`` (indices into
+        ``registry``, which may have grown since: the new ones must be among them), the rest
+        kept: a long-lived process's record after a task that changed only these."""
+        self.states.extend([None] * (len(registry.objects) - len(self.states)))
+        for i in objects:
+            self.states[i] = _state_of(registry.objects[i], registry.kinds[i])
+        found = storage_digests([registry.storages[j] for j in storages], scan_large)
+        digests: dict[int, StorageDigest] = dict(enumerate(self.storages)) | dict(zip(storages, found))
+        assert len(digests) == len(registry.storages), "a new storage left out"
+        self.storages = [digests[j] for j in range(len(registry.storages))]
 
     def changed_objects(self, registry: Registry) -> list[int]:
         changed = []
@@ -57,3 +63,11 @@ class Snapshot:
 
     def changed_storages(self, registry: Registry) -> list[int]:
         return changed_storages(registry.storages, self.storages)
+
+
+def _state_of(obj: Any, kind: Any) -> Any:
+    snapshot = OPS[kind].snapshot
+    try:
+        return None if snapshot is None else snapshot(obj)
+    except Exception:  # noqa: BLE001 - left untracked, as an opaque object
+        return None
