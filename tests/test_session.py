@@ -63,8 +63,21 @@ def test_a_plain_change_in_place_reaches_every_rank():
         assert s.run("float(t.sum())") == 5.0
 
 
-def test_one_element_written_into_a_large_tensor_sends_a_page():
-    """Both ways, a long-lived process's shadow fork makes only the pages written since travel."""
+@pytest.fixture(params=["tracked", "shadow"])
+def pages(request, monkeypatch):
+    """How a long-lived process tells the pages it wrote: the kernel's write tracking (see
+    _state/writes), or, where that is refused, a paused shadow fork."""
+    from enot_nb._state.writes import WRITES
+
+    if request.param == "shadow":
+        monkeypatch.setenv("ENOT_NB_TRACK_WRITES", "0")  # the workers inherit it
+    elif not WRITES.available():
+        pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
+    return request.param
+
+
+def test_one_element_written_into_a_large_tensor_sends_a_page(pages):
+    """Both ways, a long-lived process sends only the pages written since the last sync."""
     ns = {"big": torch.zeros(2**24)}  # 64 MiB, all of whose pages the notebook wrote
     with start("fork", namespace=ns) as s:
         s.run("n = big.numel()")  # the ranks hold it (it travelled whole, once)
@@ -230,9 +243,10 @@ def test_five_hundred_cells_grow_no_descriptors_threads_or_memory():
         assert rss1 - rss0 < 16, f"pid {pid}: resident memory grew by {rss1 - rss0:.1f} MiB over 500 cells"
 
 
-def test_a_blocked_peer_is_released_while_the_master_holds_a_shadow_fork(capfd):
+def test_a_blocked_peer_is_released_while_the_master_holds_a_shadow_fork(capfd, monkeypatch):
     """The master's shadow fork (it tracks a large tensor) holds none of its gloo sockets, so
     the master's abort still releases the peer waiting in a collective with it."""
+    monkeypatch.setenv("ENOT_NB_TRACK_WRITES", "0")  # the shadow fork, not the kernel's tracking
     ns = {"big": torch.zeros(2**19)}  # 2 MiB: the master makes a shadow fork before the cell
     with start("fork", namespace=ns) as s:
         s.run("import torch, torch.distributed as dist")

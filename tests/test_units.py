@@ -409,3 +409,33 @@ def test_only_options_are_put_in_the_magics_words():
     assert in_magic_words("the backend is not available; use a seed") == "the backend is not available; use a seed"
     assert in_magic_words("seed='abc def' and nprocs=2") == "--seed 'abc def' and -n 2"
     assert in_magic_words("cuda_reproducible=False") == "no --reproducible"
+
+
+def test_the_kernel_tells_which_pages_were_written_since_a_reset_and_only_those():
+    """writes.WRITES: one element written after a reset is one page; a second reset makes the
+    first epoch unusable (None: the caller takes everything as written); a forked child's
+    writes are its own; a fresh reset sees nothing written."""
+    import os
+
+    import torch
+
+    from enot_nb._state.writes import PAGE, WRITES
+
+    if not WRITES.available():
+        pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
+    t = torch.zeros(2**22)  # 16 MiB
+    storage = t.untyped_storage()
+    area = (storage.data_ptr(), storage.nbytes())
+    (epoch,) = WRITES.reset([area])
+    assert epoch is not None and not WRITES.written(area, epoch).any()
+    t[2**21] = 1.0
+    pid = os.fork()
+    if pid == 0:
+        t[7] = 2.0  # the child's page
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    written = WRITES.written(area, epoch)
+    offset = (storage.data_ptr() % PAGE + 2**21 * 4) // PAGE
+    assert written.nonzero()[0].tolist() == [offset]
+    (again,) = WRITES.reset([area])
+    assert WRITES.written(area, epoch) is None and not WRITES.written(area, again).any()

@@ -16,8 +16,10 @@ import sys
 import zlib
 from typing import Any, NamedTuple
 
+from enot_nb._processes.shadow import SHADOW
 from enot_nb._serialize.tensors import storage_array
 from enot_nb._state import pagemap as _pagemap
+from enot_nb._state.writes import WRITES
 
 Area = tuple[int, int]
 """A memory area: (address, length)."""
@@ -38,6 +40,9 @@ class PagesDigest(NamedTuple):
     size: int
     mask: Any  # a NumPy bool array, a page each
     digest: tuple[int, int]
+    epoch: int | None = None
+    """Where writes are tracked (see writes): the area's reset; what it wrote since is told by
+    the kernel, not by the pages it owns (``mask`` then holds its first and last pages only)."""
 
 
 class DeviceDigest(NamedTuple):
@@ -213,6 +218,18 @@ def owned_share(storages: list[Any], recorded: list[StorageDigest] | None = None
     return sum(int(mask.sum()) for mask in pages) / max(1, sum(len(mask) for mask in pages))
 
 
+def before_long_lived_snapshot(storages: list[Any], kept: list[StorageDigest] | None = None) -> bool:
+    """Before a long-lived process's snapshot of ``storages`` (a session's master, the notebook's
+    record of its ranks): its ``scan_large``. Where writes are tracked (see writes), the snapshot
+    resets them: True, and no shadow is kept. Else the shadow fork (see _processes/shadow) is
+    made, or renewed once too many pages are owned again (``kept``: see owned_share); right after
+    that no page is owned, and the large storages' need not be read (False)."""
+    if WRITES.available():
+        SHADOW.end()
+        return True
+    return SHADOW.before_snapshot(owned_share(storages, kept))
+
+
 class _ForkWatch:
     """The pages of the areas digested by pages that this process owned at each of its forks
     since the snapshot. A fork shares every page with the child (a DataLoader's persistent
@@ -281,9 +298,16 @@ def watch_forks() -> None:
 
 def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False) -> list[AreaDigest | PagesDigest]:
     """What tells later whether an area's bytes changed: where pagemap works, the pages this
-    process already owns (with a digest of just their bytes); elsewhere a digest of it all."""
+    process already owns (with a digest of just their bytes); elsewhere a digest of it all.
+    ``scan_large`` (a long-lived process) where writes are tracked: the large storages' pages
+    are write-protected instead (see writes), and none of them is owned from here."""
     # Only torch storages: a spawned worker's NumPy arrays arrive inside the pickle, already its own.
-    skip = [area[1] >= SCAN_MAX and not _is_array(owner) and not scan_large for area, owner in zip(areas, owners)]
+    large = [area[1] >= SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
+    epochs: dict[int, int] = {}
+    if scan_large and any(large) and WRITES.available():
+        tracked = [j for j, is_large in enumerate(large) if is_large]
+        epochs = {j: e for j, e in zip(tracked, WRITES.reset([areas[j] for j in tracked])) if e is not None}
+    skip = [is_large and (not scan_large or j in epochs) for j, is_large in enumerate(large)]
     scanned = [(0, 0) if skipped else area for area, skipped in zip(areas, skip)]
     masks = _pagemap.own_pages(scanned) if _pagemap.supported() else None
     digests: list[AreaDigest | PagesDigest] = []
@@ -297,8 +321,9 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
             # their bytes are compared, like the pages already this process's own.
             mask = masks[j].copy()
             mask[0] = mask[-1] = True
-            digests.append(PagesDigest(*area, mask, _digest_pages(area, owner, mask)))
-            FORKS.add(area)
+            digests.append(PagesDigest(*area, mask, _digest_pages(area, owner, mask), epochs.get(j)))
+            if j not in epochs:  # a fork does not hide a tracked write
+                FORKS.add(area)
     return digests
 
 
@@ -325,7 +350,7 @@ def _digest_pages(area: Area, owner: Any, mask: Any) -> tuple[int, int]:
 def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> list[bool]:
     """Whether each area changed since ``before`` (its digest; anything else: changed)."""
     paged = [j for j, b in enumerate(before) if isinstance(b, PagesDigest) and (b.start, b.size) == areas[j]]
-    masks = _owned_since([areas[j] for j in paged]) if paged else []
+    masks = _owned_since([areas[j] for j in paged], [before[j] for j in paged]) if paged else []
     changed = [True] * len(areas)
     for j, mask in zip(paged, masks or [None] * len(paged)):
         was = before[j].mask
@@ -340,15 +365,20 @@ def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> l
     return changed
 
 
-def _owned_since(areas: list[Area]) -> list[Any] | None:
-    """For each area, the pages this process owns now or owned at a fork since the snapshot
-    (None: pages cannot tell, as after a fork that we did not see)."""
-    if FORKS.unseen_children():
-        return None
-    masks = _pagemap.own_pages(areas)
-    if masks is None:
-        return None
-    return [mask if FORKS.at_forks(area) is None else mask | FORKS.at_forks(area) for area, mask in zip(areas, masks)]
+def _owned_since(areas: list[Area], befores: list[PagesDigest]) -> list[Any]:
+    """For each area, the pages this process owns now or owned at a fork since the snapshot, or
+    (tracked) wrote since its reset; None where pages cannot tell (after a fork that we did not
+    see, or a tracking reset since)."""
+    owned = [j for j, before in enumerate(befores) if before.epoch is None]
+    found: list[Any] = [None] * len(areas)
+    for j, before in enumerate(befores):
+        if before.epoch is not None:
+            found[j] = WRITES.written(areas[j], before.epoch)
+    masks = _pagemap.own_pages([areas[j] for j in owned]) if owned and not FORKS.unseen_children() else None
+    for j, mask in zip(owned, masks or ()):
+        at_forks = FORKS.at_forks(areas[j])
+        found[j] = mask if at_forks is None else mask | at_forks
+    return found
 
 
 def written_parts(storages: list[Any], befores: list[StorageDigest]) -> list[list[tuple[int, int]] | None]:
@@ -363,11 +393,11 @@ def written_parts(storages: list[Any], befores: list[StorageDigest]) -> list[lis
         if isinstance(before, PagesDigest) and (before.start, before.size) == area and area[1] >= SCAN_MAX
     ]
     found: list[list[tuple[int, int]] | None] = [None] * len(storages)
-    masks = _owned_since([areas[j] for j in paged]) if paged else None
-    for j, mask in zip(paged, masks or ()):
+    masks = _owned_since([areas[j] for j in paged], [befores[j] for j in paged]) if paged else []  # type: ignore[misc]
+    for j, mask in zip(paged, masks):
         before = befores[j]
         assert isinstance(before, PagesDigest)
-        found[j] = _runs(areas[j], mask | before.mask)
+        found[j] = None if mask is None else _runs(areas[j], mask | before.mask)
     return found
 
 

@@ -30,7 +30,7 @@ from enot_nb._processes.shadow import SHADOW
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state import paths
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
-from enot_nb._state.digests import digested_size, owned_share
+from enot_nb._state.digests import before_long_lived_snapshot, digested_size
 from enot_nb._state.kinds import OPS, kind_of
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
@@ -209,7 +209,7 @@ class Mirror:
         self.synced = synced
         self.baseline = Registry.of_namespace(namespace, sorted(self.synced))
         # From here, the pages the notebook writes are its own again (see shadow).
-        scan = SHADOW.before_snapshot(owned_share(self.baseline.storages)) if self.baseline.storages else False
+        scan = before_long_lived_snapshot(self.baseline.storages) if self.baseline.storages else False
         self.snapshot = Snapshot.take(self.baseline, scan_large=scan)
 
     def _update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> bool:
@@ -234,7 +234,7 @@ class Mirror:
         scan = True
         if written:
             kept = [d for j, d in enumerate(snapshot.storages) if j not in written]
-            scan = SHADOW.before_snapshot(owned_share([baseline.storages[j] for j in written], kept))
+            scan = before_long_lived_snapshot([baseline.storages[j] for j in written], kept)
             if not scan:  # a new shadow shares every page again: each storage digested anew, cheaply
                 written = set(range(len(baseline.storages)))
         snapshot.retake(baseline, [*indices, *range(objects, len(baseline.objects))], sorted(written), scan)

@@ -48,10 +48,9 @@ from enot_nb._processes.protocol import (
     SessionCommand,
     StopWorker,
 )
-from enot_nb._processes.shadow import SHADOW
 from enot_nb._serialize import result_file, shm
 from enot_nb._state import apply, collect, paths
-from enot_nb._state.digests import owned_share
+from enot_nb._state.digests import before_long_lived_snapshot
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import cell as _cell
@@ -246,7 +245,7 @@ def _run_cell(namespace: dict[str, Any], task: CellTask) -> Any:
     if task.mirror is not None and _state["rank"] == 0:
         registry = _mirror_registry(namespace, task.mirror)
         if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
-            scan = SHADOW.before_snapshot(owned_share(registry.storages))
+            scan = before_long_lived_snapshot(registry.storages)
     return _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan)
 
 
@@ -256,7 +255,7 @@ def _call(namespace: dict[str, Any], task: CallTask) -> Any:
     if task.mirror is None or _state["rank"] != 0:
         return sharded.whole_result(fn(*task.args, **task.kwargs))
     registry = _mirror_registry(namespace, task.mirror)
-    scan = SHADOW.before_snapshot(owned_share(registry.storages)) if registry.storages else False
+    scan = before_long_lived_snapshot(registry.storages) if registry.storages else False
     tracker = _cell.Tracker(registry, namespace, (), {}, scan)
     options = _cell.CellOptions(keep_on_error=True)
     try:
