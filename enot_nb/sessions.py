@@ -37,7 +37,6 @@ from enot_nb._launch.options import LaunchOptions
 from enot_nb._launch.session_flow import MIRRORS, CellRun, NamespaceFlow, Prepared
 from enot_nb._launch.session_status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._launch.session_workers import CommandOutcome, SessionWorkers
-from enot_nb._processes.interrupts import PressHold
 from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError
 from enot_nb.launcher import plan_launch
@@ -117,7 +116,7 @@ class Session:
         mirror = self.flow.mirror
         lost = sorted(mirror.on_workers) if self.flow.mirrored else ["everything (--mirror none)"]
         older = sorted(mirror.stale) if self.flow.mirrored else []
-        held = [n for n in mirror.synced if n in self.namespace] if self.flow.mirrored else []
+        held = [n for n in mirror.record.synced if n in self.namespace] if self.flow.mirrored else []
         if self.workers is not None:
             self.workers.close()
             self.workers = None
@@ -130,12 +129,10 @@ class Session:
         """The variables the old workers held, pushed to the new ones; those restored."""
         assert self.workers is not None
         prepared = self.flow.push_values({n: self.namespace[n] for n in names})
-        hold = PressHold()
-        try:
-            outcome = self.workers.run_task(self.flow.pickle(prepared), "none", hold)
-            self.flow.after_push(prepared, outcome)  # refused: the next cell pushes what it uses
-        finally:
-            hold.release()
+        workers = self.workers
+        workers.run_task(self.flow.pickle(prepared), "none", lambda done: self.flow.after_push(prepared, done))
+        outcome = workers.last  # refused: the next cell pushes what it uses
+        assert outcome is not None
         return [] if outcome.failures or outcome.restart is not None else names
 
     def __enter__(self) -> Session:
@@ -173,59 +170,43 @@ class Session:
     def run_cell(self, code: str, run: CellRun) -> Any:
         """A cell with the magic's per-cell options (see ``run``)."""
         compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error before anything is sent
-        workers = self._ready()
-        workers.cells += 1
-        prepared = self.flow.cell(code, run)
-        outcome, value = self._send(workers, prepared, run.output, lambda done: self.flow.after_cell(prepared, done))
-        _raise_failure(outcome)
-        return value
+        self._ready().cells += 1
+        return self._task(lambda: self.flow.cell(code, run), run.output, self.flow.after_cell)
 
     def launch(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on every rank, with the rank's session namespace as its
         globals (``fn`` travels by value); rank 0's result, as ``notebook_launcher``'s."""
-        workers = self._ready()
-        prepared = self.flow.call(fn, args, kwargs)
-        outcome, value = self._send(workers, prepared, self.output, lambda done: self.flow.after_call(prepared, done))
-        _raise_failure(outcome)
-        return value
+        return self._task(lambda: self.flow.call(fn, args, kwargs), self.output, self.flow.after_call)
 
     def pull(self, *names: str) -> dict[str, Any]:
         """The master's values of ``names``: returned, and bound in the namespace, in place
         where an object of the same type sits at the same path."""
-        workers = self._ready()
-        prepared = self.flow.pull(list(names))
-        outcome, pulled = self._send(
-            workers, prepared, "master", lambda done: self.flow.after_pull(prepared, done, list(names))
+        wanted = list(names)
+        return self._task(
+            lambda: self.flow.pull(wanted), "master", lambda made, done: self.flow.after_pull(made, done, wanted)
         )
-        _raise_failure(outcome)
-        return pulled
 
     def push(self, **values: Any) -> None:
         """Send ``values`` to every rank, bound under their names (under --mirror all, in the
         notebook too: it mirrors the master). A pushed value replaces what a rank held there."""
-        workers = self._ready()
-        prepared = self.flow.push_values(values)
-        outcome, _ = self._send(workers, prepared, self.output, lambda done: self.flow.after_push(prepared, done))
-        _raise_failure(outcome)
+        self._task(lambda: self.flow.push_values(values), self.output, self.flow.after_push)
 
-    def _send(
-        self, workers: SessionWorkers, prepared: Prepared, output: str, apply: Callable[[CommandOutcome], Any]
-    ) -> tuple[CommandOutcome, Any]:
-        """The task sent and supervised; its outcome applied by ``apply`` whole, with presses
-        held from the ranks' answers to its end (a press then is raised after it); then new
-        workers, where the old ones must be replaced (from the notebook, which now holds what
-        the master reached)."""
-        hold, outcome = PressHold(), None
+    def _task(self, make: Callable[[], Prepared], output: str, apply: Callable[[Prepared, CommandOutcome], Any]) -> Any:
+        """A task made (after a restart, if ranks had died), sent, its outcome applied by
+        ``apply`` (see SessionWorkers.run_task); then new workers where the old ones must be
+        replaced (from the notebook, which now holds what the master reached); its failure
+        raised."""
+        workers = self._ready()
+        prepared = make()
         try:
-            outcome = workers.run_task(self.flow.pickle(prepared), output, hold)
-            self.last = outcome
-            value = apply(outcome)
-            hold.release(deliver=not outcome.interrupted)  # an interrupted task raises CellInterrupted
+            value = workers.run_task(self.flow.pickle(prepared), output, lambda done: apply(prepared, done))
         finally:
-            hold.release(deliver=False)  # an error on its way up (else released above)
-            if outcome is not None and outcome.restart is not None:
-                self.restart(outcome.restart)
-        return outcome, value
+            self.last = workers.last
+            if self.last is not None and self.last.restart is not None:
+                self.restart(self.last.restart)
+        assert self.last is not None
+        _raise_failure(self.last)
+        return value
 
 
 def _raise_failure(outcome: CommandOutcome) -> None:

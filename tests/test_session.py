@@ -457,13 +457,14 @@ def _record_is_a_fresh_walk(mirror, namespace, where) -> None:
     from enot_nb._state import paths
     from enot_nb._state.registry import Registry
 
-    record, fresh = mirror.baseline, Registry.of_namespace(namespace, sorted(mirror.synced))
+    record, fresh = mirror.record.baseline, Registry.of_namespace(namespace, sorted(mirror.record.synced))
     assert {id(o) for o in record.objects} == {id(o) for o in fresh.objects}
     assert {id(s) for s in record.storages} == {id(s) for s in fresh.storages}
     found = paths.registry_at(namespace, paths.specs_of(record), len(record.objects), len(record.storages), strict=True)
     assert all(a is b for a, b in zip(found.objects, record.objects))
-    assert mirror.snapshot.changed_objects(record) == [], where
-    assert mirror.snapshot.changed_storages(record) == [], where
+    snapshot = mirror.record.snapshot
+    assert snapshot.changed_objects(record) == [], where
+    assert snapshot.changed_storages(record) == [], where
 
 
 def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch):
@@ -471,18 +472,18 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
     written storages, objects that hold more) or walks it again (a name rebound, an object that
     holds less): either way it must be what a fresh walk gives, or the next push misses a change
     or refers to an object at a path that holds another."""
-    from enot_nb._state.mirror import Mirror
+    from enot_nb._state.record import Record
 
     ns = {"model": torch.nn.Linear(3, 2), "log": [], "cfg": {"lr": 0.1}, "big": torch.zeros(2**18)}
     updates: list[bool] = []
-    update = Mirror._update
+    update = Record.update
 
     def checked(self, namespace, synced, moved):
         updated = update(self, namespace, synced, moved)
         updates.append(updated)
         return updated
 
-    monkeypatch.setattr(Mirror, "_update", checked)
+    monkeypatch.setattr(Record, "update", checked)
     steps = [
         ("cell", "n = sum(p.numel() for p in model.parameters())"),  # a new name
         ("cell", "log.append(n)\nbig[5] = 1.0"),  # a list that holds more, a storage written

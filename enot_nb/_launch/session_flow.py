@@ -23,7 +23,8 @@ from enot_nb._launch.bring_back import BroughtBack, Bundle, bring_back
 from enot_nb._launch.session_workers import CommandOutcome
 from enot_nb._state import apply, paths, reach
 from enot_nb._state.collect import Changes
-from enot_nb._state.mirror import Mirror, Moved, PickledTask, Push
+from enot_nb._state.mirror import Mirror, PickledTask, Push
+from enot_nb._state.record import Moved
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
 from enot_nb._worker.session_loop import CallTask, CellTask, Mirrored, PullTask, SyncTask
@@ -83,7 +84,7 @@ class NamespaceFlow:
         if push is None or outcome.restart is not None or outcome.refused:
             return  # refused: the record stays as it was, and the next task pushes it all again
         if moved is not None:
-            moved.add(push.changes, self.mirror.baseline)  # pickled against it: it is the same still
+            moved.add(push.changes, self.mirror.record.baseline)  # pickled against it: it is the same still
         self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
 
     def cell(self, code: str, run: CellRun) -> Prepared:
@@ -105,10 +106,7 @@ class NamespaceFlow:
             prepared.reached = found.names
             prepared.push = self._push(found.names)
             prepared.registry = found.registry if back else None
-        mirror = None
-        if prepared.registry is not None:
-            registry = prepared.registry
-            mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+        mirror = _mirrored(prepared.registry) if prepared.registry is not None else None
         prepared.task = CellTask(prepared.push.changes if prepared.push else None, code, options, mirror)
         return prepared
 
@@ -123,8 +121,8 @@ class NamespaceFlow:
         if prepared.registry is None:
             self.after_push(prepared, outcome)
             if self.mirrored and outcome.restart is None:  # --no-return: what it wrote stays there
-                written = set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
-                self.mirror.mark_stale({n: "left out by --no-return" for n in written if n in self.namespace})
+                stale = [n for n in _written_by(prepared) if n in self.namespace]
+                self.mirror.mark_stale(dict.fromkeys(stale, "left out by --no-return"))
             if outcome.result is not None and state.has_value and state.value_bundle:
                 return Bundle(*state.value_bundle)
             return None
@@ -132,8 +130,7 @@ class NamespaceFlow:
             self.namespace, prepared.registry, state, prepared.options, show_value=outcome.result is not None
         )
         if outcome.restart is None:  # new workers hold nothing yet
-            written = set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
-            self._record(prepared, state, outcome, written, prepared.run.returns, brought)
+            self._record(prepared, state, outcome, _written_by(prepared), prepared.run.returns, brought)
         return brought.value
 
     def _record(
@@ -149,12 +146,9 @@ class NamespaceFlow:
         returned = set(state.changed_names)
         names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
         push = prepared.push
-        if push is not None and push.changes is None and not returned and set(names) <= set(self.mirror.synced):
+        if push is not None and push.changes is None and not returned and set(names) <= set(self.mirror.record.synced):
             return  # nothing moved either way: the last sync's record still holds (and costs nothing)
-        moved = Moved()
-        assert prepared.registry is not None
-        moved.add(brought.changes, prepared.registry)
-        self.after_push(prepared, outcome, names, moved)
+        self.after_push(prepared, outcome, names, Moved.of(brought.changes, prepared.registry))
 
     # ------------------------------------------------------------------------- launch, pull, push
 
@@ -169,8 +163,7 @@ class NamespaceFlow:
             found = reach.reach(self.namespace, "", self._hidden(), found=reach.global_names(fn))
             prepared.reached, prepared.registry = found.names, found.registry
             prepared.push = self._push(found.names)
-            registry = found.registry
-            mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+            mirror = _mirrored(found.registry)
         prepared.task = CallTask(prepared.push.changes if prepared.push else None, fn, args, kwargs, mirror)
         return prepared
 
@@ -195,7 +188,7 @@ class NamespaceFlow:
             if not isinstance(name, str) or not name.isidentifier():
                 raise LaunchConfigError(f"pull({name!r}): expected variable names")
         registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
-        mirror = Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+        mirror = _mirrored(registry)
         push = self._push([], pulling=list(names))
         return Prepared(PullTask(push.changes if push else None, list(names), mirror), push, registry)
 
@@ -212,7 +205,7 @@ class NamespaceFlow:
         came = [n for n in names if n not in not_returned and n in self.namespace]
         self.mirror.refreshed(came)
         if self.mirrored and outcome.restart is None:
-            self.mirror.synced_after(self.namespace, [*self.mirror.synced, *came], self._hidden())
+            self.mirror.synced_after(self.namespace, [*self.mirror.record.synced, *came], self._hidden())
         return {n: self.namespace[n] for n in came}
 
     def push_values(self, values: dict[str, Any]) -> Prepared:
@@ -223,9 +216,19 @@ class NamespaceFlow:
         self.namespace.update(values)
         for name in values:
             self.mirror.stale.pop(name, None)
-            self.mirror.synced.pop(name, None)
+            self.mirror.record.synced.pop(name, None)
         push = self._push(list(values))
         return Prepared(SyncTask(push.changes if push else None), push)
+
+
+def _mirrored(registry: Registry) -> Mirrored:
+    """What the master needs to find its own objects at the notebook's registry indices."""
+    return Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+
+
+def _written_by(prepared: Prepared) -> set[str]:
+    """The variables a cell may have changed: those it reaches, and those it binds or deletes."""
+    return set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
 
 
 def _parsed(code: str) -> tuple[Any, Any]:

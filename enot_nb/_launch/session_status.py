@@ -67,17 +67,18 @@ def status_of(workers: SessionWorkers | None, plan: LaunchPlan, mirror: str) -> 
     status = SessionStatus(backend=plan.backend, mirror=mirror)
     if workers is None:
         return status
-    states, pids = workers.states(), workers.pids()
+    assert workers.attempt is not None
     uptime = time.monotonic() - workers.started_at
-    for rank, state in states.items():
-        memory = workers.gpu_memory.get(rank)
+    for r in workers.attempt.ranks:
+        state = RankState.IDLE if r.running else RankState.DEAD
+        memory = r.device_memory  # (allocated, reserved) MiB after its last task, where CUDA is used
         status.rows.append(
             RankStatus(
-                rank=rank,
-                pid=pids[rank],
-                device=devices(plan)[rank],
+                rank=r.rank,
+                pid=r.pid,
+                device=devices(plan)[r.rank],
                 state=state.value,
-                rss_mib=_rss_mib(pids[rank]) if state is not RankState.DEAD else None,
+                rss_mib=_rss_mib(r.pid) if state is not RankState.DEAD else None,
                 gpu_allocated_mib=memory[0] if memory else None,
                 gpu_reserved_mib=memory[1] if memory else None,
                 cells=workers.cells,

@@ -31,6 +31,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,7 @@ class SessionWorkers:
         self.generation = 0
         self.tasks = 0  # tasks sent: each one's number
         self.cells = 0  # cells run (counted by the session: pushes and pulls are tasks too)
+        self.last: CommandOutcome | None = None  # the last task's end
 
     def start(self) -> None:
         """Start the ranks and wait until every one is connected; WorkerFailedError if not."""
@@ -187,49 +189,39 @@ class SessionWorkers:
                 if server is not None:
                     server.close()
 
-    @property
-    def gpu_memory(self) -> dict[int, tuple[float, float]]:
-        """Each rank's GPU memory (allocated, reserved MiB) after its last task, where CUDA is used."""
-        ranks = self.attempt.ranks if self.attempt is not None else []
-        return {r.rank: (r.device_memory[0], r.device_memory[1]) for r in ranks if r.device_memory is not None}
-
-    @property
-    def alive(self) -> bool:
-        return self.attempt is not None and all(r.running for r in self.attempt.ranks)
-
-    def states(self) -> dict[int, RankState]:
-        assert self.attempt is not None
-        return {r.rank: RankState.IDLE if r.running else RankState.DEAD for r in self.attempt.ranks}
-
-    def pids(self) -> dict[int, int | None]:
-        assert self.attempt is not None
-        return {r.rank: r.pid for r in self.attempt.ranks}
-
-    def run_task(self, task: PickledTask, output: str, hold: PressHold) -> CommandOutcome:
-        """Lay the task out in the task file, send it to every rank, supervise it. From the
-        moment every rank answered, presses are held by ``hold``: the caller applies the outcome,
-        then releases it."""
+    def run_task(self, task: PickledTask, output: str, apply: Callable[[CommandOutcome], Any]) -> Any:
+        """Lay the task out in the task file, send it to every rank, supervise it; ``apply``'s
+        value. From the moment every rank answered until ``apply`` (the notebook taking the
+        answer) has returned, presses are held; one then is raised after it. The outcome is
+        ``last`` (also if ``apply`` or a press raised)."""
         assert self.attempt is not None and self.task_fd is not None
         size = result_file.write_result(self.task_fd, task.main, task.buffers)
         self._show_output(output)
         parent, self.tasks = relay.kernel_parent(), self.tasks + 1
         command = RunTask(size, tuple(task.specs), task.objects, task.storages, parent, task.has_push, self.tasks)
-        outcome = CommandRound(self, self.attempt, hold).run(command)
-        outcome.task_bytes = size
-        if outcome.restart is None and outcome.regrouped:
-            print(
-                "enot_nb: the ranks' process group was made again (a collective was left half done); "
-                "objects made with the old one (DDP wrappers, subgroups, FSDP meshes) must be made again",
-                file=sys.stderr,
-            )
-        return outcome
+        hold = PressHold()
+        try:
+            self.last = outcome = CommandRound(self, self.attempt, hold).run(command)
+            outcome.task_bytes = size
+            if outcome.restart is None and outcome.regrouped:
+                print(
+                    "enot_nb: the ranks' process group was made again (a collective was left half done); "
+                    "objects made with the old one (DDP wrappers, subgroups, FSDP meshes) must be made again",
+                    file=sys.stderr,
+                )
+            value = apply(outcome)
+            hold.release(deliver=not outcome.interrupted)  # an interrupted task raises its own
+        finally:
+            hold.release(deliver=False)  # an error on its way up (else released above)
+        return value
 
     def deaths(self) -> str | None:
         """Why the session must restart before its next task (ranks died since), or None."""
-        dead = [rank for rank, state in self.states().items() if state is RankState.DEAD]
+        assert self.attempt is not None
+        dead = [r.rank for r in self.attempt.ranks if not r.running]
         if not dead:
             return None
-        if len(dead) == len(self.states()):
+        if len(dead) == len(self.attempt.ranks):
             return "all its workers were dead"
         return f"rank(s) {', '.join(map(str, dead))} had died"
 

@@ -27,13 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._processes.shadow import SHADOW
-from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state import paths
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
-from enot_nb._state.digests import before_long_lived_snapshot, digested_size
-from enot_nb._state.kinds import OPS, kind_of
+from enot_nb._state.digests import digested_size
+from enot_nb._state.record import Moved, Record
 from enot_nb._state.registry import Registry, user_variables
-from enot_nb._state.snapshot import Snapshot
 from enot_nb.errors import LaunchError
 
 
@@ -91,9 +89,7 @@ class Mirror:
     """What the ranks hold of the notebook (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self.synced: dict[str, Any] = {}
-        self.baseline = Registry.of_namespace({}, [])
-        self.snapshot: Snapshot | None = None
+        self.record = Record()
         self.stale: dict[str, str] = {}
         """Variables whose newest value the master alone holds, with why."""
         self.on_workers: dict[str, str] = {}
@@ -110,25 +106,25 @@ class Mirror:
         """What changed since the last sync, and the reached variables the ranks lack.
         ``pulling``: variables about to be pulled: their changes here are not pushed (the
         master's values replace them), and their being stale refuses nothing."""
-        pulling = pulling or []
-        now = user_variables(namespace, hidden)
+        pulling, record = pulling or [], self.record
+        now, synced = user_variables(namespace, hidden), record.synced
         changes = Changes()
-        if self.snapshot is not None and self.baseline.objects[0] is namespace:
-            changes, _ = collect(self.baseline, self.snapshot, self.synced, namespace, hidden)
+        if record.snapshot is not None and record.baseline.objects[0] is namespace:
+            changes, _ = collect(record.baseline, record.snapshot, synced, namespace, hidden)
             self._only_reachable(namespace, changes, now)
             changes.objects, changes.storages = self._refuse_stale(namespace, changes, pulling)
         # collect's rule for names, kept to those the ranks hold and those the task uses
         changes.bound = {
-            n: v for n, v in now.items() if (n in self.synced or n in reached) and self.synced.get(n, _NONE) is not v
+            n: v for n, v in now.items() if (n in synced or n in reached) and synced.get(n, _NONE) is not v
         }
-        changes.deleted = [n for n in self.synced if n not in now]
+        changes.deleted = [n for n in synced if n not in now]
         for name in [*changes.bound, *changes.deleted]:
             if name in self.stale and name not in pulling:
                 raise StaleError(name, self.stale[name])
         changes.bound = {n: v for n, v in changes.bound.items() if n not in pulling}
         changes.deleted = [n for n in changes.deleted if n not in pulling]
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
-        names = [n for n in {**self.synced, **changes.bound} if n not in changes.deleted]
+        names = [n for n in {**synced, **changes.bound} if n not in changes.deleted]
         return Push(None if empty else changes, names)
 
     def _only_reachable(self, namespace: dict[str, Any], changes: Changes, now: dict[str, Any]) -> None:
@@ -137,10 +133,11 @@ class Mirror:
         else there."""
         if not changes.objects and not changes.storages:
             return
-        current = Registry.of_namespace(namespace, sorted(set(self.synced) & set(now)))
-        changes.objects = [(i, s) for i, s in changes.objects if current.find(self.baseline.objects[i]) is not None]
+        baseline = self.record.baseline
+        current = Registry.of_namespace(namespace, sorted(set(self.record.synced) & set(now)))
+        changes.objects = [(i, s) for i, s in changes.objects if current.find(baseline.objects[i]) is not None]
         changes.storages = [
-            new for new in changes.storages if current.find_storage(self.baseline.storages[new.storage]) is not None
+            new for new in changes.storages if current.find_storage(baseline.storages[new.storage]) is not None
         ]
 
     def _refuse_stale(self, namespace: dict[str, Any], changes: Changes, pulling: list[str]) -> tuple[list, list]:
@@ -158,13 +155,13 @@ class Mirror:
         kept_objects: list[tuple[int, Any]] = []
         kept_storages: list[StorageBytes] = []
         for i, state in changes.objects:
-            holder = held.get(id(self.baseline.objects[i]))
+            holder = held.get(id(self.record.baseline.objects[i]))
             if holder is None:
                 kept_objects.append((i, state))
             elif holder not in pulling:
                 raise StaleError(holder, self.stale[holder])
         for new in changes.storages:
-            holder = held.get(id(self.baseline.storages[new.storage]))
+            holder = held.get(id(self.record.baseline.storages[new.storage]))
             if holder is None:
                 kept_storages.append(new)
             elif holder not in pulling:
@@ -174,7 +171,8 @@ class Mirror:
     def pickle(self, task: Any, namespace: dict[str, Any]) -> PickledTask:
         """``task`` pickled against the baseline (the ranks' objects by index, new ones by
         value), with the specs of what it refers to."""
-        registry = self.baseline if self.baseline.objects[0] is namespace else Registry.of_namespace(namespace, [])
+        baseline = self.record.baseline
+        registry = baseline if baseline.objects[0] is namespace else Registry.of_namespace(namespace, [])
         buffers: list[Any] = []
         stream = io.BytesIO()
         pickler = _RecordingPickler(stream, buffer_callback=buffers.append, registry=registry)
@@ -188,8 +186,8 @@ class Mirror:
         objects |= set(paths.storage_holders(registry, storages))
         objects.discard(0)
         sizes = None
-        if self.snapshot is not None and registry is self.baseline:  # as the ranks hold them
-            sizes = [digested_size(d) for d in self.snapshot.storages]
+        if self.record.snapshot is not None and registry is self.record.baseline:  # as the ranks hold them
+            sizes = [digested_size(d) for d in self.record.snapshot.storages]
         specs = paths.specs_of(registry, sorted(objects), sizes)
         return PickledTask(
             stream.getvalue(), buffers, specs, len(registry.objects), len(registry.storages), push is not None
@@ -199,47 +197,12 @@ class Mirror:
         self, namespace: dict[str, Any], names: list[str], hidden: Any = (), moved: Moved | None = None
     ) -> None:
         """The ranks now hold ``names`` as the notebook does: the baseline of the next push.
-        ``moved``: all that the task changed in the notebook; where it changed contents only (and
-        bound new names), the record is updated there, at a cost that follows it (_update);
-        else (or without ``moved``) the names are walked and snapshotted again."""
+        ``moved``: all that the task changed in the notebook, where the record may be updated
+        in place (see Record.update); else the names are walked and snapshotted again."""
         now = user_variables(namespace, hidden)
         synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
-        if moved is not None and self._update(namespace, synced, moved):
-            return
-        self.synced = synced
-        self.baseline = Registry.of_namespace(namespace, sorted(self.synced))
-        # From here, the pages the notebook writes are its own again (see shadow).
-        scan = before_long_lived_snapshot(self.baseline.storages) if self.baseline.storages else False
-        self.snapshot = Snapshot.take(self.baseline, scan_large=scan)
-
-    def _update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> bool:
-        """The record updated in place: the moved objects' states and storages' digests taken
-        again, and what they and the new names reach that it lacks walked into it; False (and
-        nothing done) where a walk could give other paths: a synced name rebound or deleted,
-        an object no longer holding what it held (that may now be unreachable, or elsewhere), a
-        tensor on another storage."""
-        baseline, snapshot = self.baseline, self.snapshot
-        if snapshot is None or baseline.objects[0] is not namespace:
-            return False
-        if any(synced.get(n, _NONE) is not v for n, v in self.synced.items()):
-            return False
-        indices = sorted({i for i in map(baseline.find, moved.objects) if i is not None and i > 0})
-        starts = _new_children(baseline, indices)
-        if starts is None:
-            return False
-        objects, storages = len(baseline.objects), len(baseline.storages)
-        baseline.grow([*starts, *((synced[n], 0, n) for n in sorted(set(synced) - set(self.synced)))])
-        written = {j for j in map(baseline.find_storage, moved.storages) if j is not None}
-        written |= set(range(storages, len(baseline.storages)))
-        scan = True
-        if written:
-            kept = [d for j, d in enumerate(snapshot.storages) if j not in written]
-            scan = before_long_lived_snapshot([baseline.storages[j] for j in written], kept)
-            if not scan:  # a new shadow shares every page again: each storage digested anew, cheaply
-                written = set(range(len(baseline.storages)))
-        snapshot.retake(baseline, [*indices, *range(objects, len(baseline.objects))], sorted(written), scan)
-        self.synced = synced
-        return True
+        if moved is None or not self.record.update(namespace, synced, moved):
+            self.record = Record.walk(namespace, synced)
 
     def came_back(
         self,
@@ -258,7 +221,7 @@ class Mirror:
         self.on_workers.update({n: why for n, why in not_back.items() if n not in namespace})
         self.mark_stale({n: why for n, why in not_back.items() if n in namespace})
         self.refreshed(sorted(returned - set(not_back)))
-        return list(self.synced) + [n for n in reached + sorted(returned) if n in namespace]
+        return list(self.record.synced) + [n for n in reached + sorted(returned) if n in namespace]
 
     def mark_stale(self, names: dict[str, str]) -> None:
         self.stale.update(names)
@@ -269,50 +232,6 @@ class Mirror:
         for name in names:
             self.stale.pop(name, None)
             self.on_workers.pop(name, None)
-
-
-@dataclass
-class Moved:
-    """What a task changed in the notebook (the push applied there by plain cells, the master's
-    changes brought back): the objects whose state changed, and the storages written."""
-
-    objects: list[Any] = field(default_factory=list)
-    storages: list[Any] = field(default_factory=list)
-
-    def add(self, changes: Changes | None, registry: Registry) -> None:
-        """The objects and storages ``changes`` (pickled against ``registry``) changed."""
-        if changes is not None:
-            self.objects += [registry.objects[i] for i, _ in changes.objects]
-            self.storages += [registry.storages[new.storage] for new in changes.storages]
-
-
-def _new_children(registry: Registry, indices: list[int]) -> list[tuple[Any, int, str]] | None:
-    """What the objects at ``indices`` now hold that ``registry`` lacks, as starts of its walk
-    (grow); None if one no longer holds a child at the step it was registered by, or a tensor
-    is on a storage it lacks."""
-    if not indices:
-        return []
-    wanted = set(indices)
-    held: dict[int, list[int]] = {}  # parent -> the children registered by a step of it
-    for j, (parent, _) in enumerate(registry.parents):
-        if parent in wanted:
-            held.setdefault(parent, []).append(j)
-    starts = []
-    for i in indices:
-        obj, ops = registry.objects[i], OPS[registry.kinds[i]]
-        if kind_of(obj) is not registry.kinds[i]:
-            return None
-        if ops.has_storage and any(registry.find_storage(s) is None for s in tensor_storages(obj)):
-            return None
-        try:
-            steps = ops.children(obj) if ops.children is not None else []
-        except Exception:  # noqa: BLE001 - as the walk: left opaque
-            return None
-        now = {(step, id(child)) for step, child in steps}
-        if any((registry.parents[j][1], id(registry.objects[j])) not in now for j in held.get(i, ())):
-            return None
-        starts += [(child, i, step) for step, child in steps if registry.find(child) is None]
-    return starts
 
 
 _NONE = object()
