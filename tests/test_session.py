@@ -486,6 +486,9 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
     monkeypatch.setattr(Record, "update", checked)
     steps = [
         ("cell", "n = sum(p.numel() for p in model.parameters())"),  # a new name
+        ("cell", "n = n * 1000 + 1"),  # an atom rebound: nothing to walk again
+        ("cell", "m = [n]\nn = 7"),
+        ("cell", "m = {'k': m}"),  # a name rebound that held a list: walked again
         ("cell", "log.append(n)\nbig[5] = 1.0"),  # a list that holds more, a storage written
         ("plain", lambda: ns["big"].add_(1)),  # pushed: a storage
         ("cell", "opt = torch.optim.SGD(model.parameters(), lr=cfg['lr'], momentum=0.9)"),

@@ -42,19 +42,21 @@ class Record:
         """Updated in place to hold ``synced``: the moved objects' states and storages' digests
         taken again, and what they and the new names reach that it lacks walked into it; False
         (and nothing done) where a walk could give other paths: a synced name rebound or
-        deleted, an object no longer holding what it held (that may now be unreachable, or
-        elsewhere), a tensor on another storage."""
+        deleted whose old value it walked (not an atom), an object no longer holding what it
+        held (that may now be unreachable, or elsewhere), a tensor on another storage."""
         baseline, snapshot = self.baseline, self.snapshot
         if snapshot is None or baseline.objects[0] is not namespace:
             return False
-        if any(synced.get(n, _NONE) is not v for n, v in self.synced.items()):
-            return False
+        rebound = [n for n, v in self.synced.items() if synced.get(n, _NONE) is not v]
+        if any(baseline.find(self.synced[n]) is not None for n in rebound):
+            return False  # what was walked from its old value may be unreachable now
         indices = sorted({i for i in map(baseline.find, moved.objects) if i is not None and i > 0})
         starts = _new_children(baseline, indices)
         if starts is None:
             return False
         objects, storages = len(baseline.objects), len(baseline.storages)
-        baseline.grow([*starts, *((synced[n], 0, n) for n in sorted(set(synced) - set(self.synced)))])
+        new = sorted(n for n in synced if n not in self.synced or n in rebound)
+        baseline.grow([*starts, *((synced[n], 0, n) for n in new)])
         written = {j for j in map(baseline.find_storage, moved.storages) if j is not None}
         written |= set(range(storages, len(baseline.storages)))
         scan = True
