@@ -414,7 +414,8 @@ def test_only_options_are_put_in_the_magics_words():
 def test_the_kernel_tells_which_pages_were_written_since_a_reset_and_only_those():
     """writes.WRITES: one element written after a reset is one page; a second reset makes the
     first epoch unusable (None: the caller takes everything as written); a forked child's
-    writes are its own; a fresh reset sees nothing written."""
+    writes are its own; a fresh reset sees nothing written. The first and last pages are left
+    out: they hold the allocator's neighbours too (digests compares their bytes instead)."""
     import os
 
     import torch
@@ -427,15 +428,15 @@ def test_the_kernel_tells_which_pages_were_written_since_a_reset_and_only_those(
     storage = t.untyped_storage()
     area = (storage.data_ptr(), storage.nbytes())
     (epoch,) = WRITES.reset([area])
-    assert epoch is not None and not WRITES.written(area, epoch).any()
+    assert epoch is not None and not WRITES.written(area, epoch)[1:-1].any()
     t[2**21] = 1.0
     pid = os.fork()
     if pid == 0:
         t[7] = 2.0  # the child's page
         os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
-    written = WRITES.written(area, epoch)
+    interior = WRITES.written(area, epoch)[1:-1]
     offset = (storage.data_ptr() % PAGE + 2**21 * 4) // PAGE
-    assert written.nonzero()[0].tolist() == [offset]
+    assert (interior.nonzero()[0] + 1).tolist() == [offset]
     (again,) = WRITES.reset([area])
-    assert WRITES.written(area, epoch) is None and not WRITES.written(area, again).any()
+    assert WRITES.written(area, epoch) is None and not WRITES.written(area, again)[1:-1].any()

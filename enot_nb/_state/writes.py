@@ -13,6 +13,12 @@ Where the kernel or a sandbox (Docker's default seccomp profile refuses userfaul
 ``available`` is False and the caller uses the shadow fork. ``ENOT_NB_TRACK_WRITES=0`` turns it
 off (to run the fallback). The state is this process's: a fork's child does not inherit the
 registrations (the kernel drops them) and probes for itself.
+
+A limit: a reset covers its area's pages, so areas that share interior pages (a NumPy array over
+a tensor's memory, both large and both tracked) reset each other's bits there. Their first and
+last pages are compared by digest anyway (see digests); a write to the shared interior between
+one's reset and the other's comparison is missed. Taking a record resets every area at once, so
+this needs a record updated in place for one of them only, while the other was written since.
 """
 
 from __future__ import annotations
