@@ -335,14 +335,14 @@ def _no_pages(area: Area) -> Any:
 
 
 def _digest_pages(area: Area, owner: Any, mask: Any) -> tuple[int, int]:
+    """A digest of the bytes of an area's marked pages, a run of them at a time (a crc of the
+    runs, one after the other, is the crc of their bytes joined)."""
     if not mask.any():
         return (0, 0)
     data = _bytes_of(owner)
-    page, start = _pagemap.PAGE, area[0] // _pagemap.PAGE * _pagemap.PAGE
     crc, total = 0, 0
-    for index in mask.nonzero()[0]:
-        low = max(0, start + int(index) * page - area[0])
-        chunk = data[low : start + (int(index) + 1) * page - area[0]]
+    for offset, length in [(0, area[1])] if mask.all() else _runs(area, mask):  # all: a small one, owned
+        chunk = data[offset : offset + length]
         crc, total = zlib.crc32(chunk, crc), total + chunk.nbytes
     return (total, crc)
 
