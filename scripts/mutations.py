@@ -149,6 +149,20 @@ MUTATIONS = [
         ["tests/test_session.py::test_one_element_written_into_a_large_tensor_sends_a_page"],
     ),
     Mutation(
+        "session-kept-snapshot-not-dropped",
+        "enot_nb/_worker/session_loop.py",
+        "    if not keep:  # before anything changes: a push, another task (see KeptSnapshot)\n        _KEPT.drop()\n",
+        "    if not keep:  # before anything changes: a push, another task (see KeptSnapshot)\n        pass\n",
+        ["tests/test_session.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"],
+    ),
+    Mutation(
+        "session-kept-snapshot-not-retaken",
+        "enot_nb/_state/snapshot.py",
+        "        snapshot.retake(registry, objects, storages, scan_large=True)\n",
+        "",
+        ["tests/test_session.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"],
+    ),
+    Mutation(
         "session-written-pages-untold",  # (a mutation inside writes.py fails its probe: no tracking)
         "enot_nb/_state/digests.py",
         "            found[j] = WRITES.written(areas[j], before.epoch)\n",

@@ -521,3 +521,59 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
         )
         assert ns["cfg"] == {} and len(ns["log"]) == 1
     assert True in updates and False in updates  # both ways were taken
+
+
+TAKES: list[int] = []
+"""The snapshots a session's master took anew (see the test below; the master's copy)."""
+
+
+def test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write(monkeypatch, pages):
+    """A cell over the same objects as the last one starts from the master's kept snapshot
+    (taken again only where the last cell changed something), where the kernel tracks writes;
+    writes in place, through ``.data`` and through a NumPy view all come back; a push, a launch
+    or a failed cell make the next one take it anew."""
+    from enot_nb._state.snapshot import Snapshot
+
+    original = Snapshot.take.__func__
+
+    def counted(cls, registry, scan_large=False):
+        TAKES.append(len(registry.objects))  # in the master: it is forked from here
+        return original(cls, registry, scan_large)
+
+    monkeypatch.setattr(Snapshot, "take", classmethod(counted))
+    same = "torch, model, big, cfg, flag\n"  # every cell reaches the same objects
+    taken = same + f"len(__import__('sys').modules[{__name__!r}].TAKES)"
+    ns = {"model": torch.nn.Linear(4, 4), "big": torch.zeros(2**19), "torch": torch, "cfg": {}, "flag": []}
+    probe = same + "model.weight.tolist(), float(big[12345]), float(big[2**18])"
+    with start("fork", namespace=ns) as s:
+        s.run(same + "n = float(model.weight.sum()) + float(big.sum())")
+        before = s.run(taken)
+        for cell in [
+            "with torch.no_grad():\n    model.weight[0, 0] = 5.0",
+            "model.weight.data[1, 1] = 6.0",  # no version counter moves
+            "big[12345] = 7.0",
+            "big.numpy()[2**18] = 8.0",
+        ]:
+            s.run(same + cell)
+            assert s.run(probe) == (ns["model"].weight.tolist(), float(ns["big"][12345]), float(ns["big"][2**18]))
+        assert ns["model"].weight[1, 1] == 6.0 and float(ns["big"][2**18]) == 8.0
+        fresh = s.run(taken) - before  # snapshots taken anew over the 9 cells since
+        assert fresh <= 1 if pages == "tracked" else fresh >= 9, fresh
+        # What changes the master between two cells makes the next take its snapshot anew: else
+        # a cell that writes back the kept value would look unchanged, and the notebook keep
+        # the value from in between.
+        # (Storages are safe either way: the kernel tells each write; an object's state is not.)
+        s.run(same + "cfg['a'] = cfg['b'] = cfg['c'] = 3")
+        ns["cfg"]["a"] = 0  # a plain change, pushed
+        s.run(same + "cfg['a'] = 3")
+        assert ns["cfg"]["a"] == 3
+        s.launch(lambda: cfg.__setitem__("b", 0))  # noqa: F821 - the rank's variable
+        s.run(same + "cfg['b'] = 3")
+        assert ns["cfg"]["b"] == 3
+        with pytest.raises(WorkerFailedError):
+            s.run(same + "cfg['c'] = 0\nraise ValueError('x')")
+        s.run(same + "cfg['c'] = 3")
+        assert ns["cfg"] == {"a": 3, "b": 3, "c": 3} == s.run(same + "cfg")
+        s.run(same + "flag.append(1)")  # kept: taken again where this cell changed it,
+        s.run(same + "flag.clear()")  # or this one would match the state from before the last
+        assert ns["flag"] == []

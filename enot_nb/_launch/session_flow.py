@@ -145,10 +145,11 @@ class NamespaceFlow:
         """The ranks and the notebook agree on what came back; what did not is stale here."""
         returned = set(state.changed_names)
         names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
-        push = prepared.push
-        if push is not None and push.changes is None and not returned and set(names) <= set(self.mirror.record.synced):
+        moved, push = Moved.of(brought.changes, prepared.registry), prepared.push
+        quiet = push is not None and push.changes is None and not (moved.objects or moved.storages or returned)
+        if quiet and set(names) <= set(self.mirror.record.synced):
             return  # nothing moved either way: the last sync's record still holds (and costs nothing)
-        self.after_push(prepared, outcome, names, Moved.of(brought.changes, prepared.registry))
+        self.after_push(prepared, outcome, names, moved)
 
     # ------------------------------------------------------------------------- launch, pull, push
 

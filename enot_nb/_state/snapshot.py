@@ -14,6 +14,7 @@ from typing import Any
 from enot_nb._state.digests import StorageDigest, changed_storages, storage_digests, watch_forks
 from enot_nb._state.kinds import OPS
 from enot_nb._state.registry import Registry
+from enot_nb._state.writes import WRITES
 
 
 @dataclass
@@ -63,6 +64,49 @@ class Snapshot:
 
     def changed_storages(self, registry: Registry) -> list[int]:
         return changed_storages(registry.storages, self.storages)
+
+
+@dataclass
+class KeptSnapshot:
+    """A long-lived process's snapshot kept from the end of one task to the start of the next (a
+    session master's, from cell to cell): a cell over the same objects starts from it instead of
+    taking it again, which costs every object's state and every storage's digest. It holds only
+    if nothing but the cells changed those objects in between: the holder drops it for any other
+    task or a push, and a cell that fails keeps none. Only where writes are tracked by the kernel
+    (see writes): the shadow fork's renewal and fork watch start with a snapshot taken anew."""
+
+    registry: Registry | None = None
+    snapshot: Snapshot | None = None
+
+    def take(self, registry: Registry, scan_large: bool) -> Snapshot:
+        """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and
+        storages, else one taken; nothing is kept from here until ``keep``."""
+        kept, snapshot = self.registry, self.snapshot
+        self.drop()
+        if snapshot is not None and kept is not None and _same_objects(kept, registry) and WRITES.available():
+            return snapshot
+        return Snapshot.take(registry, scan_large)
+
+    def drop(self) -> None:
+        """Something else may change the objects (see the class's docstring)."""
+        self.registry = self.snapshot = None
+
+    def keep(self, registry: Registry, snapshot: Snapshot, objects: list[int], storages: list[int]) -> None:
+        """After a cell that ended well: its snapshot, taken again for the objects and storages
+        (indices) that it changed."""
+        snapshot.retake(registry, objects, storages, scan_large=True)
+        self.registry, self.snapshot = registry, snapshot
+
+
+def _same_objects(a: Registry, b: Registry) -> bool:
+    """The same objects and storages at the same indices (a placeholder for an object a rank
+    lacks is a new one each time: never the same)."""
+    return (
+        len(a.objects) == len(b.objects)
+        and len(a.storages) == len(b.storages)
+        and all(x is y for x, y in zip(a.objects, b.objects))
+        and all(x is y for x, y in zip(a.storages, b.storages))
+    )
 
 
 def _state_of(obj: Any, kind: Any) -> Any:

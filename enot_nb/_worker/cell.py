@@ -25,7 +25,7 @@ from enot_nb._processes import preload
 from enot_nb._processes.protocol import Imported
 from enot_nb._state import collect, reach
 from enot_nb._state.registry import Registry, user_variables
-from enot_nb._state.snapshot import Snapshot
+from enot_nb._state.snapshot import KeptSnapshot, Snapshot
 from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import figures as _figures
 
@@ -102,12 +102,14 @@ def run_cell(
     options: CellOptions,
     registry: Registry | None = None,
     scan_large: bool = False,
+    kept: KeptSnapshot | None = None,
 ) -> CellOutcome | None:
     """Run the cell as this rank; the master returns what goes back to the notebook.
 
     ``registry``: the notebook's objects (inherited by fork, or the shipped copies); None in an
     exported script, where the namespace is this process's own. ``scan_large``: a session
-    master's snapshot reads the large storages' pages (see digests.storage_digests).
+    master's snapshot reads the large storages' pages (see digests.storage_digests). ``kept``:
+    a session master's snapshot from its last cell, used and kept again (see KeptSnapshot).
     """
     from enot_nb import distributed
 
@@ -126,7 +128,7 @@ def run_cell(
         if registry is None:
             registry = reach.reach(namespace, code, hidden).registry
         reached = {n for n, v in list(namespace.items()) if registry.find(v) is not None}
-        tracker = Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large)
+        tracker = Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large, kept)
     figures_before = _open_figures()
     modules_before = set(sys.modules)
     try:
@@ -151,7 +153,9 @@ def run_cell(
             return None
         # --no-return: nothing comes back, but the cell's value is shown, as a local cell shows it
         return CellOutcome(has_value=has_value, value_bundle=_bundle(value, shell) if has_value else None)
-    return tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
+    outcome = tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
+    tracker.keep()
+    return outcome
 
 
 def _report_imports(before: set[str], *trees: ast.AST | None) -> None:
@@ -221,12 +225,15 @@ class Tracker:
         hidden: Any,
         sharded_before: dict[str, Any],
         scan_large: bool = False,
+        kept: KeptSnapshot | None = None,
     ) -> None:
         self.registry, self.namespace, self.hidden = registry, namespace, hidden
         self.sharded_before = sharded_before
         """Each used module's tensors before the cell, by name (see sharded.originals)."""
         self.names_before = user_variables(namespace, hidden)
-        self.snapshot = Snapshot.take(registry, scan_large)
+        self.kept = kept
+        self.snapshot = kept.take(registry, scan_large) if kept is not None else Snapshot.take(registry, scan_large)
+        self.changed: tuple[list[int], list[int]] | None = None  # (objects, storages), once collected
 
     def outcome(
         self,
@@ -238,6 +245,7 @@ class Tracker:
         body: ast.Module | None = None,
     ) -> CellOutcome:
         changes, changed = collect.collect(self.registry, self.snapshot, self.names_before, self.namespace, self.hidden)
+        self.changed = (changed, [new.storage for new in changes.storages])
         outcome = CellOutcome(has_value=has_value)
         outcome.changed_names = sorted(
             set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
@@ -265,6 +273,11 @@ class Tracker:
             outcome.value_bundle = _bundle(value, shell)
         outcome.state, outcome.moved_to_cpu = collect.dump(changes, self.registry, outcome.not_returned)
         return outcome
+
+    def keep(self) -> None:
+        """The cell ended well: its snapshot is kept for the next (see KeptSnapshot)."""
+        if self.kept is not None and self.changed is not None:
+            self.kept.keep(self.registry, self.snapshot, *self.changed)
 
     def send_partial(self, options: CellOptions) -> None:
         """The state reached, sent before the failure is reported (see _send_partial)."""

@@ -52,6 +52,7 @@ from enot_nb._serialize import result_file, shm
 from enot_nb._state import apply, collect, paths
 from enot_nb._state.digests import before_long_lived_snapshot
 from enot_nb._state.registry import Registry
+from enot_nb._state.snapshot import KeptSnapshot
 from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import cell as _cell
 
@@ -204,6 +205,9 @@ class PushRefused(RuntimeError):
 
 
 _SKIPPED = object()
+
+_KEPT = KeptSnapshot()
+"""The master's snapshot from its last cell (see KeptSnapshot)."""
 """The task ran nowhere: another rank could not apply its push."""
 
 
@@ -215,6 +219,9 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
     registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
     state = result_file.read_result(_state["task_fd"], size, raw=True)
     task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
+    keep = isinstance(task, CellTask) and task.push is None and task.mirror is not None
+    if not keep:  # before anything changes: a push, another task (see KeptSnapshot)
+        _KEPT.drop()
     if task.push is not None:
         problems = apply.apply_changes(namespace, registry, task.push, None)
         if problems:
@@ -229,7 +236,7 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
             return _SKIPPED
     match task:
         case CellTask():
-            return _run_cell(namespace, task)
+            return _run_cell(namespace, task, keep)
         case CallTask():
             return _call(namespace, task)
         case PullTask():
@@ -240,13 +247,16 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
             assert_never(task)
 
 
-def _run_cell(namespace: dict[str, Any], task: CellTask) -> Any:
+def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
+    """The cell; the master's snapshot of what it reaches is kept for the next cell (``keep``:
+    nothing but this cell will have changed it, see KeptSnapshot)."""
     registry, scan = None, False
     if task.mirror is not None and _state["rank"] == 0:
         registry = _mirror_registry(namespace, task.mirror)
         if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
             scan = before_long_lived_snapshot(registry.storages)
-    return _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan)
+    kept = _KEPT if keep and registry is not None else None
+    return _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan, kept=kept)
 
 
 def _call(namespace: dict[str, Any], task: CallTask) -> Any:
