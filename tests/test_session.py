@@ -559,12 +559,17 @@ def test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_wr
         assert ns["model"].weight[1, 1] == 6.0 and float(ns["big"][2**18]) == 8.0
         fresh = s.run(taken) - before  # snapshots taken anew over the 9 cells since
         assert fresh <= 1 if pages == "tracked" else fresh >= 9, fresh
+        before = s.run(taken)
+        ns["n"] = 3  # a push that only binds a name changes no object: the snapshot is kept
+        assert s.run(same + "n") == 3
+        assert s.run(taken) - before == (0 if pages == "tracked" else 2)
         # What changes the master between two cells makes the next take its snapshot anew: else
         # a cell that writes back the kept value would look unchanged, and the notebook keep
         # the value from in between.
         # (Storages are safe either way: the kernel tells each write; an object's state is not.)
         s.run(same + "cfg['a'] = cfg['b'] = cfg['c'] = 3")
         ns["cfg"]["a"] = 0  # a plain change, pushed
+        ns["n"] = 2  # a name rebound: alone, it would not make the master take its snapshot anew
         s.run(same + "cfg['a'] = 3")
         assert ns["cfg"]["a"] == 3
         s.launch(lambda: cfg.__setitem__("b", 0))  # noqa: F821 - the rank's variable

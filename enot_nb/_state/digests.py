@@ -304,17 +304,21 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
     # Only torch storages: a spawned worker's NumPy arrays arrive inside the pickle, already its own.
     large = [area[1] >= SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
     epochs: dict[int, int] = {}
-    if scan_large and any(large) and WRITES.available():
+    whole = [False] * len(areas)  # digested whole: pages owned tell nothing more
+    if scan_large and WRITES.available():
         tracked = [j for j, is_large in enumerate(large) if is_large]
         epochs = {j: e for j, e in zip(tracked, WRITES.reset([areas[j] for j in tracked])) if e is not None}
-    skip = [is_large and (not scan_large or j in epochs) for j, is_large in enumerate(large)]
+        # A small storage of a process that lives on is its own, all of it, by now: one crc of
+        # its bytes costs less than reading its pages' flags and digesting them all anyway.
+        whole = [area[1] < SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
+    skip = [(is_large and (not scan_large or j in epochs)) or whole[j] for j, is_large in enumerate(large)]
     scanned = [(0, 0) if skipped else area for area, skipped in zip(areas, skip)]
     masks = _pagemap.own_pages(scanned) if _pagemap.supported() else None
     digests: list[AreaDigest | PagesDigest] = []
     for j, (area, owner) in enumerate(zip(areas, owners)):
         if masks is not None and skip[j]:
             masks[j] = _no_pages(area)
-        if masks is None or not area[1]:
+        if masks is None or not area[1] or whole[j]:
             digests.append(AreaDigest(*area, digest(_bytes_of(owner)) if area[1] else (0, 0)))
         else:
             # The first and last pages may be shared with neighbours, which the cell may write:

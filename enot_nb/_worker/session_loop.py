@@ -219,7 +219,10 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
     registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
     state = result_file.read_result(_state["task_fd"], size, raw=True)
     task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
-    keep = isinstance(task, CellTask) and task.push is None and task.mirror is not None
+    # A push that only binds or deletes names changes no object a snapshot holds (the namespace
+    # has none: the names are compared on their own); one that changes objects does.
+    pushed = task.push is not None and bool(task.push.objects or task.push.storages)
+    keep = isinstance(task, CellTask) and not pushed and task.mirror is not None
     if not keep:  # before anything changes: a push, another task (see KeptSnapshot)
         _KEPT.drop()
     if task.push is not None:
