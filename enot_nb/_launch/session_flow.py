@@ -130,7 +130,7 @@ class NamespaceFlow:
             self.namespace, prepared.registry, state, prepared.options, show_value=outcome.result is not None
         )
         if outcome.restart is None:  # new workers hold nothing yet
-            self._record(prepared, state, outcome, _written_by(prepared), prepared.run.returns, brought)
+            self._record(prepared, state, outcome, _written_by(prepared), brought)
         return brought.value
 
     def _record(
@@ -139,11 +139,10 @@ class NamespaceFlow:
         state: _cell.CellOutcome,
         outcome: CommandOutcome,
         written: set[str],
-        returns: list[str] | None,
         brought: BroughtBack,
     ) -> None:
         """The ranks and the notebook agree on what came back; what did not is stale here."""
-        returned = set(state.changed_names)
+        returned, returns = set(state.changed_names), prepared.run.returns if prepared.run else None
         names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
         moved, push = Moved.of(brought.changes, prepared.registry), prepared.push
         quiet = push is not None and push.changes is None and not (moved.objects or moved.storages or returned)
@@ -181,7 +180,7 @@ class NamespaceFlow:
         brought = bring_back(self.namespace, prepared.registry, state, prepared.options, show_value=False)
         if outcome.restart is None:
             written = set(prepared.reached) & _stored_globals(prepared.task.fn)
-            self._record(prepared, state, outcome, written, None, brought)
+            self._record(prepared, state, outcome, written, brought)
         return value
 
     def pull(self, names: list[str]) -> Prepared:
