@@ -541,9 +541,10 @@ def test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_wr
         return original(cls, registry, scan_large)
 
     monkeypatch.setattr(Snapshot, "take", classmethod(counted))
-    same = "torch, model, big, cfg, flag\n"  # every cell reaches the same objects
+    same = "torch, model, big, cfg, flag, losses\n"  # every cell reaches the same objects
     taken = same + f"len(__import__('sys').modules[{__name__!r}].TAKES)"
     ns = {"model": torch.nn.Linear(4, 4), "big": torch.zeros(2**19), "torch": torch, "cfg": {}, "flag": []}
+    ns["losses"] = [0.5] * 1000  # an atoms container (one object), until it is cleared
     probe = same + "model.weight.tolist(), float(big[12345]), float(big[2**18])"
     with start("fork", namespace=ns) as s:
         s.run(same + "n = float(model.weight.sum()) + float(big.sum())")
@@ -582,3 +583,6 @@ def test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_wr
         s.run(same + "flag.append(1)")  # kept: taken again where this cell changed it,
         s.run(same + "flag.clear()")  # or this one would match the state from before the last
         assert ns["flag"] == []
+        s.run(same + "losses.clear()")  # its kind changes: the kept state is of the other kind
+        s.run(same + "losses.append(1.0)")
+        assert ns["losses"] == [1.0]

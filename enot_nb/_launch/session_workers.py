@@ -195,6 +195,7 @@ class SessionWorkers:
         answer) has returned, presses are held; one then is raised after it. The outcome is
         ``last`` (also if ``apply`` or a press raised)."""
         assert self.attempt is not None and self.task_fd is not None
+        self.last = None  # until this task's end: an error before it must not pass for it
         size = result_file.write_result(self.task_fd, task.main, task.buffers)
         self._show_output(output)
         parent, self.tasks = relay.kernel_parent(), self.tasks + 1

@@ -306,7 +306,7 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
     epochs: dict[int, int] = {}
     whole = [False] * len(areas)  # digested whole: pages owned tell nothing more
     if scan_large and WRITES.available():
-        tracked = [j for j, is_large in enumerate(large) if is_large]
+        tracked = [j for j, is_large in enumerate(large) if is_large and not _pinned(owners[j])]
         epochs = {j: e for j, e in zip(tracked, WRITES.reset([areas[j] for j in tracked])) if e is not None}
         # A small storage of a process that lives on is its own, all of it, by now: one crc of
         # its bytes costs less than reading its pages' flags and digesting them all anyway.
@@ -329,6 +329,18 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
             if j not in epochs:  # a fork does not hide a tracked write
                 FORKS.add(area)
     return digests
+
+
+def _pinned(storage: Any) -> bool:
+    """Page-locked host memory, which a device writes without a page fault: the kernel's write
+    tracking cannot see those writes (where CUDA was never initialized, there is none)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    try:
+        return bool(storage.is_pinned())
+    except RuntimeError:
+        return True
 
 
 def _no_pages(area: Area) -> Any:

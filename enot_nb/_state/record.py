@@ -16,7 +16,7 @@ from typing import Any
 
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.collect import Changes
-from enot_nb._state.digests import before_long_lived_snapshot
+from enot_nb._state.digests import FORKS, before_long_lived_snapshot
 from enot_nb._state.kinds import OPS, kind_of
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
@@ -45,8 +45,8 @@ class Record:
         deleted whose old value it walked (not an atom), an object no longer holding what it
         held (that may now be unreachable, or elsewhere), a tensor on another storage."""
         baseline, snapshot = self.baseline, self.snapshot
-        if snapshot is None or baseline.objects[0] is not namespace:
-            return False
+        if snapshot is None or baseline.objects[0] is not namespace or FORKS.unseen_children():
+            return False  # (a child we did not fork: the walk's snapshot starts the fork watch anew)
         rebound = [n for n, v in self.synced.items() if synced.get(n, _NONE) is not v]
         if any(baseline.find(self.synced[n]) is not None for n in rebound):
             return False  # what was walked from its old value may be unreachable now

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._state.digests import StorageDigest, changed_storages, storage_digests, watch_forks
+from enot_nb._state.digests import FORKS, StorageDigest, changed_storages, storage_digests, watch_forks
 from enot_nb._state.kinds import OPS
 from enot_nb._state.registry import Registry
 from enot_nb._state.writes import WRITES
@@ -37,7 +37,8 @@ class Snapshot:
         ``registry``, which may have grown since: the new ones must be among them), the rest
         kept: a long-lived process's record after a task that changed only these."""
         self.states.extend([None] * (len(registry.objects) - len(self.states)))
-        for i in objects:
+        untaken = [i for i, state in enumerate(self.states) if state is None and OPS[registry.kinds[i]].snapshot]
+        for i in sorted({*objects, *untaken}):  # a state that could not be taken is tried again
             self.states[i] = _state_of(registry.objects[i], registry.kinds[i])
         found = storage_digests([registry.storages[j] for j in storages], scan_large)
         digests: dict[int, StorageDigest] = dict(enumerate(self.storages)) | dict(zip(storages, found))
@@ -56,9 +57,10 @@ class Snapshot:
                         changed.append(i)
                     continue
                 now = ops.snapshot(obj)
+                same = ops.same(before, now)
             except Exception:  # noqa: BLE001 - an object that resists inspection is left untracked
                 continue
-            if not ops.same(before, now):
+            if not same:
                 changed.append(i)
         return changed
 
@@ -83,7 +85,13 @@ class KeptSnapshot:
         storages, else one taken; nothing is kept from here until ``keep``."""
         kept, snapshot = self.registry, self.snapshot
         self.drop()
-        if snapshot is not None and kept is not None and _same_objects(kept, registry) and WRITES.available():
+        if (
+            snapshot is not None
+            and kept is not None
+            and _same_objects(kept, registry)
+            and WRITES.available()
+            and not FORKS.unseen_children()  # a child we did not fork: the fork watch starts anew
+        ):
             return snapshot
         return Snapshot.take(registry, scan_large)
 
@@ -93,7 +101,9 @@ class KeptSnapshot:
 
     def keep(self, registry: Registry, snapshot: Snapshot, objects: list[int], storages: list[int]) -> None:
         """After a cell that ended well: its snapshot, taken again for the objects and storages
-        (indices) that it changed."""
+        (indices) that it changed (none is kept where writes are not tracked)."""
+        if not WRITES.available():
+            return
         snapshot.retake(registry, objects, storages, scan_large=True)
         self.registry, self.snapshot = registry, snapshot
 
@@ -104,6 +114,7 @@ def _same_objects(a: Registry, b: Registry) -> bool:
     return (
         len(a.objects) == len(b.objects)
         and len(a.storages) == len(b.storages)
+        and a.kinds == b.kinds  # a list grown into an atoms container has another kind of state
         and all(x is y for x, y in zip(a.objects, b.objects))
         and all(x is y for x, y in zip(a.storages, b.storages))
     )

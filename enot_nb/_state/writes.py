@@ -97,6 +97,9 @@ class WriteTracker:
         if os.environ.get("ENOT_NB_TRACK_WRITES", "1") == "0":
             return False
         if self._pid != os.getpid():
+            for fd in (self._uffd, self._pagemap):  # a fork's copies of its parent's: no use here
+                if fd is not None:
+                    os.close(fd)
             self._pid, self._epochs = os.getpid(), {}
             self._uffd, self._pagemap = _open()
         return self._uffd is not None

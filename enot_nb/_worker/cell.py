@@ -245,7 +245,10 @@ class Tracker:
         body: ast.Module | None = None,
     ) -> CellOutcome:
         changes, changed = collect.collect(self.registry, self.snapshot, self.names_before, self.namespace, self.hidden)
-        self.changed = (changed, [new.storage for new in changes.storages])
+        # Kept for the next cell unless the cell let go of a registered object: kept, it would
+        # hold it (its memory) until the next task, and the next cell's objects differ anyway.
+        gone = [n for n in (*changes.bound, *changes.deleted) if self.registry.find(self.names_before.get(n))]
+        self.changed = None if gone else (changed, [new.storage for new in changes.storages])
         outcome = CellOutcome(has_value=has_value)
         outcome.changed_names = sorted(
             set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}

@@ -205,10 +205,10 @@ class PushRefused(RuntimeError):
 
 
 _SKIPPED = object()
+"""The task ran nowhere: another rank could not apply its push."""
 
 _KEPT = KeptSnapshot()
 """The master's snapshot from its last cell (see KeptSnapshot)."""
-"""The task ran nowhere: another rank could not apply its push."""
 
 
 def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int | None = None) -> Any:
