@@ -57,9 +57,12 @@ class Snapshot:
                         changed.append(i)
                     continue
                 now = ops.snapshot(obj)
-                same = ops.same(before, now)
             except Exception:  # noqa: BLE001 - an object that resists inspection is left untracked
                 continue
+            try:
+                same = ops.same(before, now)
+            except Exception:  # noqa: BLE001 - states that cannot be compared: it changed
+                same = False
             if not same:
                 changed.append(i)
         return changed
