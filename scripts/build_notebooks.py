@@ -404,27 +404,29 @@ print("learning rate on rank", ed.get_rank(), "is", optimizer.param_groups[0]["l
 
 The stop button (here a timer sends the kernel the same SIGINT) prints where each rank is, then
 raises `KeyboardInterrupt` inside the cell on every rank. The workers stay, with their state; the
-notebook holds the master's state at the interrupt, as a local cell would.
+notebook holds the master's state at the interrupt, as a local cell would. Here the press lands
+while every rank waits outside any collective, so their process group stays as it was. A press
+that finds one rank inside a collective its peers never join releases it, and the session makes
+the group again and says so: a DDP wrapper made before must then be made again.
 """),
     code("""
 import os, signal, threading
-threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
 """),
     code(
         """
 %%enot_distributed
 import time
-while True:           # until the stop button
-    train(1)
-    time.sleep(0.2)
+train(1)
+time.sleep(60)        # the stop button lands here, on every rank
 """,
         "raises-exception",
-        LIVE_PROGRESS,  # where the ranks are when the press lands varies
+        LIVE_PROGRESS,  # the stacks printed at the press vary
     ),
     code("""
 %%enot_distributed
 start = epochs_done
-train(1, quiet=True)  # how many epochs ran before the press varies
+train(1, quiet=True)
 print("the same workers went on:", epochs_done == start + 1, "- the wrapper is still there:", ddp is not None)
 """),
     code("%enot_session", LIVE_PROGRESS),  # pids, memory and uptime vary
