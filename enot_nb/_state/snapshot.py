@@ -77,7 +77,8 @@ class KeptSnapshot:
     session master's, from cell to cell): a cell over the same objects starts from it instead of
     taking it again, which costs every object's state and every storage's digest. It holds only
     if nothing but the cells changed those objects in between: the holder drops it for any other
-    task or a push, and a cell that fails keeps none. Only where writes are tracked by the kernel
+    task or a push that changes objects (one that only binds names changes none), and a cell that
+    fails keeps none. Only where writes are tracked by the kernel
     (see writes): the shadow fork's renewal and fork watch start with a snapshot taken anew."""
 
     registry: Registry | None = None
