@@ -163,6 +163,34 @@ MUTATIONS = [
         ["tests/test_session.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"],
     ),
     Mutation(
+        "session-kept-reach-bindings-unchecked",
+        "enot_nb/_launch/session_flow.py",
+        "            and reach.bound_as_looked_up(self.found, namespace, hidden)\n",
+        "",
+        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "session-kept-reach-changes-unchecked",
+        "enot_nb/_launch/session_flow.py",
+        "            and not any(registry.find(obj) is not None for obj in since.moved.objects)\n",
+        "",
+        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "session-master-kept-registry-roots-unchecked",
+        "enot_nb/_state/snapshot.py",
+        "            if parent == 0 and namespace.get(step, _NONE) is not registry.objects[i]:\n",
+        "            if False:\n",
+        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "session-master-kept-registry-after-a-move",
+        "enot_nb/_state/snapshot.py",
+        "        self.specs = specs if whole and self.unmoved else None\n",
+        "        self.specs = specs if whole else None\n",
+        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
         "session-written-pages-untold",  # (a mutation inside writes.py fails its probe: no tracking)
         "enot_nb/_state/digests.py",
         "            found[j] = WRITES.written(areas[j], before.epoch)\n",

@@ -523,6 +523,96 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
     assert True in updates and False in updates  # both ways were taken
 
 
+FOUND_AGAIN: list[int] = []
+"""The cells whose master used its kept registry (see the test below; the master's copy)."""
+
+
+def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch):
+    """A cell that changed nothing leaves its reach (and the master its registry) for the next
+    cell with the same names: each must be what walking (finding) anew would give, whatever a
+    plain cell changed in between, or a change is missed or lands on another object."""
+    import pickle
+
+    from enot_nb._launch.session_flow import NamespaceFlow
+    from enot_nb._state import paths, reach
+    from enot_nb._state.snapshot import KeptSnapshot
+
+    uses: list[bool] = []
+    prepare, find = NamespaceFlow.cell, KeptSnapshot.registry_for
+
+    def checked_cell(self, code, run):
+        kept = self.kept
+        prepared = prepare(self, code, run)
+        uses.append(kept is not None and prepared.task.mirror is kept.mirror)
+        fresh = reach.reach(self.namespace, code, self._hidden())
+        assert prepared.reached == fresh.names, code
+        assert [id(o) for o in prepared.registry.objects] == [id(o) for o in fresh.registry.objects], code
+        assert prepared.registry.parents == fresh.registry.parents, code
+        assert [id(s) for s in prepared.registry.storages] == [id(s) for s in fresh.registry.storages], code
+        assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
+        return prepared
+
+    def checked_find(self, namespace, specs):  # in the master (forked from here)
+        found = find(self, namespace, specs)
+        if found is not None:
+            FOUND_AGAIN.append(1)
+            again = paths.registry_at(namespace, *pickle.loads(specs), strict=False)
+            assert [id(o) for o in found.objects] == [id(o) for o in again.objects]
+            assert [id(s) for s in found.storages] == [id(s) for s in again.storages]
+        return found
+
+    monkeypatch.setattr(NamespaceFlow, "cell", checked_cell)
+    monkeypatch.setattr(KeptSnapshot, "registry_for", checked_find)
+    cell = (
+        "try:\n    extra = len(helper)\nexcept NameError:\n    extra = -1\n"
+        "out = repr((f(net), extra, float(net.weight.detach().sum())))"  # an atom: a tuple is rebound
+    )
+    ns = {"__name__": "__main__", "net": torch.nn.Linear(3, 2), "scale": 2, "table": {"k": 1}, "torch": torch}
+    exec("def f(m):\n    return float(m.bias.detach().sum()) * scale + table['k']", ns)
+    found_again = f"len(__import__('sys').modules[{__name__!r}].FOUND_AGAIN)"
+
+    def local() -> str:
+        extra = len(ns["helper"]) if "helper" in ns else -1
+        return repr((ns["f"](ns["net"]), extra, float(ns["net"].weight.detach().sum())))
+
+    plain_cells = [
+        (None, True),  # nothing changed: kept
+        (lambda: ns.update(scale=3), True),  # an atom rebound: it reaches nothing either way
+        (lambda: ns.update(scale=torch.ones(1)), False),  # now an object: walked anew
+        (lambda: ns.update(scale=2), False),  # the tensor is no longer reached
+        (lambda: ns["table"].update(k=torch.ones(2)), False),  # a dict the function reads
+        (lambda: setattr(ns["net"], "extra", torch.nn.Linear(1, 1)), False),  # a module holds more
+        (lambda: ns.update(helper=[1, 2]), False),  # a name the cell names, absent until now
+        (lambda: ns["net"].weight.data.add_(1), False),  # a storage written
+        (lambda: exec("def f(m):\n    return float(m.weight.detach().sum())", ns), False),  # f rebound
+        (lambda: ns.pop("helper"), False),  # absent again
+        (lambda: ns.update(net=torch.nn.Linear(3, 2)), False),  # the same shapes, another model
+        (None, True),
+    ]
+    with start("fork", namespace=ns) as s:
+        s.run(cell)
+        s.run(cell)
+        for plain, kept in plain_cells:
+            if plain is not None:
+                plain()
+            s.run(cell)
+            assert uses[-1] is kept, (len(uses), uses)
+            assert ns["out"] == local(), len(uses)
+        s.run("net.weight.data.mul_(0)\n" + cell)  # a cell that changed something: not kept
+        assert uses[-1] is True and ns["out"] == local() and float(ns["net"].weight.detach().sum()) == 0.0
+        s.run(cell)
+        assert uses[-1] is False and ns["out"] == local()
+        # The master's side: its kept registry must not serve specs that name other objects now
+        s.run("net.bias = type(net.bias)(net.bias.detach() + 1)\n" + cell)  # moved: found anew
+        s.run(cell)
+        twin = torch.nn.Linear(3, 2)  # the same specs, another model: bound by a push of names
+        ns["net"] = twin
+        s.run(cell)
+        s.run("net.weight.data.add_(1)\n" + cell)
+        assert ns["net"] is twin and ns["out"] == local() == s.run("out")
+        assert s.run(found_again) >= 2  # the master found its kept registry too
+
+
 TAKES: list[int] = []
 """The snapshots a session's master took anew (see the test below; the master's copy)."""
 

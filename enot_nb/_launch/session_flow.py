@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._launch.bring_back import BroughtBack, Bundle, bring_back
+from enot_nb._launch.cell_reach import CellReach
 from enot_nb._launch.session_workers import CommandOutcome
-from enot_nb._state import apply, paths, reach
+from enot_nb._state import apply, reach
 from enot_nb._state.collect import Changes
 from enot_nb._state.mirror import Mirror, PickledTask, Push
 from enot_nb._state.record import Moved
@@ -57,6 +58,8 @@ class Prepared:
     options: _cell.CellOptions | None = None
     code: str = ""
     run: CellRun | None = None
+    reach: CellReach | None = None
+    """A cell's reach and its specs, which the next cell may use again (see CellReach)."""
 
 
 class NamespaceFlow:
@@ -65,6 +68,7 @@ class NamespaceFlow:
     def __init__(self, namespace: dict[str, Any], mode: str) -> None:
         self.namespace, self.mode, self.mirror = namespace, mode, Mirror()
         self.mirrored = mode == "all"
+        self.kept: CellReach | None = None  # the last cell's reach, for the next (see CellReach)
 
     def _hidden(self) -> Any:
         return reach.hidden_names(self.namespace)
@@ -72,8 +76,13 @@ class NamespaceFlow:
     def pickle(self, prepared: Prepared) -> PickledTask:
         return self.mirror.pickle(prepared.task, self.namespace)
 
-    def _push(self, reached: list[str], pulling: list[str] | None = None) -> Push | None:
-        return self.mirror.push(self.namespace, reached, self._hidden(), pulling) if self.mirrored else None
+    def _push(self, reached: list[str], pulling: list[str] | None = None, since: Any = None) -> Push | None:
+        """The push (``since``: the record's comparison, if made already)."""
+        self.kept = None  # the task may change what it was made from
+        if not self.mirrored:
+            return None
+        since = since or self.mirror.compare(self.namespace, self._hidden())
+        return self.mirror.push(self.namespace, reached, since, self._hidden(), pulling)
 
     def after_push(
         self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None, moved: Moved | None = None
@@ -84,29 +93,21 @@ class NamespaceFlow:
         if push is None or outcome.restart is not None or outcome.refused:
             return  # refused: the record stays as it was, and the next task pushes it all again
         if moved is not None:
-            moved.add(push.changes, self.mirror.record.baseline)  # pickled against it: it is the same still
+            moved = moved.plus(push.changes, self.mirror.record.baseline)  # pickled against it: the same still
         self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
 
     def cell(self, code: str, run: CellRun) -> Prepared:
         back = self.mirrored and not run.no_return
-        options = _cell.CellOptions(
-            sync=run.sync,
-            no_sync=run.sync is None,  # the ranks' models are in sync already
-            returns=run.returns,
-            no_return=not back,
-            first_line=run.first_line,
-            source_header=run.source_header,
-            shown=run.output != "none",
-            keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
-            gather_sharded=False,  # the ranks' FSDP modules live on, sharded
-        )
+        options = _cell_options(run, back)
         prepared = Prepared(task=None, options=options, code=code, run=run)
+        mirror = None
         if self.mirrored:
-            found = reach.reach(self.namespace, code, self._hidden())
-            prepared.reached = found.names
-            prepared.push = self._push(found.names)
-            prepared.registry = found.registry if back else None
-        mirror = _mirrored(prepared.registry) if prepared.registry is not None else None
+            since = self.mirror.compare(self.namespace, self._hidden())
+            reached = CellReach.of(self.namespace, code, self._hidden(), since, self.kept)
+            prepared.reached = reached.found.names
+            prepared.push = self._push(reached.found.names, since=since)
+            if back:
+                prepared.registry, prepared.reach, mirror = reached.found.registry, reached, reached.specs()
         prepared.task = CellTask(prepared.push.changes if prepared.push else None, code, options, mirror)
         return prepared
 
@@ -130,7 +131,9 @@ class NamespaceFlow:
             self.namespace, prepared.registry, state, prepared.options, show_value=outcome.result is not None
         )
         if outcome.restart is None:  # new workers hold nothing yet
-            self._record(prepared, state, outcome, _written_by(prepared), brought)
+            moved = self._record(prepared, state, outcome, _written_by(prepared), brought)
+            if prepared.reach is not None and outcome.result is not None:  # the cell ended well
+                self.kept = prepared.reach.kept_after(moved, self.mirror.record)
         return brought.value
 
     def _record(
@@ -140,15 +143,17 @@ class NamespaceFlow:
         outcome: CommandOutcome,
         written: set[str],
         brought: BroughtBack,
-    ) -> None:
-        """The ranks and the notebook agree on what came back; what did not is stale here."""
+    ) -> Moved:
+        """The ranks and the notebook agree on what came back; what did not is stale here. What
+        came back into the notebook's objects."""
         returned, returns = set(state.changed_names), prepared.run.returns if prepared.run else None
         names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
         moved, push = Moved.of(brought.changes, prepared.registry), prepared.push
         quiet = push is not None and push.changes is None and not (moved.objects or moved.storages or returned)
         if quiet and set(names) <= set(self.mirror.record.synced):
-            return  # nothing moved either way: the last sync's record still holds (and costs nothing)
+            return moved  # nothing moved either way: the last sync's record still holds (and costs nothing)
         self.after_push(prepared, outcome, names, moved)
+        return moved
 
     # ------------------------------------------------------------------------- launch, pull, push
 
@@ -163,7 +168,7 @@ class NamespaceFlow:
             found = reach.reach(self.namespace, "", self._hidden(), found=reach.global_names(fn))
             prepared.reached, prepared.registry = found.names, found.registry
             prepared.push = self._push(found.names)
-            mirror = _mirrored(found.registry)
+            mirror = Mirrored.of(found.registry)
         prepared.task = CallTask(prepared.push.changes if prepared.push else None, fn, args, kwargs, mirror)
         return prepared
 
@@ -184,11 +189,9 @@ class NamespaceFlow:
         return value
 
     def pull(self, names: list[str]) -> Prepared:
-        for name in names:
-            if not isinstance(name, str) or not name.isidentifier():
-                raise LaunchConfigError(f"pull({name!r}): expected variable names")
+        _check_names(names)
         registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
-        mirror = _mirrored(registry)
+        mirror = Mirrored.of(registry)
         push = self._push([], pulling=list(names))
         return Prepared(PullTask(push.changes if push else None, list(names), mirror), push, registry)
 
@@ -221,9 +224,25 @@ class NamespaceFlow:
         return Prepared(SyncTask(push.changes if push else None), push)
 
 
-def _mirrored(registry: Registry) -> Mirrored:
-    """What the master needs to find its own objects at the notebook's registry indices."""
-    return Mirrored(paths.specs_of(registry), len(registry.objects), len(registry.storages))
+def _check_names(names: list[str]) -> None:
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise LaunchConfigError(f"pull({name!r}): expected variable names")
+
+
+def _cell_options(run: CellRun, back: bool) -> _cell.CellOptions:
+    """How a session cell runs on the ranks (``back``: the master's changes come back)."""
+    return _cell.CellOptions(
+        sync=run.sync,
+        no_sync=run.sync is None,  # the ranks' models are in sync already
+        returns=run.returns,
+        no_return=not back,
+        first_line=run.first_line,
+        source_header=run.source_header,
+        shown=run.output != "none",
+        keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
+        gather_sharded=False,  # the ranks' FSDP modules live on, sharded
+    )
 
 
 def _written_by(prepared: Prepared) -> set[str]:

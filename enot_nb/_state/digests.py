@@ -10,6 +10,7 @@ digested whole.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import sys
@@ -199,6 +200,12 @@ def _is_array(obj: Any) -> bool:
 # only make an area look changed, never hide a change. Saves reading 4 MB of pagemap per 2 GiB.
 SCAN_MAX = 1 << 20
 
+# Torch storages this large are write-tracked by the kernel where it can (see writes): their
+# interior pages cost one ioctl at the reset and one at the comparison, and only the two edge
+# pages (shared with neighbours) are digested. Below it a crc of every byte (about 15 us for
+# 64 KiB here) costs no more than those two ioctls and the edges' digest.
+TRACK_MIN = 1 << 16
+
 
 def owned_share(storages: list[Any], recorded: list[StorageDigest] | None = None) -> float:
     """The share of the large storages' pages (see SCAN_MAX) that this process owns alone: 1.0
@@ -306,12 +313,13 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
     epochs: dict[int, int] = {}
     whole = [False] * len(areas)  # digested whole: pages owned tell nothing more
     if scan_large and WRITES.available():
-        tracked = [j for j, is_large in enumerate(large) if is_large and not _pinned(owners[j])]
+        trackable = [area[1] >= TRACK_MIN and not _is_array(owner) for area, owner in zip(areas, owners)]
+        tracked = [j for j, ok in enumerate(trackable) if ok and not _pinned(owners[j])]
         epochs = {j: e for j, e in zip(tracked, WRITES.reset([areas[j] for j in tracked])) if e is not None}
         # A small storage of a process that lives on is its own, all of it, by now: one crc of
         # its bytes costs less than reading its pages' flags and digesting them all anyway.
-        whole = [area[1] < SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
-    skip = [(is_large and (not scan_large or j in epochs)) or whole[j] for j, is_large in enumerate(large)]
+        whole = [not ok and not _is_array(owner) for ok, owner in zip(trackable, owners)]
+    skip = [(is_large and not scan_large) or j in epochs or whole[j] for j, is_large in enumerate(large)]
     scanned = [(0, 0) if skipped else area for area, skipped in zip(areas, skip)]
     masks = _pagemap.own_pages(scanned) if _pagemap.supported() else None
     digests: list[AreaDigest | PagesDigest] = []
@@ -319,7 +327,7 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
         if masks is not None and skip[j]:
             masks[j] = _no_pages(area)
         if masks is None or not area[1] or whole[j]:
-            digests.append(AreaDigest(*area, digest(_bytes_of(owner)) if area[1] else (0, 0)))
+            digests.append(AreaDigest(*area, _whole_digest(area, owner)))
         else:
             # The first and last pages may be shared with neighbours, which the cell may write:
             # their bytes are compared, like the pages already this process's own.
@@ -329,6 +337,16 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
             if j not in epochs:  # a fork does not hide a tracked write
                 FORKS.add(area)
     return digests
+
+
+def _whole_digest(area: Area, owner: Any) -> tuple[int, int]:
+    """A digest of all of an area's bytes; a small one's read as a copy (``string_at``: cheaper
+    than setting up a view, for so few bytes)."""
+    if not area[1]:
+        return (0, 0)
+    if area[1] < TRACK_MIN:
+        return area[1], zlib.crc32(ctypes.string_at(*area))
+    return digest(_bytes_of(owner))
 
 
 def _pinned(storage: Any) -> bool:
@@ -375,9 +393,7 @@ def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> l
         )
     for j, b in enumerate(before):
         if isinstance(b, AreaDigest):
-            changed[j] = (b.start, b.size) != areas[j] or b.digest != (
-                digest(_bytes_of(owners[j])) if areas[j][1] else (0, 0)
-            )
+            changed[j] = (b.start, b.size) != areas[j] or b.digest != _whole_digest(areas[j], owners[j])
     return changed
 
 
@@ -421,8 +437,11 @@ def _runs(area: Area, pages: Any) -> list[tuple[int, int]]:
     """The runs of marked pages of an area, as (offset, length) within it."""
     import numpy
 
-    edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], pages.view(numpy.int8), [0]))))
     base = area[0] // _pagemap.PAGE * _pagemap.PAGE - area[0]  # the first page's start, <= 0
+    if len(pages) > 2 and not pages[1:-1].any():  # its edge pages at most (tracked, unwritten inside)
+        last = base + (len(pages) - 1) * _pagemap.PAGE
+        return [(0, base + _pagemap.PAGE)] * bool(pages[0]) + [(last, area[1] - last)] * bool(pages[-1])
+    edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], pages.view(numpy.int8), [0]))))
     parts = []
     for first, end in zip(edges[::2].tolist(), edges[1::2].tolist()):
         low, high = max(0, base + first * _pagemap.PAGE), min(area[1], base + end * _pagemap.PAGE)

@@ -58,6 +58,15 @@ class Push:
 
 
 @dataclass
+class SinceSync:
+    """What the push's comparison found: its changes (before the push keeps those it sends), and
+    every object and storage of the record that changed (see session_flow.KeptReach)."""
+
+    changes: Changes
+    moved: Moved
+
+
+@dataclass
 class PickledTask:
     """A task pickled against the baseline, and the specs of the objects it refers to."""
 
@@ -100,18 +109,34 @@ class Mirror:
         SHADOW.end()
         self.__init__()  # type: ignore[misc]
 
+    def compare(self, namespace: dict[str, Any], hidden: Any = ()) -> SinceSync | None:
+        """What changed of the record's objects and storages since the last sync (None: there is
+        no record of this namespace); ``push`` takes it."""
+        record = self.record
+        if record.snapshot is None or record.baseline.objects[0] is not namespace:
+            return None
+        changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden)
+        storages = [record.baseline.storages[new.storage] for new in changes.storages]
+        return SinceSync(changes, Moved([record.baseline.objects[i] for i in changed], storages))
+
     def push(
-        self, namespace: dict[str, Any], reached: list[str], hidden: Any = (), pulling: list[str] | None = None
+        self,
+        namespace: dict[str, Any],
+        reached: list[str],
+        since: SinceSync | None,
+        hidden: Any = (),
+        pulling: list[str] | None = None,
     ) -> Push:
-        """What changed since the last sync, and the reached variables the ranks lack.
-        ``pulling``: variables about to be pulled: their changes here are not pushed (the
-        master's values replace them), and their being stale refuses nothing."""
-        pulling, record = pulling or [], self.record
-        now, synced = user_variables(namespace, hidden), record.synced
+        """What changed since the last sync (``since``: compare's answer), and the reached
+        variables the ranks lack. ``pulling``: variables about to be pulled: their changes here
+        are not pushed (the master's values replace them), and their being stale refuses
+        nothing."""
+        pulling, synced = pulling or [], self.record.synced
+        now = user_variables(namespace, hidden)
         changes = Changes()
-        if record.snapshot is not None and record.baseline.objects[0] is namespace:
-            changes, _ = collect(record.baseline, record.snapshot, synced, namespace, hidden)
-            self._only_reachable(namespace, changes, now)
+        if since is not None:
+            changes = since.changes
+            _only_reachable(self.record, namespace, changes, now)
             changes.objects, changes.storages = self._refuse_stale(namespace, changes, pulling)
         # collect's rule for names, kept to those the ranks hold and those the task uses
         changes.bound = {
@@ -126,19 +151,6 @@ class Mirror:
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
         names = [n for n in {**synced, **changes.bound} if n not in changes.deleted]
         return Push(None if empty else changes, names)
-
-    def _only_reachable(self, namespace: dict[str, Any], changes: Changes, now: dict[str, Any]) -> None:
-        """Drop the changes of objects no variable reaches any more (a list written, then replaced
-        by another): nothing on the ranks would see them, and their old paths may hold something
-        else there."""
-        if not changes.objects and not changes.storages:
-            return
-        baseline = self.record.baseline
-        current = Registry.of_namespace(namespace, sorted(set(self.record.synced) & set(now)))
-        changes.objects = [(i, s) for i, s in changes.objects if current.find(baseline.objects[i]) is not None]
-        changes.storages = [
-            new for new in changes.storages if current.find_storage(baseline.storages[new.storage]) is not None
-        ]
 
     def _refuse_stale(self, namespace: dict[str, Any], changes: Changes, pulling: list[str]) -> tuple[list, list]:
         """The changes, less those of what ``pulling`` reaches; StaleError for one made to an
@@ -232,6 +244,20 @@ class Mirror:
         for name in names:
             self.stale.pop(name, None)
             self.on_workers.pop(name, None)
+
+
+def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, now: dict[str, Any]) -> None:
+    """Drop the changes of objects no variable reaches any more (a list written, then replaced
+    by another): nothing on the ranks would see them, and their old paths may hold something
+    else there."""
+    if not changes.objects and not changes.storages:
+        return
+    baseline = record.baseline
+    current = Registry.of_namespace(namespace, sorted(set(record.synced) & set(now)))
+    changes.objects = [(i, s) for i, s in changes.objects if current.find(baseline.objects[i]) is not None]
+    changes.storages = [
+        new for new in changes.storages if current.find_storage(baseline.storages[new.storage]) is not None
+    ]
 
 
 _NONE = object()

@@ -107,6 +107,11 @@ class _Missing:
         return "<no counterpart on this rank>"
 
 
+def has_placeholders(registry: Registry) -> bool:
+    """Whether some object of a rank's registry (registry_at) had no counterpart here."""
+    return any(type(obj) is _Missing for obj in registry.objects)
+
+
 def registry_at(
     namespace: dict[str, Any], specs: list[ObjectSpec] | tuple, objects: int, storages: int, strict: bool
 ) -> Registry:

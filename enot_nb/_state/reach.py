@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 from enot_nb._serialize import picklers
 from enot_nb._state.registry import Registry, is_user_name, user_variables
+from enot_nb._state.states import ATOMS
 
 DYNAMIC_NAMES = frozenset({"globals", "vars", "eval", "exec", "get_ipython", "__main__", "__import__"})
 """Names whose use lets code read any of the namespace's names (with ``sys.modules``)."""
@@ -185,6 +186,24 @@ class Reach:
     """Reached names that ``admit`` refused, with why."""
     whole: str | None = None
     """Why every user name was walked (code that reads the namespace by name), or None."""
+    looked_up: dict[str, Any] = field(default_factory=dict)
+    """Each name the walk looked up, and what it found: the user variable's value, or ABSENT
+    (no such user variable). The same walk finds the same again while these hold and the
+    registry's objects are unchanged (see bound_as_looked_up)."""
+
+
+ABSENT = object()
+"""What a reach found at a name that is no user variable."""
+
+
+def bound_as_looked_up(found: Reach, namespace: dict[str, Any], hidden: Any = ()) -> bool:
+    """Whether every name the walk looked up holds what it found then: the same object, or an
+    atom both times (never registered, and it reaches nothing), or no user variable still."""
+    for name, then in found.looked_up.items():
+        now = namespace.get(name, ABSENT) if is_user_name(name, hidden) else ABSENT
+        if now is not then and not (type(now) in ATOMS and type(then) in ATOMS):
+            return False
+    return True
 
 
 def reach(
@@ -198,7 +217,10 @@ def reach(
     todo = set(user_variables(namespace, hidden)) if found.dynamic else set(found.names)
     seen_functions, walked = 0, set[str]()
     while todo:
-        names = sorted(n for n in todo - walked if n in namespace and is_user_name(n, hidden))
+        for name in todo - walked:
+            user = name in namespace and is_user_name(name, hidden)
+            result.looked_up[name] = namespace[name] if user else ABSENT
+        names = sorted(n for n in todo - walked if result.looked_up[n] is not ABSENT)
         walked |= todo
         todo = set()
         if result.whole is None and any(namespace[n] is namespace for n in names):  # ns = globals()

@@ -80,16 +80,14 @@ class Moved:
 
     @classmethod
     def of(cls, changes: Changes | None, registry: Registry | None) -> Moved:
-        moved = cls()
-        if registry is not None:
-            moved.add(changes, registry)
-        return moved
+        return cls() if registry is None else cls().plus(changes, registry)
 
-    def add(self, changes: Changes | None, registry: Registry) -> None:
-        """The objects and storages ``changes`` (pickled against ``registry``) changed."""
-        if changes is not None:
-            self.objects += [registry.objects[i] for i, _ in changes.objects]
-            self.storages += [registry.storages[new.storage] for new in changes.storages]
+    def plus(self, changes: Changes | None, registry: Registry) -> Moved:
+        """These, and the objects and storages ``changes`` (pickled against ``registry``) changed."""
+        if changes is None:
+            return self
+        objects = self.objects + [registry.objects[i] for i, _ in changes.objects]
+        return Moved(objects, self.storages + [registry.storages[new.storage] for new in changes.storages])
 
 
 def _new_children(registry: Registry, indices: list[int]) -> list[tuple[Any, int, str]] | None:

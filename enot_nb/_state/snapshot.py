@@ -13,6 +13,7 @@ from typing import Any
 
 from enot_nb._state.digests import FORKS, StorageDigest, changed_storages, storage_digests, watch_forks
 from enot_nb._state.kinds import OPS
+from enot_nb._state.paths import has_placeholders
 from enot_nb._state.registry import Registry
 from enot_nb._state.writes import WRITES
 
@@ -83,6 +84,31 @@ class KeptSnapshot:
 
     registry: Registry | None = None
     snapshot: Snapshot | None = None
+    specs: bytes | None = None
+    """What the kept registry was found by (the notebook's specs, pickled: see paths.registry_at),
+    where the cell it was kept after changed none of its objects or storages and each object had
+    a counterpart here: the next cell sent the same specs finds the same objects (see
+    registry_for). None: it must be found again."""
+    unmoved: bool = False
+
+    def registry_for(self, namespace: dict[str, Any], specs: bytes | None) -> Registry | None:
+        """The kept registry, where finding ``specs`` again would give it: the same specs it was
+        found by (see ``specs``), and each variable at its root still bound to the object it
+        holds there (a push that binds names keeps the snapshot, and may have rebound one)."""
+        registry = self.registry
+        if registry is None or specs is None or specs != self.specs or registry.objects[0] is not namespace:
+            return None
+        for i, (parent, step) in enumerate(registry.parents):
+            if parent == 0 and namespace.get(step, _NONE) is not registry.objects[i]:
+                return None
+        return registry
+
+    def found_by(self, specs: bytes | None) -> None:
+        """After the cell: the specs the kept registry was found by, noted if the cell moved
+        none of its objects or storages, and every object had a counterpart (see ``specs``)."""
+        registry = self.registry
+        whole = registry is not None and not has_placeholders(registry)
+        self.specs = specs if whole and self.unmoved else None
 
     def take(self, registry: Registry, scan_large: bool) -> Snapshot:
         """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and
@@ -101,7 +127,8 @@ class KeptSnapshot:
 
     def drop(self) -> None:
         """Something else may change the objects (see the class's docstring)."""
-        self.registry = self.snapshot = None
+        self.registry = self.snapshot = self.specs = None
+        self.unmoved = False
 
     def keep(self, registry: Registry, snapshot: Snapshot, objects: list[int], storages: list[int]) -> None:
         """After a cell that ended well: its snapshot, taken again for the objects and storages
@@ -109,7 +136,7 @@ class KeptSnapshot:
         if not WRITES.available():
             return
         snapshot.retake(registry, objects, storages, scan_large=True)
-        self.registry, self.snapshot = registry, snapshot
+        self.registry, self.snapshot, self.unmoved = registry, snapshot, not objects and not storages
 
 
 def _same_objects(a: Registry, b: Registry) -> bool:
@@ -130,3 +157,6 @@ def _state_of(obj: Any, kind: Any) -> Any:
         return None if snapshot is None else snapshot(obj)
     except Exception:  # noqa: BLE001 - left untracked, as an opaque object
         return None
+
+
+_NONE = object()

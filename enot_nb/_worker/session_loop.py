@@ -65,15 +65,27 @@ class Mirrored:
     specs: list[paths.ObjectSpec]
     objects: int
     storages: int
+    packed: bytes | None = field(default=None, compare=False, repr=False)
+    """Its pickle, made once (the notebook sends the same specs again while a cell's reach is
+    kept) and kept where it was loaded: the master knows the same specs by it (see
+    KeptSnapshot.registry_for)."""
+
+    @classmethod
+    def of(cls, registry: Registry) -> Mirrored:
+        """What the master needs to find its own objects at the notebook's registry indices."""
+        return cls(paths.specs_of(registry), len(registry.objects), len(registry.storages))
 
     def __reduce__(self) -> tuple:
         # Plain data, pickled in one go by the C pickler: the task's pickler (a Python subclass
         # that looks every object up in the registry) would visit each of its thousands of parts.
-        return _mirrored, (pickle.dumps((self.specs, self.objects, self.storages), protocol=5),)
+        if self.packed is None:
+            self.packed = pickle.dumps((self.specs, self.objects, self.storages), protocol=5)
+        return _mirrored, (self.packed,)
 
 
 def _mirrored(data: bytes) -> Mirrored:
-    return Mirrored(*pickle.loads(data))
+    specs, objects, storages = pickle.loads(data)
+    return Mirrored(specs, objects, storages, packed=data)
 
 
 @dataclass
@@ -255,11 +267,15 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
     nothing but this cell will have changed it, see KeptSnapshot)."""
     registry, scan = None, False
     if task.mirror is not None and _state["rank"] == 0:
-        registry = _mirror_registry(namespace, task.mirror)
+        registry = _KEPT.registry_for(namespace, task.mirror.packed) if keep else None
+        registry = registry or _mirror_registry(namespace, task.mirror)
         if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
             scan = before_long_lived_snapshot(registry.storages)
     kept = _KEPT if keep and registry is not None else None
-    return _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan, kept=kept)
+    outcome = _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan, kept=kept)
+    if kept is not None and task.mirror is not None:
+        kept.found_by(task.mirror.packed)
+    return outcome
 
 
 def _call(namespace: dict[str, Any], task: CallTask) -> Any:
