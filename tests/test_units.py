@@ -440,3 +440,60 @@ def test_the_kernel_tells_which_pages_were_written_since_a_reset_and_only_those(
     assert (interior.nonzero()[0] + 1).tolist() == [offset]
     (again,) = WRITES.reset([area])
     assert WRITES.written(area, epoch) is None and not WRITES.written(area, again)[1:-1].any()
+
+
+def _tensor_changes() -> list:
+    """(name, tensor, change in place, whether its state changed) for the test below."""
+
+    def hook(g):
+        return g
+
+    def removed_hook(t):
+        t.register_hook(hook).remove()
+
+    parameter = torch.nn.Parameter(torch.ones(4))
+    with_hook = torch.ones(3, requires_grad=True)
+    with_hook.register_hook(hook)
+    return [
+        ("nothing", torch.ones(4), lambda t: None, False),
+        ("a write of its bytes", torch.ones(4), lambda t: t.add_(1), False),  # a digest's matter
+        ("resized", torch.ones(4), lambda t: t.resize_(2), True),
+        ("another storage", torch.ones(4), lambda t: t.set_(torch.zeros(4)), True),
+        ("another offset", torch.ones(8), lambda t: t.set_(t.untyped_storage(), 2, (4,)), True),
+        ("transposed", torch.ones(2, 3), lambda t: t.t_(), True),
+        ("viewed as strided", torch.ones(6), lambda t: t.as_strided_((3,), (2,)), True),
+        ("requires grad", torch.ones(4), lambda t: t.requires_grad_(), True),
+        ("a grad", torch.ones(4, requires_grad=True), lambda t: setattr(t, "grad", torch.ones(4)), True),
+        ("an attribute", torch.ones(4), lambda t: setattr(t, "tag", "x"), True),
+        ("a hook", torch.ones(4, requires_grad=True), lambda t: t.register_hook(hook), True),
+        ("a hook removed", with_hook, lambda t: t._backward_hooks.clear(), True),
+        ("a hook added and removed", torch.ones(4, requires_grad=True), removed_hook, True),
+        (
+            "a post-accumulate hook",
+            torch.ones(4, requires_grad=True),
+            lambda t: t.register_post_accumulate_grad_hook(hook),
+            True,
+        ),
+        ("its data replaced", parameter, lambda t: setattr(t, "data", torch.zeros(4)), True),
+        ("a sparse tensor's values", torch.ones(2, 2).to_sparse(), lambda t: t._values().add_(1), False),
+        (
+            "a sparse tensor coalesced",
+            torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (2,)),
+            lambda t: t._coalesced_(True),
+            True,
+        ),
+    ]
+
+
+@pytest.mark.parametrize("name, tensor, change, changed", _tensor_changes(), ids=[c[0] for c in _tensor_changes()])
+def test_a_tensor_compared_in_place_is_compared_as_its_state(name, tensor, change, changed):
+    """The fast compare of a live tensor with its state (kinds._tensor_changed) says what
+    building a state now and comparing the two (_same_tensor) says: a change or none."""
+    from enot_nb._state import kinds
+    from enot_nb._state.states import tensor_state
+
+    before = tensor_state(tensor)
+    change(tensor)
+    assert kinds._tensor_changed(tensor, before) is changed, name
+    assert kinds._same_tensor(before, tensor_state(tensor)) is not changed, name
+    assert kinds._tensor_changed(tensor, tensor_state(tensor)) is False, name

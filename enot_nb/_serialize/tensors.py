@@ -199,8 +199,14 @@ class TensorHooks(NamedTuple):
 
 def tensor_hooks(tensor: torch.Tensor) -> TensorHooks:
     backward, post = tensor._backward_hooks, tensor._post_accumulate_grad_hooks
-    ids = tuple(k for hooks in (backward, post) if hooks for k in hooks if type(k) is int)
-    return TensorHooks(backward, post, ids)
+    return TensorHooks(backward, post, hook_ids(backward, post))
+
+
+def hook_ids(*dicts: Any) -> tuple[int, ...]:
+    """The ids of the hooks in a tensor's hook dicts (see TensorHooks)."""
+    if not any(dicts):
+        return ()
+    return tuple(k for hooks in dicts if hooks for k in hooks if type(k) is int)
 
 
 def set_tensor_hooks(tensor: torch.Tensor, hooks: TensorHooks) -> None:

@@ -49,7 +49,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._serialize.tensors import _rebuild_tensor, set_tensor_hooks, sparse_tensor, tensor_hooks
+from enot_nb._serialize.tensors import (
+    UNREADABLE,
+    _rebuild_tensor,
+    hook_ids,
+    set_tensor_hooks,
+    sparse_tensor,
+    tensor_hooks,
+)
 from enot_nb._state.digests import array_changed, array_digest, digest, pickle_digest
 from enot_nb._state.states import (
     ATOMS,
@@ -542,6 +549,38 @@ def _same_tensor(a: TensorState, b: TensorState) -> bool:
     )
 
 
+def _tensor_changed(t: Any, before: TensorState) -> bool:
+    """``not _same_tensor(before, tensor_state(t))``, read off the tensor a field at a time: a
+    session compares every tensor of a model on both sides at every cell, and building each
+    state costs more than comparing it. A sparse tensor, or one unreadable before, is compared
+    the long way."""
+    if before.sparse is not None or before.storage is None:
+        return not _same_tensor(before, tensor_state(t))
+    try:
+        if (
+            t.untyped_storage() is not before.storage
+            or t.storage_offset() != before.offset
+            or tuple(t.shape) != before.size
+            or t.stride() != before.stride
+            or (t.is_conj(), t.is_neg(), t.is_inference()) != before.bits
+        ):
+            return True
+    except UNREADABLE:
+        return True  # (it had a storage before)
+    hooks, backward, post = before.hooks, t._backward_hooks, t._post_accumulate_grad_hooks
+    return not (
+        type(t) is before.type
+        and t.dtype == before.dtype
+        and t.device == before.device
+        and t.requires_grad == before.requires_grad
+        and (t.grad if t.is_leaf else None) is before.grad
+        and same_dict(before.attributes, object_dict(t) or {})
+        and backward is hooks.backward
+        and post is hooks.post_accumulate_grad
+        and hook_ids(backward, post) == hooks.ids
+    )
+
+
 def _same_sparse(a: SparseView | None, b: SparseView | None) -> bool:
     if a is None or b is None:
         return a is b
@@ -961,7 +1000,9 @@ def _weakref_children(ref: weakref.ReferenceType) -> Steps:
 OPS: dict[Kind, KindOps] = {
     Kind.NAMESPACE: KindOps(),
     Kind.OPAQUE: KindOps(),
-    Kind.TENSOR: KindOps(_tensor_children, tensor_state, _same_tensor, apply=apply_tensor, has_storage=True),
+    Kind.TENSOR: KindOps(
+        _tensor_children, tensor_state, _same_tensor, _tensor_changed, apply=apply_tensor, has_storage=True
+    ),
     Kind.NDARRAY: KindOps(
         _array_children,
         array_digest,

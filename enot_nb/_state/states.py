@@ -245,12 +245,18 @@ def _bits(x: float | complex) -> bytes:
 
 
 def same_pairs(a: Any, b: Any) -> bool:
-    """Two sequences of (key, value) pairs, in order."""
+    """Two sequences of (key, value) pairs, in order (a loop: compared for every object at every
+    session cell, where a generator's set-up costs more than a short dict's comparison)."""
     a, b = list(a), list(b)
-    return len(a) == len(b) and all(same_value(ka, kb) and same_value(va, vb) for (ka, va), (kb, vb) in zip(a, b))
+    if len(a) != len(b):
+        return False
+    for (ka, va), (kb, vb) in zip(a, b):
+        if not (same_value(ka, kb) and same_value(va, vb)):
+            return False
+    return True
 
 
 def same_dict(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     if a is None or b is None:
         return a is b
-    return same_pairs(a.items(), b.items())
+    return len(a) == len(b) and (not a or same_pairs(a.items(), b.items()))
