@@ -2,13 +2,12 @@
 that is already running (the reference: no import, no process group, no sync repeated).
 
 ``build()`` makes the model, its DDP wrapper, the optimizer and a batch once; ``fifty()`` runs 50
-steps. Under torchrun (``torchrun benchmarks/session_steps_job.py OUT.json REPEATS``) the script
-times ``fifty()`` REPEATS times after a warm-up and writes rank 0's seconds.
+steps. Under torchrun (``torchrun benchmarks/session_steps_job.py CONTROL``) the script runs
+``fifty()`` once per command it reads (see ``serve``), alternating with the bench's session cells.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -39,19 +38,29 @@ def fifty(ddp, optimizer, x, y) -> None:
         optimizer.step()
 
 
-if __name__ == "__main__":
+def serve(control: str) -> None:
+    """Under torchrun, already running: one block of 50 steps for each line read from this
+    rank's command pipe (``CONTROL.rankN``), its seconds (barrier to barrier, as a cell ends when
+    every rank is done) written by rank 0 to ``CONTROL.out``, a line each; until the pipe closes.
+    The bench alternates these blocks with session cells, so both see the machine as it is."""
     from enot_nb import distributed as ed
 
     ed.init_torch(backend="gloo")
     parts = build()
-    fifty(parts["ddp"], parts["optimizer"], parts["x"], parts["y"])  # warm-up
-    seconds = []
-    for _ in range(int(sys.argv[2])):
-        dist.barrier()
-        start = time.perf_counter()
-        fifty(parts["ddp"], parts["optimizer"], parts["x"], parts["y"])
-        dist.barrier()  # as a cell ends when every rank is done
-        seconds.append(time.perf_counter() - start)
-    if ed.is_master():
-        with open(sys.argv[1], "w") as f:
-            json.dump(seconds, f)
+    step = (parts["ddp"], parts["optimizer"], parts["x"], parts["y"])
+    fifty(*step)  # warm-up
+    with open(f"{control}.rank{ed.get_rank()}") as commands:
+        out = open(f"{control}.out", "w", buffering=1) if ed.is_master() else None
+        for _ in commands:
+            dist.barrier()
+            start = time.perf_counter()
+            fifty(*step)
+            dist.barrier()
+            if out is not None:
+                out.write(f"{time.perf_counter() - start}\n")
+        if out is not None:
+            out.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
