@@ -191,6 +191,27 @@ MUTATIONS = [
         ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
     ),
     Mutation(
+        "session-popped-object-changes-dropped",
+        "enot_nb/_state/mirror.py",
+        "            held = sorted(n for n in now if n in synced or n in reached)\n",
+        "            held = sorted(n for n in now if n in synced)\n",
+        ["tests/test_session.py::test_an_object_taken_out_of_a_synced_one_into_a_new_variable_keeps_its_changes"],
+    ),
+    Mutation(
+        "shared-memory-storage-write-tracked",
+        "enot_nb/_state/digests.py",
+        "        whole = [not _is_array(owner) and _shared(owner) for owner in owners]\n",
+        "        whole = [False] * len(areas)\n",
+        ["tests/test_units.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
+    ),
+    Mutation(
+        "write-tracker-registrations-uncapped",
+        "enot_nb/_state/writes.py",
+        "            if self._registered >= MAX_REGISTRATIONS:\n",
+        "            if False:\n",
+        ["tests/test_units.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
+    ),
+    Mutation(
         "session-written-pages-untold",  # (a mutation inside writes.py fails its probe: no tracking)
         "enot_nb/_state/digests.py",
         "            found[j] = WRITES.written(areas[j], before.epoch)\n",

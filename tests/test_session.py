@@ -63,6 +63,22 @@ def test_a_plain_change_in_place_reaches_every_rank():
         assert s.run("float(t.sum())") == 5.0
 
 
+def test_an_object_taken_out_of_a_synced_one_into_a_new_variable_keeps_its_changes():
+    """``c = d.pop('k'); c.scale = 2.0`` in a plain cell: no synced variable reaches the object
+    any more, but the new one does, and the cell that uses it sees the change (the rank binds
+    its own object, found at the old path, and changes it as the notebook's changed)."""
+    import types
+
+    ns = {"d": {"k": types.SimpleNamespace(scale=1.0)}}
+    with start("fork", namespace=ns) as s:
+        s.run("d")
+        c = ns["d"].pop("k")
+        c.scale = 2.0
+        ns["c"] = c
+        assert s.run("c.scale, len(d)") == (2.0, 0)
+        assert s.launch(lambda: (c.scale, len(d))) == (2.0, 0)  # noqa: F821 - the rank's
+
+
 @pytest.fixture(params=["tracked", "shadow"])
 def pages(request, monkeypatch):
     """How a long-lived process tells the pages it wrote: the kernel's write tracking (see

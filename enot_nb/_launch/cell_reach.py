@@ -67,13 +67,14 @@ class CellReach:
     def kept_after(self, moved: Moved, record: Record) -> CellReach | None:
         """After the cell ended well: this reach, for the next cell, if the cell changed none of
         its objects or storages (``moved``: what came back), it was not a walk of every name
-        (code that reads names dynamically), and ``record`` holds all of it; else None."""
-        registry, baseline = self.found.registry, record.baseline
+        (code that reads names dynamically), and ``record`` holds all of it, each state taken;
+        else None."""
+        registry, baseline, snapshot = self.found.registry, record.baseline, record.snapshot
         if moved.objects or moved.storages or self.found.whole is not None or self.found.left_out:
             return None
-        held = (
-            baseline.objects[0] is registry.objects[0]
-            and all(baseline.find(obj) is not None for obj in registry.objects[1:])
-            and all(baseline.find_storage(storage) is not None for storage in registry.storages)
-        )
-        return self if held else None
+        if snapshot is None or baseline.objects[0] is not registry.objects[0]:
+            return None
+        at = [baseline.find(obj) for obj in registry.objects[1:]]
+        if any(i is None for i in at) or any(baseline.find_storage(s) is None for s in registry.storages):
+            return None
+        return self if snapshot.taken(baseline, [i for i in at if i is not None]) else None

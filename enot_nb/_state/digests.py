@@ -312,13 +312,21 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
     large = [area[1] >= SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
     epochs: dict[int, int] = {}
     whole = [False] * len(areas)  # digested whole: pages owned tell nothing more
+    if scan_large:
+        # Memory shared with other processes is written through their page tables, which
+        # neither this process's write tracking nor its pagemap sees: digested whole.
+        whole = [not _is_array(owner) and _shared(owner) for owner in owners]
     if scan_large and WRITES.available():
-        trackable = [area[1] >= TRACK_MIN and not _is_array(owner) for area, owner in zip(areas, owners)]
-        tracked = [j for j, ok in enumerate(trackable) if ok and not _pinned(owners[j])]
+        tracked = [
+            j
+            for j, (area, owner) in enumerate(zip(areas, owners))
+            if area[1] >= TRACK_MIN and not _is_array(owner) and not whole[j] and not _pinned(owner)
+        ]
         epochs = {j: e for j, e in zip(tracked, WRITES.reset([areas[j] for j in tracked])) if e is not None}
-        # A small storage of a process that lives on is its own, all of it, by now: one crc of
-        # its bytes costs less than reading its pages' flags and digesting them all anyway.
-        whole = [not ok and not _is_array(owner) for ok, owner in zip(trackable, owners)]
+        # Every other storage of a process that lives on is its own by now, all of it (a small
+        # one: one crc costs less than reading its pages' flags), or its writes are not told
+        # (page-locked memory, a reset refused): digested whole.
+        whole = [j not in epochs and not _is_array(owner) for j, owner in enumerate(owners)]
     skip = [(is_large and not scan_large) or j in epochs or whole[j] for j, is_large in enumerate(large)]
     scanned = [(0, 0) if skipped else area for area, skipped in zip(areas, skip)]
     masks = _pagemap.own_pages(scanned) if _pagemap.supported() else None
@@ -347,6 +355,14 @@ def _whole_digest(area: Area, owner: Any) -> tuple[int, int]:
     if area[1] < TRACK_MIN:
         return area[1], zlib.crc32(ctypes.string_at(*area))
     return digest(_bytes_of(owner))
+
+
+def _shared(storage: Any) -> bool:
+    """A storage in memory shared with other processes (``share_memory_()``, a shared file)."""
+    try:
+        return bool(storage.is_shared())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _pinned(storage: Any) -> bool:

@@ -569,8 +569,7 @@ def _tensor_changed(t: Any, before: TensorState) -> bool:
         return True  # (it had a storage before)
     hooks, backward, post = before.hooks, t._backward_hooks, t._post_accumulate_grad_hooks
     return not (
-        type(t) is before.type
-        and t.dtype == before.dtype
+        t.dtype == before.dtype
         and t.device == before.device
         and t.requires_grad == before.requires_grad
         and (t.grad if t.is_leaf else None) is before.grad
@@ -578,6 +577,7 @@ def _tensor_changed(t: Any, before: TensorState) -> bool:
         and backward is hooks.backward
         and post is hooks.post_accumulate_grad
         and hook_ids(backward, post) == hooks.ids
+        and type(t) is before.type  # (last: a type check narrows what the checker knows of t)
     )
 
 

@@ -136,7 +136,8 @@ class Mirror:
         changes = Changes()
         if since is not None:
             changes = since.changes
-            _only_reachable(self.record, namespace, changes, now)
+            held = sorted(n for n in now if n in synced or n in reached)
+            _only_reachable(self.record, namespace, changes, held)
             changes.objects, changes.storages = self._refuse_stale(namespace, changes, pulling)
         # collect's rule for names, kept to those the ranks hold and those the task uses
         changes.bound = {
@@ -246,14 +247,16 @@ class Mirror:
             self.on_workers.pop(name, None)
 
 
-def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, now: dict[str, Any]) -> None:
-    """Drop the changes of objects no variable reaches any more (a list written, then replaced
-    by another): nothing on the ranks would see them, and their old paths may hold something
-    else there."""
+def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, held: list[str]) -> None:
+    """Drop the changes of objects that no variable the ranks will hold (``held``: the synced
+    ones and those the task reaches) reaches any more (a list written, then replaced by
+    another): nothing on the ranks would see them, and their old paths may hold something else
+    there. (An object taken out of a synced one into a new variable, ``c = d.pop('k')``, is
+    reached by that variable: its changes go, and the rank binds its own, found at the old path.)"""
     if not changes.objects and not changes.storages:
         return
     baseline = record.baseline
-    current = Registry.of_namespace(namespace, sorted(set(record.synced) & set(now)))
+    current = Registry.of_namespace(namespace, held)
     changes.objects = [(i, s) for i, s in changes.objects if current.find(baseline.objects[i]) is not None]
     changes.storages = [
         new for new in changes.storages if current.find_storage(baseline.storages[new.storage]) is not None

@@ -8,6 +8,7 @@ is no longer the same, and the storages whose bytes changed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,11 @@ class Snapshot:
         digests: dict[int, StorageDigest] = dict(enumerate(self.storages)) | dict(zip(storages, found))
         assert len(digests) == len(registry.storages), "a new storage left out"
         self.storages = [digests[j] for j in range(len(registry.storages))]
+
+    def taken(self, registry: Registry, indices: Iterable[int]) -> bool:
+        """Whether each object at ``indices`` whose kind has a state has it here (one that could
+        not be taken is compared by nothing: a change to it goes unseen)."""
+        return all(self.states[i] is not None or OPS[registry.kinds[i]].snapshot is None for i in indices)
 
     def changed_objects(self, registry: Registry) -> list[int]:
         changed = []
@@ -106,9 +112,11 @@ class KeptSnapshot:
     def found_by(self, specs: bytes | None) -> None:
         """After the cell: the specs the kept registry was found by, noted if the cell moved
         none of its objects or storages, and every object had a counterpart (see ``specs``)."""
-        registry = self.registry
-        whole = registry is not None and not has_placeholders(registry)
-        self.specs = specs if whole and self.unmoved else None
+        registry, snapshot, self.specs = self.registry, self.snapshot, None
+        if registry is None or snapshot is None or not self.unmoved or has_placeholders(registry):
+            return
+        if snapshot.taken(registry, range(len(registry.objects))):
+            self.specs = specs
 
     def take(self, registry: Registry, scan_large: bool) -> Snapshot:
         """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and

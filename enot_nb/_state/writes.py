@@ -76,6 +76,10 @@ _UFFDIO_API = _iowr(0xAA, 0x3F, ctypes.sizeof(_Api))
 _UFFDIO_REGISTER = _iowr(0xAA, 0x00, ctypes.sizeof(_Register))
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_Scan))
 _REGIONS = 256  # ranges read per ioctl
+MAX_REGISTRATIONS = 8192
+"""Areas registered per process at most: each may split a memory mapping in three (the heap's,
+around a tensor of the allocator's), and none is undone, while a process may hold only
+``vm.max_map_count`` mappings (65530 by default). Past it, an area is digested whole."""
 
 
 def _span(area: tuple[int, int]) -> tuple[int, int]:
@@ -92,6 +96,7 @@ class WriteTracker:
         self._pagemap: int | None = None
         self._epochs: dict[tuple[int, int], int] = {}
         self._next = 0
+        self._registered = 0
 
     def available(self) -> bool:
         if os.environ.get("ENOT_NB_TRACK_WRITES", "1") == "0":
@@ -100,7 +105,7 @@ class WriteTracker:
             for fd in (self._uffd, self._pagemap):  # a fork's copies of its parent's: no use here
                 if fd is not None:
                     os.close(fd)
-            self._pid, self._epochs = os.getpid(), {}
+            self._pid, self._epochs, self._registered = os.getpid(), {}, 0
             self._uffd, self._pagemap = _open()
         return self._uffd is not None
 
@@ -112,6 +117,9 @@ class WriteTracker:
     def _reset(self, area: tuple[int, int]) -> int | None:
         start, end = _span(area)
         if not self._scan(start, end, _SCAN_WP_MATCHING):
+            if self._registered >= MAX_REGISTRATIONS:
+                return None
+            self._registered += 1
             register = _Register(start, end - start, _REGISTER_MODE_WP, 0)
             try:
                 fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, register)  # type: ignore[arg-type]

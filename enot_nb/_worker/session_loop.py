@@ -196,6 +196,7 @@ def _answer(command: SessionCommand) -> None:
             case _:
                 assert_never(command)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported; the worker stays
+        _KEPT.drop()  # the notebook takes no outcome from this task: it may be behind what is kept
         with _presses_held():
             if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
                 traceback.print_exc()
