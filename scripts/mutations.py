@@ -119,8 +119,8 @@ MUTATIONS = [
     Mutation(
         "session-push-drops-in-place-changes",
         "enot_nb/_state/mirror.py",
-        "            changes, _ = collect(self.baseline, self.snapshot, self.synced, namespace, hidden)\n",
-        "            changes = Changes()\n",
+        "        changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden)\n",
+        "        changes, changed = Changes(), []\n",
         [
             "tests/test_session.py::test_a_plain_change_in_place_reaches_every_rank",
             "tests/test_session_parity.py::test_a_session_cell_is_a_local_cell"
@@ -164,14 +164,14 @@ MUTATIONS = [
     ),
     Mutation(
         "session-kept-reach-bindings-unchecked",
-        "enot_nb/_launch/session_flow.py",
+        "enot_nb/_launch/cell_reach.py",
         "            and reach.bound_as_looked_up(self.found, namespace, hidden)\n",
         "",
         ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
     ),
     Mutation(
         "session-kept-reach-changes-unchecked",
-        "enot_nb/_launch/session_flow.py",
+        "enot_nb/_launch/cell_reach.py",
         "            and not any(registry.find(obj) is not None for obj in since.moved.objects)\n",
         "",
         ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
@@ -186,8 +186,8 @@ MUTATIONS = [
     Mutation(
         "session-master-kept-registry-after-a-move",
         "enot_nb/_state/snapshot.py",
-        "        self.specs = specs if whole and self.unmoved else None\n",
-        "        self.specs = specs if whole else None\n",
+        "        if registry is None or snapshot is None or not self.unmoved or has_placeholders(registry):\n",
+        "        if registry is None or snapshot is None or has_placeholders(registry):\n",
         ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
     ),
     Mutation(

@@ -96,6 +96,7 @@ class KeptSnapshot:
     a counterpart here: the next cell sent the same specs finds the same objects (see
     registry_for). None: it must be found again."""
     unmoved: bool = False
+    """The cell it was kept after changed none of its objects or storages (see ``found_by``)."""
 
     def registry_for(self, namespace: dict[str, Any], specs: bytes | None) -> Registry | None:
         """The kept registry, where finding ``specs`` again would give it: the same specs it was
