@@ -200,8 +200,8 @@ MUTATIONS = [
     Mutation(
         "shared-memory-storage-write-tracked",
         "enot_nb/_state/digests.py",
-        "        whole = [not _is_array(owner) and _shared(owner) for owner in owners]\n",
-        "        whole = [False] * len(areas)\n",
+        "    shared = [scan_large and not _is_array(owner) and _shared(owner) for owner in owners]\n",
+        "    shared = [False] * len(areas)\n",
         ["tests/test_units.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
     ),
     Mutation(

@@ -77,4 +77,4 @@ class CellReach:
         at = [baseline.find(obj) for obj in registry.objects[1:]]
         if any(i is None for i in at) or any(baseline.find_storage(s) is None for s in registry.storages):
             return None
-        return self if snapshot.taken(baseline, [i for i in at if i is not None]) else None
+        return None if snapshot.untaken(baseline, [i for i in at if i is not None]) else self

@@ -24,7 +24,7 @@ from enot_nb._launch.cell_reach import CellReach
 from enot_nb._launch.session_workers import CommandOutcome
 from enot_nb._state import apply, reach
 from enot_nb._state.collect import Changes
-from enot_nb._state.mirror import Mirror, PickledTask, Push
+from enot_nb._state.mirror import Mirror, PickledTask, Push, SinceSync
 from enot_nb._state.record import Moved
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
@@ -76,13 +76,11 @@ class NamespaceFlow:
     def pickle(self, prepared: Prepared) -> PickledTask:
         return self.mirror.pickle(prepared.task, self.namespace)
 
-    def _push(self, reached: list[str], pulling: list[str] | None = None, since: Any = None) -> Push | None:
-        """The push (``since``: the record's comparison, if made already)."""
+    def _push(
+        self, reached: list[str], pulling: list[str] | None = None, since: SinceSync | None = None
+    ) -> Push | None:
         self.kept = None  # the task may change what it was made from
-        if not self.mirrored:
-            return None
-        since = since or self.mirror.compare(self.namespace, self._hidden())
-        return self.mirror.push(self.namespace, reached, since, self._hidden(), pulling)
+        return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since) if self.mirrored else None
 
     def after_push(
         self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None, moved: Moved | None = None

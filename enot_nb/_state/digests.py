@@ -311,16 +311,15 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
     # Only torch storages: a spawned worker's NumPy arrays arrive inside the pickle, already its own.
     large = [area[1] >= SCAN_MAX and not _is_array(owner) for area, owner in zip(areas, owners)]
     epochs: dict[int, int] = {}
-    whole = [False] * len(areas)  # digested whole: pages owned tell nothing more
-    if scan_large:
-        # Memory shared with other processes is written through their page tables, which
-        # neither this process's write tracking nor its pagemap sees: digested whole.
-        whole = [not _is_array(owner) and _shared(owner) for owner in owners]
+    # Memory shared with other processes is written through their page tables, which neither
+    # this process's write tracking nor its pagemap sees: a long-lived snapshot digests it whole.
+    shared = [scan_large and not _is_array(owner) and _shared(owner) for owner in owners]
+    whole = shared  # digested whole: pages owned or written tell nothing more
     if scan_large and WRITES.available():
         tracked = [
             j
             for j, (area, owner) in enumerate(zip(areas, owners))
-            if area[1] >= TRACK_MIN and not _is_array(owner) and not whole[j] and not _pinned(owner)
+            if area[1] >= TRACK_MIN and not _is_array(owner) and not shared[j] and not _pinned(owner)
         ]
         epochs = {j: e for j, e in zip(tracked, WRITES.reset([areas[j] for j in tracked])) if e is not None}
         # Every other storage of a process that lives on is its own by now, all of it (a small

@@ -60,7 +60,7 @@ class Push:
 @dataclass
 class SinceSync:
     """What the push's comparison found: its changes (before the push keeps those it sends), and
-    every object and storage of the record that changed (see session_flow.KeptReach)."""
+    every object and storage of the record that changed (see _launch/cell_reach)."""
 
     changes: Changes
     moved: Moved
@@ -123,16 +123,18 @@ class Mirror:
         self,
         namespace: dict[str, Any],
         reached: list[str],
-        since: SinceSync | None,
         hidden: Any = (),
         pulling: list[str] | None = None,
+        since: SinceSync | None = None,
     ) -> Push:
-        """What changed since the last sync (``since``: compare's answer), and the reached
-        variables the ranks lack. ``pulling``: variables about to be pulled: their changes here
-        are not pushed (the master's values replace them), and their being stale refuses
-        nothing."""
+        """What changed since the last sync, and the reached variables the ranks lack.
+        ``pulling``: variables about to be pulled: their changes here are not pushed (the
+        master's values replace them), and their being stale refuses nothing. ``since``:
+        ``compare``'s answer, where the caller needed it first (a cell: its walk depends on it);
+        else compared here."""
         pulling, synced = pulling or [], self.record.synced
         now = user_variables(namespace, hidden)
+        since = since or self.compare(namespace, hidden)
         changes = Changes()
         if since is not None:
             changes = since.changes

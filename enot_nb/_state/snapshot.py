@@ -39,18 +39,18 @@ class Snapshot:
         ``registry``, which may have grown since: the new ones must be among them), the rest
         kept: a long-lived process's record after a task that changed only these."""
         self.states.extend([None] * (len(registry.objects) - len(self.states)))
-        untaken = [i for i, state in enumerate(self.states) if state is None and OPS[registry.kinds[i]].snapshot]
-        for i in sorted({*objects, *untaken}):  # a state that could not be taken is tried again
+        for i in sorted({*objects, *self.untaken(registry)}):  # a state that could not be taken is tried again
             self.states[i] = _state_of(registry.objects[i], registry.kinds[i])
         found = storage_digests([registry.storages[j] for j in storages], scan_large)
         digests: dict[int, StorageDigest] = dict(enumerate(self.storages)) | dict(zip(storages, found))
         assert len(digests) == len(registry.storages), "a new storage left out"
         self.storages = [digests[j] for j in range(len(registry.storages))]
 
-    def taken(self, registry: Registry, indices: Iterable[int]) -> bool:
-        """Whether each object at ``indices`` whose kind has a state has it here (one that could
-        not be taken is compared by nothing: a change to it goes unseen)."""
-        return all(self.states[i] is not None or OPS[registry.kinds[i]].snapshot is None for i in indices)
+    def untaken(self, registry: Registry, indices: Iterable[int] | None = None) -> list[int]:
+        """The objects at ``indices`` (default: all) whose kind has a state that could not be
+        taken here: nothing compares them, so a change to one goes unseen."""
+        at = range(len(self.states)) if indices is None else indices
+        return [i for i in at if self.states[i] is None and OPS[registry.kinds[i]].snapshot is not None]
 
     def changed_objects(self, registry: Registry) -> list[int]:
         changed = []
@@ -116,7 +116,7 @@ class KeptSnapshot:
         registry, snapshot, self.specs = self.registry, self.snapshot, None
         if registry is None or snapshot is None or not self.unmoved or has_placeholders(registry):
             return
-        if snapshot.taken(registry, range(len(registry.objects))):
+        if not snapshot.untaken(registry):
             self.specs = specs
 
     def take(self, registry: Registry, scan_large: bool) -> Snapshot:
