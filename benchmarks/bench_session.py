@@ -19,7 +19,7 @@ medians of the repeats, alternated where two variants are compared.
 
 from __future__ import annotations
 
-from benchmarks.harness import ROOT, Row, kernel_json, start_kernel
+from benchmarks.harness import TORCHRUN_ENV, Row, kernel_json, start_kernel, torchrun_command
 
 SETUP = r"""
 import json, time, statistics, torch
@@ -146,14 +146,14 @@ def ddp_steps(kernel, repeats: int) -> list[Row]:
     found = kernel_json(
         kernel,
         f"""
-import os, subprocess, sys, tempfile
-control = os.path.join(tempfile.mkdtemp(), "steps")
+import os, shutil, subprocess, tempfile
+pipes = tempfile.mkdtemp()
+control = os.path.join(pipes, "steps")
 for suffix in (".rank0", ".rank1", ".out"):
     os.mkfifo(control + suffix)
 script = subprocess.Popen(
-    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-     os.path.join({str(ROOT)!r}, "benchmarks", "session_steps_job.py"), control],
-    env={{**os.environ, "PYTHONPATH": {str(ROOT)!r}}}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    {torchrun_command("session_steps_job.py")!r} + [control],
+    env={{**os.environ, **{TORCHRUN_ENV!r}}}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
 )
 def opened(path):  # the pipe once the script's rank opened its end (it imports torch first)
     while True:
@@ -188,6 +188,7 @@ try:
     run("%enot_session stop")
 finally:
     script.kill()
+    shutil.rmtree(pipes)
 m = statistics.median
 print("RESULT", json.dumps([m(in_script), m(in_session), m([b - a for a, b in zip(in_script, in_session)])]))""",
         timeout=600,

@@ -77,26 +77,34 @@ def kernel_json(kernel: Kernel, code: str, timeout: float = 600) -> object:
     return json.loads(line[len("RESULT ") :])
 
 
+def torchrun_command(script: str, *args: str) -> list[str]:
+    """``benchmarks/<script>`` under torchrun on 2 processes (run with TORCHRUN_ENV)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "benchmarks" / script),
+        *args,
+    ]
+
+
+TORCHRUN_ENV = {"PYTHONPATH": str(ROOT)}
+"""Added to the environment of a torchrun_command: the scripts import benchmarks and enot_nb."""
+
+
 def torchrun_json(script: str, *args: str) -> object:
     """Run ``benchmarks/<script>`` under torchrun on 2 processes; the script writes its result as
     JSON to the path given as its first argument (rank 0 does), which is read back here."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=2",
-                str(ROOT / "benchmarks" / script),
-                str(out),
-                *args,
-            ],
+            torchrun_command(script, str(out), *args),
             check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, **TORCHRUN_ENV},
         )
         return json.loads(out.read_text())
 
