@@ -341,6 +341,37 @@ def test_a_stale_variable_can_be_pulled_after_a_change_here():
         assert s.run("len(x)") == 2
 
 
+@pytest.mark.parametrize("task", ["cell", "launch"])
+def test_a_press_while_the_master_makes_its_outcome_is_late_and_the_outcome_comes_whole(task, tmp_path, monkeypatch):
+    """The task's code ran to its end on the master; a press while the master works out what
+    it changed is late: its outcome comes whole (a press there had lost it: the master held
+    what the task did, the notebook not) and the session runs on."""
+    from enot_nb._state import collect
+
+    armed, original = tmp_path / "armed", collect.dump
+
+    def pressed_once(*args, **kwargs):  # in the worker: the session forks this process
+        try:
+            armed.unlink()
+        except FileNotFoundError:
+            pass
+        else:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(collect, "dump", pressed_once)
+    ns = {"t": torch.zeros(4), "log": []}
+    with start("fork", namespace=ns) as s:
+        armed.touch()
+        if task == "cell":
+            s.run("log.append(1)\nt.add_(1)")
+        else:
+            s.launch(lambda: (log.append(1), t.add_(1)))  # noqa: F821 - the rank's globals
+        assert not armed.exists()  # the press came
+        assert ns["log"] == [1] and float(ns["t"][0]) == 1.0
+        assert s.run("float(t[0]), len(log)") == (1.0, 1)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.005, 0.02, 0.08, 0.3])
 def test_a_stop_press_at_any_moment_leaves_a_usable_session(delay):
     """A press while the notebook sends the task, while the ranks apply its push, run it or

@@ -103,6 +103,7 @@ def run_cell(
     registry: Registry | None = None,
     scan_large: bool = False,
     kept: KeptSnapshot | None = None,
+    late_presses_ignored: bool = False,
 ) -> CellOutcome | None:
     """Run the cell as this rank; the master returns what goes back to the notebook.
 
@@ -110,6 +111,7 @@ def run_cell(
     exported script, where the namespace is this process's own. ``scan_large``: a session
     master's snapshot reads the large storages' pages (see digests.storage_digests). ``kept``:
     a session master's snapshot from its last cell, used and kept again (see KeptSnapshot).
+    ``late_presses_ignored``: a session worker's (see ignore_late_presses).
     """
     from enot_nb import distributed
 
@@ -134,6 +136,8 @@ def run_cell(
     try:
         exec(compile(body, CELL_FILENAME, "exec"), namespace)  # running the user's cell is the point
         value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
+        if late_presses_ignored:
+            ignore_late_presses()  # in the try: a press that came before it is the cell's own
     except BaseException as exc:
         if tracker is not None and (isinstance(exc, KeyboardInterrupt) or options.keep_on_error):
             _send_partial(tracker, options)
@@ -156,6 +160,18 @@ def run_cell(
     outcome = tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
     tracker.keep()
     return outcome
+
+
+def ignore_late_presses() -> None:
+    """A session worker's task ran to its end: a stop press from here is late, and ignored
+    until the worker answered (session_loop._answer sets the default handler again). So the
+    master's outcome (what the cell changed) is made and sent whole, and the notebook, which
+    mirrors the master, gets it (a press while it was made had lost it: the master held what
+    the cell did, the notebook not); and a press cannot make a second answer. Ignored, not
+    blocked: a press goes to the whole process, and any of its threads may take it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _report_imports(before: set[str], *trees: ast.AST | None) -> None:

@@ -20,7 +20,6 @@ so an object the ranks already hold travels as its index and is found here by it
 from __future__ import annotations
 
 import builtins
-import contextlib
 import os
 import pickle
 import signal
@@ -28,7 +27,6 @@ import socket
 import sys
 import traceback
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -154,7 +152,6 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
     _state.update(sock=sock, reader=reader)
     while True:
         try:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held while answering
             command = framing.recv_message(sock, reader)
         except KeyboardInterrupt:
             continue  # a press meant for a cell that had just ended
@@ -166,8 +163,9 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
 
 
 def _answer(command: SessionCommand) -> None:
-    """Do one command and send its one answer. A stop press is held while an answer is sent (it
-    would send a second one); it arrives at the next idle read, which ignores it."""
+    """Do one command and send its one answer. A stop press is ignored from the end of the task
+    until the answer is sent (it would send a second one, see _cell.ignore_late_presses); one
+    at the idle read came late too, and is passed over."""
     rank = _state["rank"]
     try:
         match command:
@@ -177,11 +175,11 @@ def _answer(command: SessionCommand) -> None:
                     result = run_task(size, specs, objects, storages, command.task if command.confirm else None)
                 finally:
                     _report_device_memory()
-                with _presses_held():
-                    if result is _SKIPPED:
-                        bootstrap.send(Done())
-                    else:
-                        bootstrap.send_outcome(rank, result)
+                _cell.ignore_late_presses()
+                if result is _SKIPPED:
+                    bootstrap.send(Done())
+                else:
+                    bootstrap.send_outcome(rank, result)
             case Proceed():
                 pass  # a late one (its task failed here): nothing to do
             case ReportGroups():
@@ -196,21 +194,13 @@ def _answer(command: SessionCommand) -> None:
             case _:
                 assert_never(command)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported; the worker stays
+        _cell.ignore_late_presses()
         _KEPT.drop()  # the notebook takes no outcome from this task: it may be behind what is kept
-        with _presses_held():
-            if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
-                traceback.print_exc()
-            bootstrap.report_failure(exc)
+        if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
+            traceback.print_exc()
+        bootstrap.report_failure(exc)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-@contextlib.contextmanager
-def _presses_held() -> Iterator[None]:
-    """SIGINT blocked (not ignored) from here: one that comes is delivered when the loop, idle,
-    unblocks it where a press is ignored (see serve)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    yield
 
 
 class PushRefused(RuntimeError):
@@ -273,7 +263,9 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
         if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
             scan = before_long_lived_snapshot(registry.storages)
     kept = _KEPT if keep and registry is not None else None
-    outcome = _cell.run_cell(task.code, namespace, task.options, registry, scan_large=scan, kept=kept)
+    outcome = _cell.run_cell(
+        task.code, namespace, task.options, registry, scan_large=scan, kept=kept, late_presses_ignored=True
+    )
     if kept is not None and task.mirror is not None:
         kept.found_by(task.mirror.packed)
     return outcome
@@ -290,6 +282,7 @@ def _call(namespace: dict[str, Any], task: CallTask) -> Any:
     options = _cell.CellOptions(keep_on_error=True)
     try:
         value = fn(*task.args, **task.kwargs)
+        _cell.ignore_late_presses()
     except BaseException:
         tracker.send_partial(options)
         raise
