@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enot_nb._processes.interrupts import interrupts_deferred
-from enot_nb._serialize.tensors import bytes_view, storage_of
+from enot_nb._serialize.tensors import bytes_view, storage_array, storage_of
 from enot_nb._state import salvage
 from enot_nb._state.collect import Changes, PickledState, StorageBytes
 from enot_nb._state.kinds import OPS, Kind, apply_grad
@@ -113,11 +113,21 @@ def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, 
 
 
 def _copy_into_storage(storage: Any, new: StorageBytes) -> None:
-    """The master's bytes, read in place: the one copy is into the notebook's storage."""
+    """The master's bytes, read in place: the one copy is into the notebook's storage. On the
+    CPU by NumPy, in this thread: torch's copy would wake its intra-op threads, which then spin
+    for milliseconds on cores the ranks are computing on (about 5 ms of every session cell's
+    time on 2 cores)."""
+    import numpy
     import torch
 
     if new.whole and storage.nbytes() != len(memoryview(new.parts[0][1]).cast("B")):
         storage.resize_(len(memoryview(new.parts[0][1]).cast("B")))
+    if storage.device.type == "cpu":
+        into = storage_array(storage)
+        for offset, data in new.parts:
+            source = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
+            into[offset : offset + source.size] = source
+        return
     target = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     for offset, data in new.parts:
         source = bytes_view(data)
