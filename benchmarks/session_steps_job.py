@@ -38,10 +38,20 @@ def fifty(ddp, optimizer, x, y) -> None:
         optimizer.step()
 
 
+def timed_fifty(ddp, optimizer, x, y) -> float:
+    """``fifty()`` between two barriers: its seconds, as a cell ends when every rank is done
+    (the script's blocks, and the session cell that the bench times around this)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fifty(ddp, optimizer, x, y)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def serve(control: str) -> None:
     """Under torchrun, already running: one block of 50 steps for each line read from this
-    rank's command pipe (``CONTROL.rankN``), its seconds (barrier to barrier, as a cell ends when
-    every rank is done) written by rank 0 to ``CONTROL.out``, a line each; until the pipe closes.
+    rank's command pipe (``CONTROL.rankN``), its seconds (``timed_fifty``) written by rank 0 to
+    ``CONTROL.out``, a line each; until the pipe closes.
     The bench alternates these blocks with session cells, so both see the machine as it is."""
     from enot_nb import distributed as ed
 
@@ -52,12 +62,9 @@ def serve(control: str) -> None:
     with open(f"{control}.rank{ed.get_rank()}") as commands:
         out = open(f"{control}.out", "w", buffering=1) if ed.is_master() else None
         for _ in commands:
-            dist.barrier()
-            start = time.perf_counter()
-            fifty(*step)
-            dist.barrier()
+            seconds = timed_fifty(*step)
             if out is not None:
-                out.write(f"{time.perf_counter() - start}\n")
+                out.write(f"{seconds}\n")
         if out is not None:
             out.close()
 

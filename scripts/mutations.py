@@ -212,6 +212,20 @@ MUTATIONS = [
         ["tests/test_units.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
     ),
     Mutation(
+        "carried-over-states-of-moved-objects",
+        "enot_nb/_state/snapshot.py",
+        "            same = i is not None and before.kinds[i] is kind and id(obj) not in moved_ids\n",
+        "            same = i is not None and before.kinds[i] is kind\n",
+        ["tests/test_session.py::test_new_grads_every_step_leave_records_that_match_what_they_record"],
+    ),
+    Mutation(
+        "carried-over-digests-of-written-storages",
+        "enot_nb/_state/snapshot.py",
+        "        at = [None if id(s) in written_ids else before.find_storage(s) for s in registry.storages]\n",
+        "        at = [before.find_storage(s) for s in registry.storages]\n",
+        ["tests/test_session.py::test_new_grads_every_step_leave_records_that_match_what_they_record"],
+    ),
+    Mutation(
         "session-written-pages-untold",  # (a mutation inside writes.py fails its probe: no tracking)
         "enot_nb/_state/digests.py",
         "            found[j] = WRITES.written(areas[j], before.epoch)\n",

@@ -125,8 +125,8 @@ def _copy_into_storage(storage: Any, new: StorageBytes) -> None:
     if storage.device.type == "cpu":
         into = storage_array(storage)
         for offset, data in new.parts:
-            source = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
-            into[offset : offset + source.size] = source
+            got = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
+            into[offset : offset + got.size] = got
         return
     target = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     for offset, data in new.parts:

@@ -236,14 +236,21 @@ def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> 
                 "the cached results live in C (functools.lru_cache): the function came back with an empty cache"
             )
     try:
-        off_cpu = _dry(changes, registry)
-    except Exception:  # noqa: BLE001 - find the culprits, then pickle the rest
+        return _pickled(changes, registry)
+    except Exception:  # noqa: BLE001 - find the culprits (by dry runs), then pickle the rest
         _leave_out_unpicklable(changes, registry, not_returned)
-        off_cpu = _dry(changes, registry)
+        return _pickled(changes, registry)
+
+
+def _pickled(changes: Changes, registry: Registry) -> tuple[PickledState, int]:
+    """The changes pickled, and how many of their tensors are off the CPU. Pickled at once, not
+    after a dry run: the dry run is for a pickle that failed (a cell's every answer paid for
+    two pickles before)."""
     buffers: list[Any] = []
     stream = io.BytesIO()
-    StatePickler(stream, buffer_callback=buffers.append, registry=registry).dump(changes)
-    return PickledState(stream.getvalue(), buffers), off_cpu
+    pickler = StatePickler(stream, buffer_callback=buffers.append, registry=registry)
+    pickler.dump(changes)
+    return PickledState(stream.getvalue(), buffers), pickler.off_cpu
 
 
 def _cached_entries(value: Any) -> int:

@@ -216,8 +216,10 @@ class Mirror:
         in place (see Record.update); else the names are walked and snapshotted again."""
         now = user_variables(namespace, hidden)
         synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
-        if moved is None or not self.record.update(namespace, synced, moved):
+        if moved is None:
             self.record = Record.walk(namespace, synced)
+        elif not self.record.update(namespace, synced, moved):
+            self.record = self.record.walked_again(namespace, synced, moved)
 
     def came_back(
         self,

@@ -38,6 +38,22 @@ class Record:
         scan = before_long_lived_snapshot(baseline.storages) if baseline.storages else False
         return cls(synced, baseline, Snapshot.take(baseline, scan_large=scan))
 
+    def walked_again(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> Record:
+        """The record of ``synced``, walked anew where ``update`` could not say the paths hold
+        (a parameter's ``.grad`` replaced by a new tensor, every training step): what this
+        record and the walk both hold keeps its state and digest unless ``moved`` holds it, as
+        ``update`` keeps them (see Snapshot.carried_over); else as ``walk``."""
+        old, before = self.snapshot, self.baseline
+        if old is None or before.objects[0] is not namespace or FORKS.unseen_children():
+            return Record.walk(namespace, synced)
+        baseline = Registry.of_namespace(namespace, sorted(synced))
+        written = [*moved.storages, *(s for s in baseline.storages if before.find_storage(s) is None)]
+        kept = [old.storages[j] for j in map(before.find_storage, baseline.storages) if j is not None]
+        scan = before_long_lived_snapshot(written, kept) if written else True
+        if not scan:  # a new shadow shares every page again: each storage digested anew, cheaply
+            written = list(baseline.storages)
+        return Record(synced, baseline, old.carried_over(before, baseline, moved.objects, written, scan))
+
     def update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> bool:
         """Updated in place to hold ``synced``: the moved objects' states and storages' digests
         taken again, and what they and the new names reach that it lacks walked into it; False

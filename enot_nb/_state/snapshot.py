@@ -46,6 +46,33 @@ class Snapshot:
         assert len(digests) == len(registry.storages), "a new storage left out"
         self.storages = [digests[j] for j in range(len(registry.storages))]
 
+    def carried_over(
+        self,
+        before: Registry,
+        registry: Registry,
+        moved: Iterable[Any] = (),
+        written: Iterable[Any] = (),
+        scan_large: bool = True,
+    ) -> Snapshot:
+        """This snapshot (of ``before``) made one of ``registry``: each object and storage that
+        both hold keeps its state or digest, unless it is in ``moved`` (objects) or ``written``
+        (storages), changed since; the rest are taken now (``scan_large``: see storage_digests).
+        On the terms retake is used on (a
+        long-lived process whose writes are tracked: see KeptSnapshot, record.Record): a cell
+        that makes new objects (a training step's new ``.grad`` tensors) changes the registry,
+        and the states and digests of the rest cost nothing again."""
+        moved_ids, written_ids = {id(obj) for obj in moved}, {id(storage) for storage in written}
+        states = []
+        for obj, kind in zip(registry.objects, registry.kinds):
+            i = before.find(obj)
+            same = i is not None and before.kinds[i] is kind and id(obj) not in moved_ids
+            state = self.states[i] if same and i is not None else None
+            states.append(state if state is not None else _state_of(obj, kind))
+        at = [None if id(s) in written_ids else before.find_storage(s) for s in registry.storages]
+        fresh = [j for j, i in enumerate(at) if i is None]
+        found = dict(zip(fresh, storage_digests([registry.storages[j] for j in fresh], scan_large)))
+        return Snapshot(states, [found[j] if i is None else self.storages[i] for j, i in enumerate(at)])
+
     def untaken(self, registry: Registry, indices: Iterable[int] | None = None) -> list[int]:
         """The objects at ``indices`` (default: all) whose kind has a state that could not be
         taken here: nothing compares them, so a change to one goes unseen."""
@@ -121,18 +148,18 @@ class KeptSnapshot:
 
     def take(self, registry: Registry, scan_large: bool) -> Snapshot:
         """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and
-        storages, else one taken; nothing is kept from here until ``keep``."""
+        storages, else one made from it (``carried_over``: what both registries hold keeps its
+        state), or taken anew where none is kept; nothing is kept from here until ``keep``."""
         kept, snapshot = self.registry, self.snapshot
         self.drop()
         if (
-            snapshot is not None
-            and kept is not None
-            and _same_objects(kept, registry)
-            and WRITES.available()
-            and not FORKS.unseen_children()  # a child we did not fork: the fork watch starts anew
+            snapshot is None
+            or kept is None
+            or not WRITES.available()
+            or FORKS.unseen_children()  # a child we did not fork: the fork watch starts anew
         ):
-            return snapshot
-        return Snapshot.take(registry, scan_large)
+            return Snapshot.take(registry, scan_large)
+        return snapshot if _same_objects(kept, registry) else snapshot.carried_over(kept, registry)
 
     def drop(self) -> None:
         """Something else may change the objects (see the class's docstring)."""

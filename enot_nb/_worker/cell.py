@@ -180,6 +180,9 @@ def _report_imports(before: set[str], *trees: ast.AST | None) -> None:
     tell."""
     if not bootstrap.in_launch():
         return
+    imported = set(sys.modules).difference(before)  # most cells import nothing: no walk
+    if not imported:
+        return
     named = {
         (a.name if isinstance(n, ast.Import) else n.module or "").split(".")[0]
         for tree in trees
@@ -189,7 +192,7 @@ def _report_imports(before: set[str], *trees: ast.AST | None) -> None:
         for a in n.names
     }
     modules = tuple(
-        n for n in list(sys.modules) if n not in before and preload.importable(n) and preload.may_keep(n, named)
+        n for n in list(sys.modules) if n in imported and preload.importable(n) and preload.may_keep(n, named)
     )
     if modules:
         bootstrap.send(Imported(modules))
