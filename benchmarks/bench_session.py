@@ -125,8 +125,20 @@ def _nbdistributed(kernel, repeats: int, local: float) -> list[Row]:
         found = kernel_json(
             kernel,
             f"""
+import os, sys
+from IPython.utils.capture import capture_output
+# nbdistributed starts its workers as `python` from PATH: this kernel's own, first.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 run("%load_ext nbdistributed")
-run("%dist_init -n 2")
+with capture_output() as started:
+    run("%dist_init -n 2")
+for _ in range(3):  # its first cell may time out (30 s) while the workers still start
+    with capture_output() as ready:
+        run("%%distributed\\nprint(rank)")
+    if "Rank 1:" in ready.stdout:
+        break
+else:  # it says so on stdout, and the cell still succeeds
+    raise RuntimeError("its workers do not answer: " + (started.stdout + ready.stdout).strip().splitlines()[-1][:80])
 took = clock("%%distributed\\n{TRIVIAL}", {repeats})
 run("%dist_shutdown")
 print("RESULT", json.dumps(statistics.median(took)))""",
