@@ -238,8 +238,9 @@ def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> 
     try:
         return _pickled(changes, registry)
     except Exception:  # noqa: BLE001 - find the culprits (by dry runs), then pickle the rest
-        _leave_out_unpicklable(changes, registry, not_returned)
-        return _pickled(changes, registry)
+        pass  # (out of the handler: its traceback would keep the failed pickle's copies alive)
+    _leave_out_unpicklable(changes, registry, not_returned)
+    return _pickled(changes, registry)
 
 
 def _pickled(changes: Changes, registry: Registry) -> tuple[PickledState, int]:
@@ -249,7 +250,12 @@ def _pickled(changes: Changes, registry: Registry) -> tuple[PickledState, int]:
     buffers: list[Any] = []
     stream = io.BytesIO()
     pickler = StatePickler(stream, buffer_callback=buffers.append, registry=registry)
-    pickler.dump(changes)
+    try:
+        pickler.dump(changes)
+    except BaseException:
+        buffers.clear()  # the host copies of GPU storages met so far: freed before the retry
+        pickler.clear_memo()
+        raise
     return PickledState(stream.getvalue(), buffers), pickler.off_cpu
 
 

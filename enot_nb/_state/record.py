@@ -20,6 +20,7 @@ from enot_nb._state.digests import FORKS, before_long_lived_snapshot
 from enot_nb._state.kinds import OPS, kind_of
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
+from enot_nb._state.writes import WRITES
 
 
 @dataclass
@@ -42,17 +43,18 @@ class Record:
         """The record of ``synced``, walked anew where ``update`` could not say the paths hold
         (a parameter's ``.grad`` replaced by a new tensor, every training step): what this
         record and the walk both hold keeps its state and digest unless ``moved`` holds it, as
-        ``update`` keeps them (see Snapshot.carried_over); else as ``walk``."""
+        ``update`` keeps them (see Snapshot.carried_over), where writes are tracked; else as
+        ``walk``."""
         old, before = self.snapshot, self.baseline
-        if old is None or before.objects[0] is not namespace or FORKS.unseen_children():
+        if (
+            old is None
+            or before.objects[0] is not namespace
+            or not WRITES.available()  # the shadow: its fork watch starts anew with each walk
+            or FORKS.unseen_children()
+        ):
             return Record.walk(namespace, synced)
         baseline = Registry.of_namespace(namespace, sorted(synced))
-        written = [*moved.storages, *(s for s in baseline.storages if before.find_storage(s) is None)]
-        kept = [old.storages[j] for j in map(before.find_storage, baseline.storages) if j is not None]
-        scan = before_long_lived_snapshot(written, kept) if written else True
-        if not scan:  # a new shadow shares every page again: each storage digested anew, cheaply
-            written = list(baseline.storages)
-        return Record(synced, baseline, old.carried_over(before, baseline, moved.objects, written, scan))
+        return Record(synced, baseline, old.carried_over(before, baseline, moved.objects, moved.storages))
 
     def update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> bool:
         """Updated in place to hold ``synced``: the moved objects' states and storages' digests

@@ -159,7 +159,9 @@ class KeptSnapshot:
             or FORKS.unseen_children()  # a child we did not fork: the fork watch starts anew
         ):
             return Snapshot.take(registry, scan_large)
-        return snapshot if _same_objects(kept, registry) else snapshot.carried_over(kept, registry)
+        return (
+            snapshot if _same_objects(kept, registry) else snapshot.carried_over(kept, registry, scan_large=scan_large)
+        )
 
     def drop(self) -> None:
         """Something else may change the objects (see the class's docstring)."""

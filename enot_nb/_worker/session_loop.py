@@ -151,7 +151,8 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
     reader: framing.MessageReader[SessionCommand] = framing.MessageReader()
     _state.update(sock=sock, reader=reader)
     while True:
-        try:
+        try:  # a press from the end of a task to here was ignored (see _answer): it came late
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next task's to take
             command = framing.recv_message(sock, reader)
         except KeyboardInterrupt:
             continue  # a press meant for a cell that had just ended
@@ -199,8 +200,6 @@ def _answer(command: SessionCommand) -> None:
         if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
             traceback.print_exc()
         bootstrap.report_failure(exc)
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class PushRefused(RuntimeError):
