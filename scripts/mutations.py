@@ -212,6 +212,16 @@ MUTATIONS = [
         ["tests/test_units.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
     ),
     Mutation(
+        "late-presses-not-ignored",
+        "enot_nb/_worker/cell.py",
+        "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n",
+        "    signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT))\n",
+        [
+            "tests/test_session.py::test_a_press_while_the_master_makes_its_outcome_is_late_and_the_outcome_comes_whole",
+            "tests/test_session.py::test_the_stop_button_while_the_master_makes_its_outcome_still_brings_it_whole",
+        ],
+    ),
+    Mutation(
         "carried-over-states-of-moved-objects",
         "enot_nb/_state/snapshot.py",
         "            same = i is not None and before.kinds[i] is kind and id(obj) not in moved_ids\n",
