@@ -213,7 +213,8 @@ class Mirror:
     ) -> None:
         """The ranks now hold ``names`` as the notebook does: the baseline of the next push.
         ``moved``: all that the task changed in the notebook, where the record may be updated
-        in place (see Record.update); else the names are walked and snapshotted again."""
+        in place (see Record.update) or walked again keeping the states of what did not move
+        (Record.walked_again); else the names are walked and snapshotted again."""
         now = user_variables(namespace, hidden)
         synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
         if moved is None:

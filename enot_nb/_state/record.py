@@ -45,16 +45,18 @@ class Record:
         record and the walk both hold keeps its state and digest unless ``moved`` holds it, as
         ``update`` keeps them (see Snapshot.carried_over), where writes are tracked; else as
         ``walk``."""
-        old, before = self.snapshot, self.baseline
-        if (
-            old is None
-            or before.objects[0] is not namespace
-            or not WRITES.available()  # the shadow: its fork watch starts anew with each walk
-            or FORKS.unseen_children()
-        ):
+        old = self.snapshot
+        # Not under the shadow (writes untracked): its fork watch starts anew with each walk.
+        if old is None or not WRITES.available() or not self._still_of(namespace):
             return Record.walk(namespace, synced)
         baseline = Registry.of_namespace(namespace, sorted(synced))
-        return Record(synced, baseline, old.carried_over(before, baseline, moved.objects, moved.storages))
+        return Record(synced, baseline, old.carried_over(self.baseline, baseline, moved.objects, moved.storages))
+
+    def _still_of(self, namespace: dict[str, Any]) -> bool:
+        """Whether this record's states may be kept for ``namespace``: it was taken of it, and no
+        child that we did not fork shares its pages (the walk's snapshot starts the fork watch
+        anew)."""
+        return self.baseline.objects[0] is namespace and not FORKS.unseen_children()
 
     def update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> bool:
         """Updated in place to hold ``synced``: the moved objects' states and storages' digests
@@ -63,8 +65,8 @@ class Record:
         deleted whose old value it walked (not an atom), an object no longer holding what it
         held (that may now be unreachable, or elsewhere), a tensor on another storage."""
         baseline, snapshot = self.baseline, self.snapshot
-        if snapshot is None or baseline.objects[0] is not namespace or FORKS.unseen_children():
-            return False  # (a child we did not fork: the walk's snapshot starts the fork watch anew)
+        if snapshot is None or not self._still_of(namespace):
+            return False
         rebound = [n for n, v in self.synced.items() if synced.get(n, _NONE) is not v]
         if any(baseline.find(self.synced[n]) is not None for n in rebound):
             return False  # what was walked from its old value may be unreachable now

@@ -57,16 +57,16 @@ class Snapshot:
         """This snapshot (of ``before``) made one of ``registry``: each object and storage that
         both hold keeps its state or digest, unless it is in ``moved`` (objects) or ``written``
         (storages), changed since; the rest are taken now (``scan_large``: see storage_digests).
-        On the terms retake is used on (a
-        long-lived process whose writes are tracked: see KeptSnapshot, record.Record): a cell
-        that makes new objects (a training step's new ``.grad`` tensors) changes the registry,
-        and the states and digests of the rest cost nothing again."""
+        On the terms retake is used on (a long-lived process whose writes are tracked: see
+        KeptSnapshot, record.Record): a cell that makes new objects (a training step's new
+        ``.grad`` tensors) changes the registry, and the states and digests of the rest cost
+        nothing again."""
         moved_ids, written_ids = {id(obj) for obj in moved}, {id(storage) for storage in written}
         states = []
         for obj, kind in zip(registry.objects, registry.kinds):
             i = before.find(obj)
             same = i is not None and before.kinds[i] is kind and id(obj) not in moved_ids
-            state = self.states[i] if same and i is not None else None
+            state = self.states[i] if same and i is not None else None  # (i: for the type checker)
             states.append(state if state is not None else _state_of(obj, kind))
         at = [None if id(s) in written_ids else before.find_storage(s) for s in registry.storages]
         fresh = [j for j, i in enumerate(at) if i is None]
