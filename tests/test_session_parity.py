@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 S, P, F = "session", "plain", "fails"  # F: a session cell that raises (in both kernels)
 LINEAR = "model = torch.nn.Linear(2, 2)\n"
 STEP = "loss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()\nopt.zero_grad()"
+GRAD_STEP = "opt.zero_grad()\nloss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()"  # new .grad tensors
 
 # (id, set-up, [(kind, cell)], probes)
 CASES = [
@@ -43,6 +44,26 @@ CASES = [
             "model.weight is w",
             "opt.param_groups[0]['lr']",
             "opt.param_groups[0]['params'][0] is w",
+        ],
+    ),
+    (
+        "new-grads-every-step-with-a-buffer-written-between",
+        LINEAR + "model.register_buffer('table', torch.zeros(2**15))\nw = model.weight\n",
+        [
+            (S, "opt = torch.optim.SGD(model.parameters(), lr=0.1)"),
+            (S, GRAD_STEP),
+            (S, GRAD_STEP),
+            (P, "model.table[3] = 1.0"),
+            (S, GRAD_STEP),
+            (S, GRAD_STEP),
+            (S, "model.table[5] = 2.0"),
+        ],
+        [
+            "model.weight.tolist()",
+            "model.weight.grad is None or model.weight.grad.tolist()",
+            "model.weight is w",
+            "model.table.sum().item()",
+            "model.table[5].item()",
         ],
     ),
     (
