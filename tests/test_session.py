@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -594,7 +595,13 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
     or refers to an object at a path that holds another."""
     from enot_nb._state.record import Record
 
-    ns = {"model": torch.nn.Linear(3, 2), "log": [], "cfg": {"lr": 0.1}, "big": torch.zeros(2**18)}
+    ns = {
+        "model": torch.nn.Linear(3, 2),
+        "log": [],
+        "cfg": {"lr": 0.1},
+        "big": torch.zeros(2**18),
+        "box": types.SimpleNamespace(d={}),
+    }
     updates: list[bool] = []
     update = Record.update
 
@@ -621,15 +628,42 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
         ("plain", lambda: ns.__setitem__("cfg", {"lr": 0.3})),  # a synced name rebound
         ("cell", "cfg['lr'] += 1"),
         ("cell", "del cfg['lr']\nopt.zero_grad(set_to_none=True)"),
+        # New objects where the old ones were (a training step's new .grad tensors): updated, the
+        # new ones at the old ones' places, unless something else may still hold an old one.
+        ("cell", TRAIN, True),
+        ("cell", TRAIN, True),
+        ("cell", "saved = [model.weight.grad]"),
+        ("cell", TRAIN),  # the old grad stays in the record: the list holds it
+        ("cell", "del saved"),
+        ("cell", TRAIN),
+        ("cell", "box.deep = {'a': {'b': [model.weight.grad]}}"),  # held deeper than its path
+        ("cell", TRAIN, False),  # the old grad is still held, by a list the step did not move
+        ("cell", "del box.deep"),
+        ("cell", TRAIN),
+        ("cell", TRAIN, True),
+        ("cell", f"{TRAIN}\nbox.kept = model.weight.grad", False),  # a new grad held twice
+        ("cell", TRAIN),
+        ("cell", f"{TRAIN}\nbox.old = model.weight.grad\nmodel.weight.grad = model.weight.grad.clone()"),
+        ("cell", "model.weight.grad = torch.zeros(2, 3)\nbox.new = model.weight.grad"),
+        ("cell", "flat = torch.zeros(8)\nmodel.weight.grad = flat[:6].view(2, 3)\nmodel.bias.grad = flat[6:]"),
+        ("cell", "model.weight.grad, model.bias.grad = torch.ones(2, 3), torch.ones(2)"),
+        ("cell", "box.d = {}", True),  # an object that holds nothing, replaced
+        ("cell", "box.d = {'a': [1]}", True),  # (what the new one holds is walked in)
+        ("cell", "box.d = {}", False),  # the old one held a list
+        ("cell", "box.d = {}\nbox.e = box.d", False),  # the new one is held twice
+        ("cell", "box.d = {}", False),  # the old one is held by box.e still
+        ("plain", lambda: ns["box"].__setattr__("d", {1: 2})),  # pushed: replaced in the record too
+        ("cell", "box.d[3] = 4"),
     ]
     with start("fork", namespace=ns) as s:
         s.run("import torch")
-        for kind, step in steps:
+        for kind, step, *expected in steps:
             if kind == "plain":
                 step()
             else:
                 s.run(step)
                 _record_is_a_fresh_walk(s.flow.mirror, ns, (step, updates[-1:]))
+                assert updates[-1:] == expected or not expected, (step, updates[-1:])
         seen = s.run(
             "float(big.sum()), len(log), sorted(cfg), opt.state_dict()['state'][0]['momentum_buffer'].tolist()"
         )
@@ -640,7 +674,15 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
             ns["opt"].state[ns["model"].weight]["momentum_buffer"].tolist(),
         )
         assert ns["cfg"] == {} and len(ns["log"]) == 1
+        box = ns["box"]
+        assert s.run("box.d, sorted(box.e), box.new is model.weight.grad") == ({1: 2, 3: 4}, [], False)
+        assert box.d == {1: 2, 3: 4} and box.e == {} and box.new is not ns["model"].weight.grad
+        grads = s.run("[p.grad.tolist() for p in model.parameters()]")
+        assert grads == [p.grad.tolist() for p in ns["model"].parameters()] == [[[1.0] * 3] * 2, [1.0] * 2]
     assert True in updates and False in updates  # both ways were taken
+
+
+TRAIN = "opt.zero_grad()\nmodel(torch.ones(4, 3)).sum().backward()\nopt.step()"
 
 
 FOUND_AGAIN: list[int] = []

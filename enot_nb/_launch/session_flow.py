@@ -148,7 +148,7 @@ class NamespaceFlow:
         names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
         moved, push = Moved.of(brought.changes, prepared.registry), prepared.push
         quiet = push is not None and push.changes is None and not (moved.objects or moved.storages or returned)
-        if quiet and set(names) <= set(self.mirror.record.synced):
+        if quiet and set(names) <= set(self.mirror.record.synced) and all(n in self.namespace for n in names):
             return moved  # nothing moved either way: the last sync's record still holds (and costs nothing)
         self.after_push(prepared, outcome, names, moved)
         return moved

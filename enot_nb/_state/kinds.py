@@ -113,6 +113,10 @@ class Kind(enum.Enum):
     OBJECT = "object"  # anything else with a __dict__ or slots
     ATOMS = "atoms"  # a large container of atoms: compared as a whole, never walked
 
+    # Members are singletons (unpickled too): hashed by identity, in C. Enum's own hash is Python
+    # code, run at every OPS lookup of every object the walk and the comparison meet.
+    __hash__ = object.__hash__
+
 
 # ----------------------------------------------------------------------------- classification
 
@@ -129,6 +133,9 @@ _ITERATORS |= {reversed, enumerate, zip, map, filter} | {
 _EXACT: dict[type, Kind | None] = {
     **dict.fromkeys(ATOMS),
     dict: Kind.DICT,
+    collections.OrderedDict: Kind.DICT,  # a module's hooks: half of what a model holds
+    collections.defaultdict: Kind.DICT,
+    collections.Counter: Kind.DICT,
     list: Kind.LIST,
     tuple: Kind.TUPLE,
     frozenset: Kind.TUPLE,

@@ -11,6 +11,7 @@ that writes 1 MiB of 2 GiB re-digests that 1 MiB.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from enot_nb._state.digests import FORKS, before_long_lived_snapshot
 from enot_nb._state.kinds import OPS, kind_of
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
+from enot_nb._state.states import ATOMS
 from enot_nb._state.writes import WRITES
 
 
@@ -71,14 +73,17 @@ class Record:
         if any(baseline.find(self.synced[n]) is not None for n in rebound):
             return False  # what was walked from its old value may be unreachable now
         indices = sorted({i for i in map(baseline.find, moved.objects) if i is not None and i > 0})
-        starts = _new_children(baseline, indices)
-        if starts is None:
+        regrowth = _regrowth(baseline, indices)
+        if regrowth is None:
             return False
+        for r in regrowth.replaced:
+            baseline.replace(r.at, r.new, r.storages)
         objects, storages = len(baseline.objects), len(baseline.storages)
         new = sorted(n for n in synced if n not in self.synced or n in rebound)
-        baseline.grow([*starts, *((synced[n], 0, n) for n in new)])
+        baseline.grow([*regrowth.starts, *((synced[n], 0, n) for n in new)])
+        indices += [r.at for r in regrowth.replaced]
         written = {j for j in map(baseline.find_storage, moved.storages) if j is not None}
-        written |= set(range(storages, len(baseline.storages)))
+        written |= set(range(storages, len(baseline.storages))) | {k for r in regrowth.replaced for k, _ in r.storages}
         scan = True
         if written:
             kept = [d for j, d in enumerate(snapshot.storages) if j not in written]
@@ -110,33 +115,119 @@ class Moved:
         return Moved(objects, self.storages + [registry.storages[new.storage] for new in changes.storages])
 
 
-def _new_children(registry: Registry, indices: list[int]) -> list[tuple[Any, int, str]] | None:
-    """What the objects at ``indices`` now hold that ``registry`` lacks, as starts of its walk
-    (grow); None if one no longer holds a child at the step it was registered by, or a tensor
-    is on a storage it lacks."""
+@dataclass
+class Replacement:
+    """An object a moved one held at the step it was registered by, which holds another there now
+    that nothing else holds (a training step's new ``.grad``): the new one takes its index."""
+
+    at: int
+    new: Any
+    storages: list[tuple[int, Any]]
+    """The new object's storages, each with the index of the old one's whose place it takes."""
+
+
+@dataclass
+class Regrowth:
+    """What the moved objects hold now that the registry lacks: the starts of its walk (grow),
+    and the objects replaced in place."""
+
+    starts: list[tuple[Any, int, str]]
+    replaced: list[Replacement]
+
+
+def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
+    """What the objects at ``indices`` now hold that ``registry`` lacks (see Regrowth); None if
+    one no longer holds a child at the step it was registered by, except where that child may
+    leave the registry and the new one take its place (``_replacement``), or a tensor is on a
+    storage the registry lacks. The counts the registry keeps (edges, storage users) gain what
+    the moved objects may hold anew: never undercounted, so a replacement is never wrong."""
     if not indices:
-        return []
+        return Regrowth([], [])
     wanted = set(indices)
     held: dict[int, list[int]] = {}  # parent -> the children registered by a step of it
+    parents = set()
     for j, (parent, _) in enumerate(registry.parents):
+        parents.add(parent)
         if parent in wanted:
             held.setdefault(parent, []).append(j)
-    starts = []
+    now: dict[int, list[tuple[str, Any]]] = {}
+    used: list[int] = []  # the storages of the moved tensors: one may be another now
     for i in indices:
         obj, ops = registry.objects[i], OPS[registry.kinds[i]]
         if kind_of(obj) is not registry.kinds[i]:
             return None
-        if ops.has_storage and any(registry.find_storage(s) is None for s in tensor_storages(obj)):
-            return None
+        if ops.has_storage:
+            at = list(map(registry.find_storage, tensor_storages(obj)))
+            if None in at:
+                return None
+            used += at  # type: ignore[arg-type]  # (no None in at)
         try:
-            steps = ops.children(obj) if ops.children is not None else []
+            now[i] = ops.children(obj) if ops.children is not None else []
         except Exception:  # noqa: BLE001 - as the walk: left opaque
             return None
-        now = {(step, id(child)) for step, child in steps}
-        if any((registry.parents[j][1], id(registry.objects[j])) not in now for j in held.get(i, ())):
+    holders = collections.Counter(id(child) for steps in now.values() for _, child in steps)
+    starts, replaced, counted = [], [], []
+    claimed: set[int] = set()  # the new objects' storages (two new views may share one)
+    for i in indices:
+        steps = dict(now[i])
+        for j in held.get(i, ()):
+            step = registry.parents[j][1]
+            if steps.get(step, _NONE) is registry.objects[j]:
+                continue
+            r = None if j in wanted else _replacement(registry, j, steps.get(step, _NONE), parents, holders, claimed)
+            if r is None:  # (a moved object left is walked from: its children would be the new one's)
+                return None
+            replaced.append(r)
+        tree = {registry.parents[j][1] for j in held.get(i, ())}
+        for step, child in now[i]:
+            found = registry.find(child)
+            if found is None:
+                if not any(r.new is child for r in replaced):
+                    starts.append((child, i, step))
+            elif step not in tree:
+                counted.append(found)  # held once more, maybe
+    for j in counted:
+        if j in registry.edges:
+            registry.edges[j] += 1
+    for k in used:
+        registry.storage_users[k] = registry.storage_users.get(k, 0) + 1
+    for r in replaced:
+        children = OPS[registry.kinds[r.at]].children
+        starts += [(child, r.at, step) for step, child in (children(r.new) if children is not None else [])]
+    return Regrowth(starts, replaced)
+
+
+def _replacement(
+    registry: Registry, j: int, new: Any, parents: set[int], holders: collections.Counter, claimed: set[int]
+) -> Replacement | None:
+    """Object ``j``, no longer at its step, replaced there by ``new``; None where that would not
+    leave the registry what a walk reaches: another object may still hold the old one (it was
+    reached by more than its step, or a moved object holds it), the old one holds registered
+    objects or shares a storage; the new one is no object of the same kind, is held by another
+    moved object too, or it or its storages are registered (or ``claimed`` by another)."""
+    old, kind = registry.objects[j], registry.kinds[j]
+    if new is _NONE or type(new) in ATOMS or registry.find(new) is not None or holders[id(new)] != 1:
+        return None
+    if holders[id(old)] or registry.edges.get(j) != 1 or j in parents or OPS[kind].reads_globals:
+        return None
+    try:
+        if kind_of(new) is not kind:
             return None
-        starts += [(child, i, step) for step, child in steps if registry.find(child) is None]
-    return starts
+    except Exception:  # noqa: BLE001 - as the walk: left untracked
+        return None
+    if not OPS[kind].has_storage:
+        return Replacement(j, new, [])
+    before, after = tensor_storages(old), tensor_storages(new)
+    ids = {id(s) for s in after}
+    if len(before) != len(after) or len(ids) != len(after) or ids & claimed:
+        return None
+    at = [registry.find_storage(s) for s in before]
+    if any(k is None or registry.storage_users.get(k) != 1 for k in at):
+        return None
+    if any(registry.find_storage(s) is not None for s in after):
+        return None
+    claimed |= ids
+    return Replacement(j, new, list(zip(at, after)))  # type: ignore[arg-type]  # (no None in at)
 
 
 _NONE = object()

@@ -56,6 +56,12 @@ class Registry:
     """The untyped storages of the registered tensors, in order of first use."""
     storage_index: dict[int, int] = field(default_factory=dict)
     notebook_functions: list[Any] = field(default_factory=list)
+    edges: dict[int, int] = field(default_factory=dict)
+    """For each object the walk registered (by index), how many steps of walked objects reach
+    it, its first included; an update may count one again, never less (see record.Record.update:
+    a replaced object that nothing else held may leave the registry). None for others: unknown."""
+    storage_users: dict[int, int] = field(default_factory=dict)
+    """For each storage (by index), how many registered tensors use it."""
 
     def find(self, obj: Any) -> int | None:
         i = self.index.get(id(obj))
@@ -96,9 +102,21 @@ class Registry:
 
     def _add_storage(self, tensor: Any) -> None:
         for storage in tensor_storages(tensor):
-            if self.find_storage(storage) is None:
-                self.storage_index[id(storage)] = len(self.storages)
+            j = self.find_storage(storage)
+            if j is None:
+                j = self.storage_index[id(storage)] = len(self.storages)
                 self.storages.append(storage)
+            self.storage_users[j] = self.storage_users.get(j, 0) + 1
+
+    def replace(self, i: int, obj: Any, storages: list[tuple[int, Any]]) -> None:
+        """Object ``i`` is now ``obj``, which its path holds instead (a training step's new
+        ``.grad``), of the same kind; its storages take the places (indices) of the old one's,
+        which only it used. What ``obj`` holds is not walked here."""
+        del self.index[id(self.objects[i])]
+        self.objects[i], self.index[id(obj)], self.edges[i] = obj, i, 1
+        for j, storage in storages:
+            del self.storage_index[id(self.storages[j])]
+            self.storages[j], self.storage_index[id(storage)] = storage, j
 
     @classmethod
     def of_user_variables(cls, namespace: dict[str, Any], hidden: Any = ()) -> Registry:
@@ -136,7 +154,12 @@ class Registry:
                 self._visit(child, i, step, queue)
 
     def _visit(self, obj: Any, parent: int, step: str, queue: collections.deque[int]) -> None:
-        if type(obj) in ATOMS or self.find(obj) is not None:
+        if type(obj) in ATOMS:
+            return
+        found = self.find(obj)
+        if found is not None:
+            if found in self.edges:
+                self.edges[found] += 1
             return
         try:
             kind = kind_of(obj)
@@ -145,6 +168,7 @@ class Registry:
         if kind is None:
             return
         i = self._add(obj, kind, parent, step)
+        self.edges[i] = 1
         if OPS[kind].children is not None:
             queue.append(i)
 

@@ -124,11 +124,15 @@ class KeptSnapshot:
     registry_for). None: it must be found again."""
     unmoved: bool = False
     """The cell it was kept after changed none of its objects or storages (see ``found_by``)."""
+    pending: tuple[list[int], list[int], bytes | None] | None = None
+    """What ``keep`` and ``found_by`` left to ``settle``: the objects and storages to take again,
+    and the specs the registry was found by."""
 
     def registry_for(self, namespace: dict[str, Any], specs: bytes | None) -> Registry | None:
         """The kept registry, where finding ``specs`` again would give it: the same specs it was
         found by (see ``specs``), and each variable at its root still bound to the object it
         holds there (a push that binds names keeps the snapshot, and may have rebound one)."""
+        self.settle()
         registry = self.registry
         if registry is None or specs is None or specs != self.specs or registry.objects[0] is not namespace:
             return None
@@ -138,18 +142,17 @@ class KeptSnapshot:
         return registry
 
     def found_by(self, specs: bytes | None) -> None:
-        """After the cell: the specs the kept registry was found by, noted if the cell moved
-        none of its objects or storages, and every object had a counterpart (see ``specs``)."""
-        registry, snapshot, self.specs = self.registry, self.snapshot, None
-        if registry is None or snapshot is None or not self.unmoved or has_placeholders(registry):
-            return
-        if not snapshot.untaken(registry):
-            self.specs = specs
+        """After the cell: the specs the kept registry was found by, noted (at ``settle``) if the
+        cell moved none of its objects or storages, and every object had a counterpart (see
+        ``specs``)."""
+        if self.pending is not None:
+            self.pending = (*self.pending[:2], specs)
 
     def take(self, registry: Registry, scan_large: bool) -> Snapshot:
         """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and
         storages, else one made from it (``carried_over``: what both registries hold keeps its
         state), or taken anew where none is kept; nothing is kept from here until ``keep``."""
+        self.settle()
         kept, snapshot = self.registry, self.snapshot
         self.drop()
         if (
@@ -165,16 +168,35 @@ class KeptSnapshot:
 
     def drop(self) -> None:
         """Something else may change the objects (see the class's docstring)."""
-        self.registry = self.snapshot = self.specs = None
+        self.registry = self.snapshot = self.specs = self.pending = None
         self.unmoved = False
 
     def keep(self, registry: Registry, snapshot: Snapshot, objects: list[int], storages: list[int]) -> None:
-        """After a cell that ended well: its snapshot, taken again for the objects and storages
-        (indices) that it changed (none is kept where writes are not tracked)."""
+        """After a cell that ended well: its snapshot, to be taken again (at ``settle``) for the
+        objects and storages (indices) that it changed (none is kept where writes are not
+        tracked)."""
         if not WRITES.available():
             return
-        snapshot.retake(registry, objects, storages, scan_large=True)
         self.registry, self.snapshot, self.unmoved = registry, snapshot, not objects and not storages
+        self.pending = (objects, storages, None)
+
+    def settle(self) -> None:
+        """What ``keep`` and ``found_by`` left, done: after the cell's answer is sent (the notebook
+        applies it meanwhile), or before the kept snapshot is used. A failure drops it (the
+        answer is sent: this must not make a second one)."""
+        if self.pending is None:
+            return
+        (objects, storages, specs), self.pending = self.pending, None
+        registry, snapshot = self.registry, self.snapshot
+        if registry is None or snapshot is None:
+            return
+        try:
+            snapshot.retake(registry, objects, storages, scan_large=True)
+        except Exception:  # noqa: BLE001 - the next cell takes its snapshot anew
+            self.drop()
+            return
+        if self.unmoved and not has_placeholders(registry) and not snapshot.untaken(registry):
+            self.specs = specs
 
 
 def _same_objects(a: Registry, b: Registry) -> bool:

@@ -10,6 +10,7 @@ pickled by reference to this module).
 from __future__ import annotations
 
 import struct
+import weakref
 from typing import Any, NamedTuple
 
 from enot_nb._serialize.tensors import (
@@ -157,8 +158,16 @@ KEEP = _Keep()
 # ----------------------------------------------------------------------------- reading state
 
 
+_BUILTIN_CONTAINERS = frozenset({dict, list, tuple, set, frozenset})
+"""Exact types whose instances have neither a ``__dict__`` nor slots (looked up for every object
+the walk, the snapshot and the comparison meet: the attribute lookup that fails costs an
+exception each time)."""
+
+
 def object_dict(obj: Any) -> dict[str, Any] | None:
     """``obj``'s own ``__dict__`` (never a class's ``__getattr__``'s answer), or None."""
+    if type(obj) in _BUILTIN_CONTAINERS:
+        return None
     try:
         d = object.__getattribute__(obj, "__dict__")
     except (AttributeError, TypeError):
@@ -166,20 +175,40 @@ def object_dict(obj: Any) -> dict[str, Any] | None:
     return d if type(d) is dict else None
 
 
+_SLOT_NAMES: weakref.WeakKeyDictionary[type, tuple[tuple, tuple[str, ...]]] = weakref.WeakKeyDictionary()
+"""Each type's slot names, with the MRO they were read from (assigning ``__bases__`` makes a new
+one): read once per type, not for every object at every cell. Weak: a class redefined in the
+notebook leaves with its last instance."""
+
+
 def slot_names(t: type) -> tuple[str, ...]:
+    mro = getattr(t, "__mro__", ())
+    try:
+        cached = _SLOT_NAMES.get(t)
+    except TypeError:  # not weakly referenceable: read each time
+        cached = None
+    if cached is not None and cached[0] is mro:
+        return cached[1]
     names: list[str] = []
-    for klass in getattr(t, "__mro__", ()):
+    for klass in mro:
         declared = klass.__dict__.get("__slots__", ())
         names += (
             [declared] if isinstance(declared, str) else [s for s in declared if s not in ("__dict__", "__weakref__")]
         )
+    try:
+        _SLOT_NAMES[t] = (mro, tuple(names))
+    except TypeError:
+        pass
     return tuple(names)
 
 
 def slots(obj: Any) -> dict[str, Any]:
     """The values of ``obj``'s slots that are set."""
+    names = slot_names(type(obj))
+    if not names:
+        return {}
     values = {}
-    for name in slot_names(type(obj)):
+    for name in names:
         try:
             values[name] = object.__getattribute__(obj, name)
         except AttributeError:

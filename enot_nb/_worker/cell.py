@@ -132,7 +132,7 @@ def run_cell(
         reached = {n for n, v in list(namespace.items()) if registry.find(v) is not None}
         tracker = Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large, kept)
     figures_before = _open_figures()
-    modules_before = set(sys.modules)
+    modules_before = list(sys.modules)  # a copy of its keys, in order: cheap to take and compare
     try:
         exec(compile(body, CELL_FILENAME, "exec"), namespace)  # running the user's cell is the point
         value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
@@ -174,13 +174,15 @@ def ignore_late_presses() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _report_imports(before: set[str], *trees: ast.AST | None) -> None:
+def _report_imports(before: list[str], *trees: ast.AST | None) -> None:
     """Tell the kernel which modules the cell imported that it may import too (preload's rule),
     in the order they were imported; outside a launch (an exported script) there is no one to
     tell."""
     if not bootstrap.in_launch():
         return
-    imported = set(sys.modules).difference(before)  # most cells import nothing: no walk
+    if list(sys.modules) == before:  # most cells import nothing: the same names, the same order
+        return
+    imported = set(sys.modules).difference(before)
     if not imported:
         return
     named = {

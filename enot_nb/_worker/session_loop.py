@@ -181,6 +181,7 @@ def _answer(command: SessionCommand) -> None:
                     bootstrap.send(Done())
                 else:
                     bootstrap.send_outcome(rank, result)
+                _KEPT.settle()  # while the notebook applies the answer
             case Proceed():
                 pass  # a late one (its task failed here): nothing to do
             case ReportGroups():
