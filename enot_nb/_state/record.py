@@ -168,6 +168,7 @@ def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
     holders = collections.Counter(id(child) for steps in now.values() for _, child in steps)
     starts, replaced, counted = [], [], []
     claimed: set[int] = set()  # the new objects' storages (two new views may share one)
+    placed: set[int] = set()  # the new objects (ids): walked from their places, not as starts
     for i in indices:
         steps = dict(now[i])
         for j in held.get(i, ()):
@@ -178,11 +179,12 @@ def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
             if r is None:  # (a moved object left is walked from: its children would be the new one's)
                 return None
             replaced.append(r)
+            placed.add(id(r.new))
         tree = {registry.parents[j][1] for j in held.get(i, ())}
         for step, child in now[i]:
             found = registry.find(child)
             if found is None:
-                if not any(r.new is child for r in replaced):
+                if id(child) not in placed:
                     starts.append((child, i, step))
             elif step not in tree:
                 counted.append(found)  # held once more, maybe

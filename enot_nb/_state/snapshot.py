@@ -106,6 +106,17 @@ class Snapshot:
 
 
 @dataclass
+class PendingRetake:
+    """A kept snapshot's retake, left for after the cell's answer (see KeptSnapshot.settle)."""
+
+    objects: list[int]
+    storages: list[int]
+    """The objects and storages (indices) the cell changed: their states and digests are taken again."""
+    specs: bytes | None = None
+    """What the registry was found by (see KeptSnapshot.found_by)."""
+
+
+@dataclass
 class KeptSnapshot:
     """A long-lived process's snapshot kept from the end of one task to the start of the next (a
     session master's, from cell to cell): a cell over the same objects starts from it instead of
@@ -124,9 +135,8 @@ class KeptSnapshot:
     registry_for). None: it must be found again."""
     unmoved: bool = False
     """The cell it was kept after changed none of its objects or storages (see ``found_by``)."""
-    pending: tuple[list[int], list[int], bytes | None] | None = None
-    """What ``keep`` and ``found_by`` left to ``settle``: the objects and storages to take again,
-    and the specs the registry was found by."""
+    pending: PendingRetake | None = None
+    """What ``keep`` and ``found_by`` left to ``settle``."""
 
     def registry_for(self, namespace: dict[str, Any], specs: bytes | None) -> Registry | None:
         """The kept registry, where finding ``specs`` again would give it: the same specs it was
@@ -146,7 +156,7 @@ class KeptSnapshot:
         cell moved none of its objects or storages, and every object had a counterpart (see
         ``specs``)."""
         if self.pending is not None:
-            self.pending = (*self.pending[:2], specs)
+            self.pending.specs = specs
 
     def take(self, registry: Registry, scan_large: bool) -> Snapshot:
         """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and
@@ -178,7 +188,7 @@ class KeptSnapshot:
         if not WRITES.available():
             return
         self.registry, self.snapshot, self.unmoved = registry, snapshot, not objects and not storages
-        self.pending = (objects, storages, None)
+        self.pending = PendingRetake(objects, storages)
 
     def settle(self) -> None:
         """What ``keep`` and ``found_by`` left, done: after the cell's answer is sent (the notebook
@@ -186,17 +196,17 @@ class KeptSnapshot:
         answer is sent: this must not make a second one)."""
         if self.pending is None:
             return
-        (objects, storages, specs), self.pending = self.pending, None
+        pending, self.pending = self.pending, None
         registry, snapshot = self.registry, self.snapshot
         if registry is None or snapshot is None:
             return
         try:
-            snapshot.retake(registry, objects, storages, scan_large=True)
+            snapshot.retake(registry, pending.objects, pending.storages, scan_large=True)
         except Exception:  # noqa: BLE001 - the next cell takes its snapshot anew
             self.drop()
             return
         if self.unmoved and not has_placeholders(registry) and not snapshot.untaken(registry):
-            self.specs = specs
+            self.specs = pending.specs
 
 
 def _same_objects(a: Registry, b: Registry) -> bool:
