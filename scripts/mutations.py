@@ -186,9 +186,28 @@ MUTATIONS = [
     Mutation(
         "session-master-kept-registry-after-a-move",
         "enot_nb/_state/snapshot.py",
-        "        if registry is None or snapshot is None or not self.unmoved or has_placeholders(registry):\n",
-        "        if registry is None or snapshot is None or has_placeholders(registry):\n",
-        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+        "        if again is not None and not has_placeholders(registry) and not snapshot.untaken(registry):\n",
+        "        if not has_placeholders(registry) and not snapshot.untaken(registry):\n",
+        [
+            "tests/test_session.py::test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again"
+        ],
+    ),
+    Mutation(
+        "found-again-on-another-storage",
+        "enot_nb/_state/paths.py",
+        "                return None  # on another storage now (``t.data = other``)\n",
+        "                pass\n",
+        [
+            "tests/test_session.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives",
+            "tests/test_session.py::test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again",
+        ],
+    ),
+    Mutation(
+        "found-again-shared-storage",
+        "enot_nb/_state/paths.py",
+        "        if any(users[j] != 1 for j in spec.storages if j >= 0):\n",
+        "        if False:\n",
+        ["tests/test_session.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives"],
     ),
     Mutation(
         "session-popped-object-changes-dropped",

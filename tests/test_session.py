@@ -588,6 +588,122 @@ def _record_is_a_fresh_walk(mirror, namespace, where) -> None:
     assert snapshot.changed_storages(record) == [], where
 
 
+def test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives():
+    """A session master keeps its registry across a training cell by finding again only what the
+    cell changed (paths.found_again): it must be exactly what finding every spec anew gives, or
+    refuse (None) and leave the registry as it was; else the next cell's changes land on other
+    objects, or a change is missed."""
+    from enot_nb._state import paths
+    from enot_nb._state.registry import Registry
+    from enot_nb._state.snapshot import Snapshot
+
+    def setup():
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+        model(torch.ones(2, 3)).sum().backward()
+        base = torch.ones(4)
+        ns = {"model": model, "log": [1.0, 2.0], "held": [torch.ones(1)], "x": torch.zeros(3, 3)}
+        ns["views"] = [base[:2], base[2:]]  # two specs, one storage
+        specs = paths.specs_of(Registry.of_namespace(ns, sorted(ns)))
+        sizes = len(specs) + 1, len({j for spec in specs for j in spec.storages})
+        registry = paths.registry_at(ns, specs, *sizes, strict=False)
+        return ns, model, specs, sizes, registry, Snapshot.take(registry)
+
+    def ids(registry):
+        return [id(o) for o in registry.objects], [id(s) for s in registry.storages], list(registry.kinds)
+
+    def changed_and_found(change):
+        ns, model, specs, sizes, registry, snapshot = setup()
+        before = ids(registry)
+        change(ns, model)
+        found = paths.found_again(registry, specs, snapshot.changed_objects(registry))
+        if found is None:
+            assert ids(registry) == before  # left as it was
+            return None
+        fresh = paths.registry_at(ns, specs, *sizes, strict=False)
+        assert ids(registry) == ids(fresh)
+        assert not paths.has_placeholders(registry)
+        return found
+
+    def step(ns, model):
+        model.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+
+    found = changed_and_found(step)  # four new .grad tensors, each where the old one was
+    assert found is not None and len(found.objects) == 4 and len(found.storages) == 4
+    found = changed_and_found(lambda ns, model: model[0].weight.data.mul_(2))  # bytes: nothing moves
+    assert found is not None and found.objects == []
+
+    found = changed_and_found(lambda ns, model: ns["log"].append(torch.ones(1)))  # atoms no more: another kind
+    assert found is not None and found.objects == []
+
+    def shared(ns, model):
+        grad = torch.ones(3, 3)
+        model[0].weight.grad, model[1].weight.grad = grad, grad  # one new tensor at two paths
+
+    refused = {
+        "a grad gone": lambda ns, model: model.zero_grad(set_to_none=True),
+        "a list's tensor gone": lambda ns, model: ns["held"].__setitem__(0, 1.0),
+        "another storage": lambda ns, model: setattr(model[0].weight, "data", torch.ones(3, 3)),
+        "another storage size": lambda ns, model: setattr(model[0].bias, "grad", torch.ones(3).repeat(2)[:3]),
+        "a new tensor at two paths": shared,
+        "a new tensor where one of two views of a storage was": lambda ns, model: ns["views"].__setitem__(
+            0, torch.zeros(4)[:2]
+        ),
+        "a registered tensor at another path": lambda ns, model: setattr(model[0].weight, "grad", ns["x"]),
+    }
+    for why, change in refused.items():
+        assert changed_and_found(change) is None, why
+
+
+def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again():
+    """The master's side of a kept registry (KeptSnapshot): after a training step (new .grad
+    tensors) its registry is what finding the specs anew gives, and the next cell with the same
+    specs gets it; after a cell whose change finding again refused (a tensor on another storage)
+    the same specs must find the objects anew, whatever the notebook decided."""
+    import pickle
+
+    from enot_nb._state import paths
+    from enot_nb._state.registry import Registry
+    from enot_nb._state.snapshot import KeptSnapshot
+    from enot_nb._state.writes import WRITES
+
+    if not WRITES.available():  # nothing is kept where writes are not tracked
+        pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
+    model = torch.nn.Linear(3, 3)
+    model(torch.ones(2, 3)).sum().backward()
+    ns = {"model": model}
+    specs = paths.specs_of(Registry.of_namespace(ns, ["model"]))
+    sizes = len(specs) + 1, len({j for spec in specs for j in spec.storages})
+    packed = pickle.dumps((specs, *sizes), protocol=5)
+    kept = KeptSnapshot()
+    registry = paths.registry_at(ns, specs, *sizes, strict=False)
+    snapshot = Snapshot.take(registry)
+
+    def cell(change) -> Registry | None:
+        """``change`` run as a kept cell would be; the registry the next cell gets."""
+        taken = kept.take(registry, scan_large=False)
+        change()
+        changed = taken.changed_objects(registry)
+        kept.keep(registry, taken, changed, taken.changed_storages(registry))
+        kept.found_by(packed, specs)
+        kept.settle()
+        return kept.registry_for(ns, packed)
+
+    kept.keep(registry, snapshot, [], [])
+    kept.found_by(packed, specs)
+    assert kept.registry_for(ns, packed) is registry
+
+    def step() -> None:
+        model.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+
+    assert cell(step) is registry
+    fresh = paths.registry_at(ns, specs, *sizes, strict=False)
+    assert [id(o) for o in registry.objects] == [id(o) for o in fresh.objects]
+    assert [id(s) for s in registry.storages] == [id(s) for s in fresh.storages]
+    assert cell(lambda: setattr(model.weight, "data", torch.ones(3, 3))) is None
+
+
 def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch):
     """After each task the mirror updates its record where the task moved something (new names,
     written storages, objects that hold more) or walks it again (a name rebound, an object that
@@ -764,10 +880,28 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
             s.run(cell)
             assert uses[-1] is kept, (len(uses), uses)
             assert ns["out"] == local(), len(uses)
-        s.run("net.weight.data.mul_(0)\n" + cell)  # a cell that changed something: not kept
+        s.run("net.weight.data.mul_(0)\n" + cell)  # a cell that wrote bytes: they move no path
         assert uses[-1] is True and ns["out"] == local() and float(ns["net"].weight.detach().sum()) == 0.0
         s.run(cell)
+        assert uses[-1] is True and ns["out"] == local()
+        s.run("net.weight.data = torch.ones(2, 3)\n" + cell)  # on another storage: walked (found) anew
+        s.run(cell)
         assert uses[-1] is False and ns["out"] == local()
+        # Training steps: each leaves new .grad tensors where the old ones were (kept, found again)
+        ns["opt"] = torch.optim.SGD(ns["net"].parameters(), lr=0.1)
+        step = "opt.zero_grad()\nnet(torch.ones(4, 3)).sum().backward()\nopt.step()\n" + cell
+        before = s.run(found_again)
+        for n in range(4):  # (no other session cell in between: it would leave its own reach)
+            s.run(step)
+            assert uses[-1] is (n > 1), (n, uses)  # the first walks the new name; the second the new grads
+            assert ns["out"] == local()
+        assert s.run("out") == ns["out"]
+        grads = s.run("[p.grad.tolist() for p in net.parameters()]")
+        assert grads == [p.grad.tolist() for p in ns["net"].parameters()]
+        assert s.run(found_again) >= before + 2  # the master found its registry again after steps
+        s.run(step.replace("opt.step()", "opt.step()\nopt.zero_grad()"))  # the grads gone again
+        s.run(step)
+        assert uses[-1] is False and ns["net"].weight.grad is not None and ns["out"] == local()
         # The master's side: its kept registry must not serve specs that name other objects now
         s.run("net.bias = type(net.bias)(net.bias.detach() + 1)\n" + cell)  # moved: found anew
         s.run(cell)

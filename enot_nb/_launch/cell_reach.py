@@ -12,9 +12,11 @@ reach is the same as the last cell's where:
 
 The last is told by the push's comparison of the record (see _state/mirror): it sees any change
 to the record's objects and storages since the last sync. So a reach is kept only after a cell
-that changed none of its objects (nothing came back into them: the notebook's objects are as
-they were when it was walked) and only if the record holds every object and storage of it. The
-master keeps its registry on the same terms (see snapshot.KeptSnapshot.registry_for).
+whose changes leave it what a walk gives (the bytes it wrote move nothing; an object whose new
+children took its old ones' places, a training step's new ``.grad``, is updated as the record
+is, see record.replaced_in_place), and only if the record holds every object and storage of it.
+The master keeps its registry where what the cell changed is found again by the same specs
+(see snapshot.KeptSnapshot.registry_for, paths.found_again).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._state import reach
+from enot_nb._state import paths, reach
 from enot_nb._state.mirror import SinceSync
-from enot_nb._state.record import Moved, Record
+from enot_nb._state.record import Moved, Record, replaced_in_place
 from enot_nb._worker.session_loop import Mirrored
 
 
@@ -65,16 +67,27 @@ class CellReach:
         )
 
     def kept_after(self, moved: Moved, record: Record) -> CellReach | None:
-        """After the cell ended well: this reach, for the next cell, if the cell changed none of
-        its objects or storages (``moved``: what came back), it was not a walk of every name
-        (code that reads names dynamically), and ``record`` holds all of it, each state taken;
-        else None."""
+        """After the cell ended well: this reach, for the next cell, if what the cell changed of
+        it (``moved``: what came back) leaves it what a walk gives (bytes written; objects
+        whose new children took the old ones' places, see record.replaced_in_place), it was
+        not a walk of every name (code that reads names dynamically), and ``record`` holds all
+        of it, each state taken; else None. Its specs are made again where it moved (a storage
+        may have been resized), and kept where they are the same: the master then knows them."""
         registry, baseline, snapshot = self.found.registry, record.baseline, record.snapshot
-        if moved.objects or moved.storages or self.found.whole is not None or self.found.left_out:
+        if self.found.whole is not None or self.found.left_out:
             return None
         if snapshot is None or baseline.objects[0] is not registry.objects[0]:
+            return None
+        changed = sorted({i for i in map(registry.find, moved.objects) if i is not None and i > 0})
+        if changed and not replaced_in_place(registry, changed):
             return None
         at = [baseline.find(obj) for obj in registry.objects[1:]]
         if any(i is None for i in at) or any(baseline.find_storage(s) is None for s in registry.storages):
             return None
-        return None if snapshot.untaken(baseline, [i for i in at if i is not None]) else self
+        if snapshot.untaken(baseline, [i for i in at if i is not None]):
+            return None
+        if moved.objects or moved.storages:
+            specs = paths.specs_of(registry)
+            if self.mirror is None or specs != self.mirror.specs:
+                self.mirror = Mirrored(specs, len(registry.objects), len(registry.storages))
+        return self

@@ -17,8 +17,10 @@ against the other (see collect, apply).
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from enot_nb._serialize.tensors import tensor_storages
@@ -150,6 +152,70 @@ def registry_at(
 
         registry.storages = [torch.UntypedStorage(0) if s is None else s for s in registry.storages]
     return registry
+
+
+@dataclass
+class FoundAgain:
+    """The objects (indices) that ``found_again`` put in new places, and their storages'."""
+
+    objects: list[int] = field(default_factory=list)
+    storages: list[int] = field(default_factory=list)
+
+
+def found_again(registry: Registry, specs: list[ObjectSpec], changed: list[int]) -> FoundAgain | None:
+    """After a cell changed the states of the objects at ``changed`` in a rank's registry (made by
+    ``registry_at(specs)``): that registry made, in place, what ``registry_at(specs)`` would find
+    now. Each changed object is found again, as is each spec under one (and under one found
+    anew, in turn: the specs are in index order, a parent first); an object that is not the one
+    registered there takes its index, and its storages those of the old one's (a training
+    step's new ``.grad`` tensors). None, and the registry left as it was, where one has no
+    counterpart now (of its type and storage sizes), is on other storages than its index's, is
+    registered at another index, or shares a storage with another spec (which of them a fresh
+    find gives the storage's index depends on the order)."""
+    wanted, moved = set(changed), set(changed)
+    users = collections.Counter(j for spec in specs for j in spec.storages if j >= 0)
+    now = Registry(objects=list(registry.objects), kinds=list(registry.kinds), parents=registry.parents)
+    children: dict[int, dict[str, list[Any]]] = {}
+    moves: list[tuple[ObjectSpec, Any, list[Any]]] = []
+    claimed: set[int] = set()  # the new objects and storages (ids)
+    for spec in specs:
+        if spec.parent not in wanted and spec.at not in moved:  # a changed one: its size, its storages
+            continue
+        try:
+            obj = _child(now, spec, children)
+        except PathError:
+            return None
+        storages = tensor_storages(obj) if spec.storages else []
+        if len(storages) != len(spec.storages):
+            return None
+        if obj is registry.objects[spec.at]:
+            if any(j >= 0 and registry.storages[j] is not s for j, s in zip(spec.storages, storages)):
+                return None  # on another storage now (``t.data = other``)
+            now.kinds[spec.at] = kind_of(obj) or Kind.OPAQUE  # a list grown into an atoms container
+            continue
+        ids = {id(obj), *map(id, storages)}
+        if registry.find(obj) is not None or ids & claimed or len(ids) != 1 + len(storages):
+            return None  # (two new ones sharing an object or a storage: the first found takes it)
+        if any(users[j] != 1 for j in spec.storages if j >= 0):
+            return None
+        if any(registry.find_storage(storage) is not None for storage in storages):
+            return None
+        claimed |= ids
+        now.objects[spec.at], now.kinds[spec.at] = obj, kind_of(obj) or Kind.OPAQUE
+        moves.append((spec, obj, storages))
+        wanted.add(spec.at)
+    found = FoundAgain()
+    registry.kinds[:] = now.kinds
+    for spec, obj, storages in moves:
+        registry.index.pop(id(registry.objects[spec.at]), None)
+        registry.objects[spec.at], registry.index[id(obj)] = obj, spec.at
+        for j, storage in zip(spec.storages, storages):
+            if j >= 0:
+                registry.storage_index.pop(id(registry.storages[j]), None)
+                registry.storages[j], registry.storage_index[id(storage)] = storage, j
+                found.storages.append(j)
+        found.objects.append(spec.at)
+    return found
 
 
 def _variable(registry: Registry, spec: ObjectSpec) -> str:

@@ -95,6 +95,20 @@ class Record:
         return True
 
 
+def replaced_in_place(registry: Registry, indices: list[int]) -> bool:
+    """The objects at ``indices`` of a walk's registry changed: where all that they hold anew
+    took the places of what they held (a training step's new ``.grad``, see Replacement), those
+    replaced in ``registry``, which is then what walking again gives (as ``Record.update``
+    keeps its baseline); False where they hold anything else anew, or one cannot be replaced
+    (the registry's counts may have grown: it is to be dropped)."""
+    regrowth = _regrowth(registry, indices)
+    if regrowth is None or regrowth.starts:
+        return False
+    for r in regrowth.replaced:
+        registry.replace(r.at, r.new, r.storages)
+    return True
+
+
 @dataclass
 class Moved:
     """What a task changed in the notebook (the push applied there by plain cells, the master's

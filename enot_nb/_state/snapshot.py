@@ -9,12 +9,12 @@ is no longer the same, and the storages whose bytes changed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._state.digests import FORKS, StorageDigest, changed_storages, storage_digests, watch_forks
 from enot_nb._state.kinds import OPS
-from enot_nb._state.paths import has_placeholders
+from enot_nb._state.paths import ObjectSpec, found_again, has_placeholders
 from enot_nb._state.registry import Registry
 from enot_nb._state.writes import WRITES
 
@@ -113,7 +113,9 @@ class PendingRetake:
     storages: list[int]
     """The objects and storages (indices) the cell changed: their states and digests are taken again."""
     specs: bytes | None = None
-    """What the registry was found by (see KeptSnapshot.found_by)."""
+    """What the registry was found by, pickled (see KeptSnapshot.found_by)."""
+    found: list[ObjectSpec] = field(default_factory=list)
+    """The same specs, loaded: the objects the cell changed are found again by them."""
 
 
 @dataclass
@@ -130,11 +132,10 @@ class KeptSnapshot:
     snapshot: Snapshot | None = None
     specs: bytes | None = None
     """What the kept registry was found by (the notebook's specs, pickled: see paths.registry_at),
-    where the cell it was kept after changed none of its objects or storages and each object had
-    a counterpart here: the next cell sent the same specs finds the same objects (see
-    registry_for). None: it must be found again."""
-    unmoved: bool = False
-    """The cell it was kept after changed none of its objects or storages (see ``found_by``)."""
+    where each object had a counterpart here and what the cell it was kept after changed was
+    found again by them (paths.found_again: a training step's new ``.grad`` takes the old one's
+    index): the next cell sent the same specs finds the same objects (see registry_for). None:
+    it must be found again."""
     pending: PendingRetake | None = None
     """What ``keep`` and ``found_by`` left to ``settle``."""
 
@@ -151,12 +152,12 @@ class KeptSnapshot:
                 return None
         return registry
 
-    def found_by(self, specs: bytes | None) -> None:
-        """After the cell: the specs the kept registry was found by, noted (at ``settle``) if the
-        cell moved none of its objects or storages, and every object had a counterpart (see
-        ``specs``)."""
+    def found_by(self, packed: bytes | None, specs: list[ObjectSpec]) -> None:
+        """After the cell: the specs the kept registry was found by (``packed``: pickled), noted
+        at ``settle`` where what the cell changed is found again by them and every object had a
+        counterpart (see ``specs``)."""
         if self.pending is not None:
-            self.pending.specs = specs
+            self.pending.specs, self.pending.found = packed, specs
 
     def take(self, registry: Registry, scan_large: bool) -> Snapshot:
         """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and
@@ -179,7 +180,6 @@ class KeptSnapshot:
     def drop(self) -> None:
         """Something else may change the objects (see the class's docstring)."""
         self.registry = self.snapshot = self.specs = self.pending = None
-        self.unmoved = False
 
     def keep(self, registry: Registry, snapshot: Snapshot, objects: list[int], storages: list[int]) -> None:
         """After a cell that ended well: its snapshot, to be taken again (at ``settle``) for the
@@ -187,7 +187,7 @@ class KeptSnapshot:
         tracked)."""
         if not WRITES.available():
             return
-        self.registry, self.snapshot, self.unmoved = registry, snapshot, not objects and not storages
+        self.registry, self.snapshot = registry, snapshot
         self.pending = PendingRetake(objects, storages)
 
     def settle(self) -> None:
@@ -200,12 +200,17 @@ class KeptSnapshot:
         registry, snapshot = self.registry, self.snapshot
         if registry is None or snapshot is None:
             return
+        objects, storages = pending.objects, pending.storages
         try:
-            snapshot.retake(registry, pending.objects, pending.storages, scan_large=True)
+            # Found again where the specs are known (else the next cell finds its objects anew)
+            again = found_again(registry, pending.found, objects) if pending.specs is not None else None
+            if again is not None:
+                objects, storages = [*objects, *again.objects], sorted({*storages, *again.storages})
+            snapshot.retake(registry, objects, storages, scan_large=True)
         except Exception:  # noqa: BLE001 - the next cell takes its snapshot anew
             self.drop()
             return
-        if self.unmoved and not has_placeholders(registry) and not snapshot.untaken(registry):
+        if again is not None and not has_placeholders(registry) and not snapshot.untaken(registry):
             self.specs = pending.specs
 
 

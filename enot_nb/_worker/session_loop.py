@@ -267,7 +267,7 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
         task.code, namespace, task.options, registry, scan_large=scan, kept=kept, late_presses_ignored=True
     )
     if kept is not None and task.mirror is not None:
-        kept.found_by(task.mirror.packed)
+        kept.found_by(task.mirror.packed, task.mirror.specs)
     return outcome
 
 
