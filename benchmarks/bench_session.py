@@ -6,7 +6,8 @@
   the package index, installed with ``--no-deps`` so that they keep the CPU torch:
   ``bash scripts/bench_extras.sh``; a row says so where one is missing or fails).
 * 50 DDP steps in a session cell, against the same 50 steps in a torchrun script already running,
-  the two alternated (the script waits on a pipe between its blocks).
+  the two alternated (the script waits on a pipe between its blocks), and a second such script
+  alternated with them as the control (how far two sets of processes differ on the same steps).
 * A session cell that reaches a ResNet-50-sized model and changes nothing, against the same cell
   run locally; one that updates it in place, against a one-off cell doing the same (today's
   return cost), both over the local cell.
@@ -152,7 +153,9 @@ print("RESULT", json.dumps(statistics.median(took)))""",
 def ddp_steps(kernel, repeats: int) -> list[Row]:
     """The session's cells alternate with blocks of the running torchrun script (it waits on a
     pipe between blocks, so the two never run at once): a drift of the machine's speed over the
-    run moves both."""
+    run moves both. A second torchrun script, alternated the same way, is the control: how far
+    two sets of processes running the very same steps differ here (their placement on the cores,
+    their memory), which the session's difference from the script includes too."""
     bench = "session: 50 DDP steps, 2 ranks"
     n = max(30, repeats * 4)  # the steps' own spread (several ms) is larger than the cell's cost
     found = kernel_json(
@@ -160,14 +163,8 @@ def ddp_steps(kernel, repeats: int) -> list[Row]:
         f"""
 import os, shutil, subprocess, tempfile
 pipes = tempfile.mkdtemp()
-control = os.path.join(pipes, "steps")
-for suffix in (".rank0", ".rank1", ".out"):
-    os.mkfifo(control + suffix)
-script = subprocess.Popen(
-    {torchrun_command("session_steps_job.py")!r} + [control],
-    env={{**os.environ, **{TORCHRUN_ENV!r}}}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-)
-def opened(path):  # the pipe once the script's rank opened its end (it imports torch first)
+scripts = []
+def opened(path, script):  # the pipe once the script's rank opened its end (it imports torch first)
     while True:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
@@ -178,44 +175,66 @@ def opened(path):  # the pipe once the script's rank opened its end (it imports 
             continue
         os.set_blocking(fd, True)
         return os.fdopen(fd, "w", buffering=1)
+class Script:  # a torchrun script running session_steps_job.serve: one block of 50 steps per go
+    def __init__(self, name):
+        control = os.path.join(pipes, name)
+        for suffix in (".rank0", ".rank1", ".out"):
+            os.mkfifo(control + suffix)
+        self.process = subprocess.Popen(
+            {torchrun_command("session_steps_job.py")!r} + [control],
+            env={{**os.environ, **{TORCHRUN_ENV!r}}}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        scripts.append(self.process)
+        self.commands = [opened(control + ".rank0", self.process), opened(control + ".rank1", self.process)]
+        self.results = open(control + ".out")
+    def block(self):
+        for command in self.commands:
+            command.write("go\\n")
+        return float(self.results.readline())
+    def close(self):
+        for command in self.commands:
+            command.close()
+        self.process.wait(timeout=60)
 try:
     run("%enot_session start -n 2 --backend gloo")
     run("%%enot_distributed\\nfrom benchmarks import session_steps_job as job\\nparts = job.build()")
     run("%%enot_distributed\\nddp, optimizer, x, y = (parts[k] for k in ('ddp', 'optimizer', 'x', 'y'))")
-    commands = [opened(control + ".rank0"), opened(control + ".rank1")]
-    results = open(control + ".out")
-    in_script, in_session, own_steps = [], [], []
+    reference, control = Script("reference"), Script("control")
+    in_script, in_control, in_session, own_steps = [], [], [], []
     for i in range(-2, {n}):
-        for command in commands:
-            command.write("go\\n")
-        seconds = float(results.readline())
+        seconds = reference.block()
         start = time.perf_counter()
         run("%%enot_distributed\\ntook = job.timed_fifty(ddp, optimizer, x, y)")
+        session = time.perf_counter() - start
+        other = control.block()
         if i >= 0:
             in_script.append(seconds)
-            in_session.append(time.perf_counter() - start)
+            in_session.append(session)
             own_steps.append(took)
-    for command in commands:
-        command.close()
-    script.wait(timeout=60)
+            in_control.append(other)
+    reference.close()
+    control.close()
     run("%enot_session stop")
 finally:
-    script.kill()
+    for script in scripts:
+        script.kill()
     shutil.rmtree(pipes)
 m = statistics.median
 print("RESULT", json.dumps([
     m(in_script), m(in_session), m([b - a for a, b in zip(in_script, in_session)]),
     m([b - a for a, b in zip(own_steps, in_session)]), m([b / a for a, b in zip(in_script, own_steps)]),
+    m([b - a for a, b in zip(in_script, in_control)]),
 ]))""",
         timeout=600,
     )
-    script, session, over, own, steps_ratio = found
+    script, session, over, own, steps_ratio, control = found
     return [
         Row(bench, "torchrun script already running (reference)", script, "s", "torchrun", 1.0, "", n),
         Row(bench, "session cell", session, "s", "torchrun", session / script, "", n),
         Row(bench, "session cell: over the script (median of the pairs)", over, "s", "torchrun", None, "<= 10 ms", n),
         Row(bench, "session cell: over its own steps (the cell's cost)", own, "s", "torchrun", None, "", n),
         Row(bench, "the session's steps over the script's (ratio)", steps_ratio, "x", "torchrun", steps_ratio, "", n),
+        Row(bench, "control: a second running torchrun script over the first", control, "s", "torchrun", None, "", n),
     ]
 
 

@@ -18,6 +18,7 @@ import datetime
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from IPython.core.error import UsageError
@@ -262,7 +263,7 @@ def run_distributed_cell(
         raise UsageError(
             "%%enot_distributed runs inside IPython or Jupyter; elsewhere call enot_nb.notebook_launcher(fn, nprocs=N)"
         )
-    code = shell.transform_cell(cell)
+    code = transformed(shell, cell)
     NOTES.start_cell()  # a failed or --no-return cell leaves no notes: last_notes() says so
     if args.export:
         return _export(shell, code, args)
@@ -476,7 +477,7 @@ def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args:
         parsed, plan = parse_options(line)
         return run_distributed_cell(shell, cell, parsed, plan, line)
     check_cell_options(args)
-    code = shell.transform_cell(cell)
+    code = transformed(shell, cell)
     NOTES.start_cell()
     run = CellRun(
         output=args.output,
@@ -569,8 +570,10 @@ def check_cell_syntax(lines: list[str]) -> list[str]:
     shell = get_ipython()
     if shell is None:
         return lines
+    body = "".join(lines[1:])
     try:
-        compile(shell.transform_cell("".join(lines[1:])), "<cell>", "exec")
+        code = shell.transform_cell(body)
+        compile(code, "<cell>", "exec")
     except SyntaxError as err:
         if err.lineno is not None:
             err.lineno += 1  # the %%enot_distributed line
@@ -578,7 +581,30 @@ def check_cell_syntax(lines: list[str]) -> list[str]:
             err.end_lineno += 1
         err.filename = shell.compile.cache("".join(lines), shell.execution_count, raw_code="".join(lines))
         raise
+    _CHECKED.body, _CHECKED.code = body, code
     return lines
+
+
+@dataclass
+class _CheckedCell:
+    """The body of the ``%%enot_distributed`` cell that check_cell_syntax last transformed, and
+    the code it made: the magic, called next with that body, takes it instead of transforming
+    it again (IPython's transforms tokenize the cell; twice was a third of what the magic adds
+    to a session cell in the kernel)."""
+
+    body: str = ""
+    code: str = ""
+
+
+_CHECKED = _CheckedCell()
+
+
+def transformed(shell: InteractiveShell, cell: str) -> str:
+    """``shell.transform_cell(cell)``: the code check_cell_syntax made of this very cell, where
+    it just made it (taken once), else transformed now (the magic called from code)."""
+    body, code = _CHECKED.body, _CHECKED.code
+    _CHECKED.body = _CHECKED.code = ""
+    return code if body and body == cell else shell.transform_cell(cell)
 
 
 def _wait_for_imports(info: Any = None) -> None:
