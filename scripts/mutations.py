@@ -203,6 +203,20 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        "found-again-rank-sharing-unchecked",
+        "enot_nb/_state/paths.py",
+        "    if not _as_specified(registry, specs):\n",
+        "    if False:\n",
+        ["tests/test_session.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives"],
+    ),
+    Mutation(
+        "kept-reach-walk-order-unchecked",
+        "enot_nb/_state/record.py",
+        "    if regrowth is None or regrowth.starts or not regrowth.in_walk_order:\n",
+        "    if regrowth is None or regrowth.starts:\n",
+        ["tests/test_session.py::test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
         "found-again-shared-storage",
         "enot_nb/_state/paths.py",
         "        if any(users[j] != 1 for j in spec.storages if j >= 0):\n",

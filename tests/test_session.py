@@ -654,6 +654,26 @@ def test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives():
     for why, change in refused.items():
         assert changed_and_found(change) is None, why
 
+    # The rank shares what the notebook does not (registry_at registered it once): finding only
+    # what changed cannot give what a fresh find gives, so nothing is found again
+    notebook = {"a": [torch.ones(4)], "b": [torch.ones(4)]}
+    specs = paths.specs_of(Registry.of_namespace(notebook, sorted(notebook)))
+    for why, second in {"a view of a[0]'s storage": lambda t: t.view(4), "a[0] itself": lambda t: t}.items():
+        first = torch.ones(4)
+        rank = {"a": [first], "b": [second(first)]}
+        registry = paths.registry_at(rank, specs, len(specs) + 1, 2, strict=False)
+        snapshot = Snapshot.take(registry)
+        rank["a"][0] = torch.zeros(4)
+        before = ids(registry)
+        assert paths.found_again(registry, specs, snapshot.changed_objects(registry)) is None, why
+        assert ids(registry) == before, why
+    # A storage resized in place (its tensor unchanged: no object changed)
+    rank = {"x": torch.ones(4)}
+    specs = paths.specs_of(Registry.of_namespace(rank, ["x"]))
+    registry = paths.registry_at(rank, specs, 2, 1, strict=False)
+    rank["x"].untyped_storage().resize_(64)
+    assert paths.found_again(registry, specs, []) is None
+
 
 def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again():
     """The master's side of a kept registry (KeptSnapshot): after a training step (new .grad
@@ -702,6 +722,54 @@ def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_
     assert [id(o) for o in registry.objects] == [id(o) for o in fresh.objects]
     assert [id(s) for s in registry.storages] == [id(s) for s in fresh.storages]
     assert cell(lambda: setattr(model.weight, "data", torch.ones(3, 3))) is None
+
+
+def test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk_gives(monkeypatch):
+    """A session cell that puts a dict's key back at its end, or makes a registered object
+    reachable by a new step that a walk meets first, moves no object: the paths the record holds
+    still lead to them, but a walk registers them at other indices or by other steps. The next
+    cell must use a reach that is what a walk gives (here: walked anew), and its changes must
+    land on the objects they were made on."""
+    from enot_nb._launch.session_flow import NamespaceFlow
+    from enot_nb._state import paths, reach
+
+    prepare, uses = NamespaceFlow.cell, []
+
+    def checked_cell(self, code, run):
+        kept = self.kept
+        prepared = prepare(self, code, run)
+        uses.append(kept is not None and prepared.task.mirror is kept.mirror)
+        fresh = reach.reach(self.namespace, code, self._hidden())
+        assert [id(o) for o in prepared.registry.objects] == [id(o) for o in fresh.registry.objects], code
+        assert prepared.registry.parents == fresh.registry.parents, code
+        assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
+        return prepared
+
+    monkeypatch.setattr(NamespaceFlow, "cell", checked_cell)
+    ns = {"__name__": "__main__", "torch": torch}
+    with start("fork", namespace=ns) as s:
+        s.run("d = {'k': torch.ones(2), 'j': [torch.ones(1)], 'z': {'deep': torch.ones(3)}}")
+        s.run("torch\nd")
+        s.run("torch\nd")
+        assert uses[-1] is True  # nothing moved: kept
+        s.run("torch\nd['k'] = d.pop('k')")  # the same objects, in another order
+        s.run("torch\nd['k'].add_(1)\nd['j'][0].add_(2)")
+        assert uses[-1] is False
+        s.run("torch\nd['j'].append(d['z']['deep'])")  # a walk now meets it under 'j' first
+        s.run("torch\nd['z']['deep'].add_(3)")
+        assert uses[-1] is False
+        s.run("torch\nd")
+        assert uses[-1] is True
+        here = {k: ns["d"][k].tolist() for k in ("k",)} | {"j0": ns["d"]["j"][0].tolist()}
+        assert here == {"k": [2.0, 2.0], "j0": [3.0]}
+        assert ns["d"]["j"][1] is ns["d"]["z"]["deep"] and ns["d"]["z"]["deep"].tolist() == [4.0] * 3
+        assert list(ns["d"]) == ["j", "z", "k"]
+        assert s.run("list(d), d['k'].tolist(), d['j'][0].tolist(), d['z']['deep'].tolist()") == (
+            ["j", "z", "k"],
+            [2.0, 2.0],
+            [3.0],
+            [4.0] * 3,
+        )
 
 
 def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch):

@@ -171,7 +171,11 @@ def found_again(registry: Registry, specs: list[ObjectSpec], changed: list[int])
     step's new ``.grad`` tensors). None, and the registry left as it was, where one has no
     counterpart now (of its type and storage sizes), is on other storages than its index's, is
     registered at another index, or shares a storage with another spec (which of them a fresh
-    find gives the storage's index depends on the order)."""
+    find gives the storage's index depends on the order); and where the registry is not each
+    spec's own object and storages as the specs say (``_as_specified``: the rank shares what the
+    notebook does not, or a storage was resized), which finding only the changes cannot mend."""
+    if not _as_specified(registry, specs):
+        return None
     wanted, moved = set(changed), set(changed)
     users = collections.Counter(j for spec in specs for j in spec.storages if j >= 0)
     now = Registry(objects=list(registry.objects), kinds=list(registry.kinds), parents=registry.parents)
@@ -216,6 +220,27 @@ def found_again(registry: Registry, specs: list[ObjectSpec], changed: list[int])
                 found.storages.append(j)
         found.objects.append(spec.at)
     return found
+
+
+def _as_specified(registry: Registry, specs: list[ObjectSpec]) -> bool:
+    """Whether each spec's object in ``registry`` holds its own index, and its storages their own
+    slots, of the sizes the spec says. Not so where this rank's objects share what the notebook's
+    do not (the same object, or a view of one storage, at two specs: registry_at registered it
+    once, leaving the other slot empty) or a storage was resized: a fresh find then gives what
+    no update of the changed objects alone would."""
+    for spec in specs:
+        obj = registry.objects[spec.at]
+        if type(obj) is _Missing or registry.index.get(id(obj)) != spec.at:
+            return False
+        if spec.storages:
+            storages = tensor_storages(obj)
+            if len(storages) != len(spec.storages):
+                return False
+            if any(j >= 0 and registry.storages[j] is not s for j, s in zip(spec.storages, storages)):
+                return False
+            if spec.sizes and tuple(s.nbytes() for s in storages) != spec.sizes:
+                return False
+    return True
 
 
 def _variable(registry: Registry, spec: ObjectSpec) -> str:

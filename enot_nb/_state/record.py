@@ -99,10 +99,11 @@ def replaced_in_place(registry: Registry, indices: list[int]) -> bool:
     """The objects at ``indices`` of a walk's registry changed: where all that they hold anew
     took the places of what they held (a training step's new ``.grad``, see Replacement), those
     replaced in ``registry``, which is then what walking again gives (as ``Record.update``
-    keeps its baseline); False where they hold anything else anew, or one cannot be replaced
-    (the registry's counts may have grown: it is to be dropped)."""
+    keeps its baseline); False where they hold anything else anew, hold what they held in
+    another order or a registered object by a new step (a walk would give other indices), or
+    one cannot be replaced (the registry's counts may have grown: it is to be dropped)."""
     regrowth = _regrowth(registry, indices)
-    if regrowth is None or regrowth.starts:
+    if regrowth is None or regrowth.starts or not regrowth.in_walk_order:
         return False
     for r in regrowth.replaced:
         registry.replace(r.at, r.new, r.storages)
@@ -147,6 +148,11 @@ class Regrowth:
 
     starts: list[tuple[Any, int, str]]
     replaced: list[Replacement]
+    in_walk_order: bool = True
+    """No moved object holds a registered object at a step it did not hold it by, nor its
+    registered children in another order: a walk would register every object at the same index.
+    (Where one does, the paths the registry holds still lead to its objects, which is all
+    ``Record.update`` needs; a reach kept for the next cell must be what a walk gives.)"""
 
 
 def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
@@ -181,6 +187,7 @@ def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
             return None
     holders = collections.Counter(id(child) for steps in now.values() for _, child in steps)
     starts, replaced, counted = [], [], []
+    in_walk_order = True
     claimed: set[int] = set()  # the new objects' storages (two new views may share one)
     placed: set[int] = set()  # the new objects (ids): walked from their places, not as starts
     for i in indices:
@@ -195,6 +202,8 @@ def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
             replaced.append(r)
             placed.add(id(r.new))
         tree = {registry.parents[j][1] for j in held.get(i, ())}
+        if [step for step, _ in now[i] if step in tree] != [registry.parents[j][1] for j in held.get(i, ())]:
+            in_walk_order = False  # its children in another order (a dict's key taken out and put back)
         for step, child in now[i]:
             found = registry.find(child)
             if found is None:
@@ -202,6 +211,7 @@ def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
                     starts.append((child, i, step))
             elif step not in tree:
                 counted.append(found)  # held once more, maybe
+                in_walk_order = False  # a walk may reach it first by this step
     for j in counted:
         if j in registry.edges:
             registry.edges[j] += 1
@@ -210,7 +220,7 @@ def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
     for r in replaced:
         children = OPS[registry.kinds[r.at]].children
         starts += [(child, r.at, step) for step, child in (children(r.new) if children is not None else [])]
-    return Regrowth(starts, replaced)
+    return Regrowth(starts, replaced, in_walk_order)
 
 
 def _replacement(
