@@ -667,12 +667,19 @@ def test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives():
         before = ids(registry)
         assert paths.found_again(registry, specs, snapshot.changed_objects(registry)) is None, why
         assert ids(registry) == before, why
-    # A storage resized in place (its tensor unchanged: no object changed)
-    rank = {"x": torch.ones(4)}
-    specs = paths.specs_of(Registry.of_namespace(rank, ["x"]))
-    registry = paths.registry_at(rank, specs, 2, 1, strict=False)
+    # A storage resized in place (its tensor unchanged) while a training step's grads move
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    rank = {"model": model, "x": torch.ones(4)}
+    specs = paths.specs_of(Registry.of_namespace(rank, sorted(rank)))
+    registry = paths.registry_at(rank, specs, len(specs) + 1, 5, strict=False)
+    snapshot = Snapshot.take(registry)
+    model.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
     rank["x"].untyped_storage().resize_(64)
-    assert paths.found_again(registry, specs, []) is None
+    before = ids(registry)
+    assert paths.found_again(registry, specs, snapshot.changed_objects(registry)) is None
+    assert ids(registry) == before
 
 
 def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again():

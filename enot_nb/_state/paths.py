@@ -171,11 +171,10 @@ def found_again(registry: Registry, specs: list[ObjectSpec], changed: list[int])
     step's new ``.grad`` tensors). None, and the registry left as it was, where one has no
     counterpart now (of its type and storage sizes), is on other storages than its index's, is
     registered at another index, or shares a storage with another spec (which of them a fresh
-    find gives the storage's index depends on the order); and where the registry is not each
-    spec's own object and storages as the specs say (``_as_specified``: the rank shares what the
-    notebook does not, or a storage was resized), which finding only the changes cannot mend."""
-    if not _as_specified(registry, specs):
-        return None
+    find gives the storage's index depends on the order); and, where one is to take a new
+    object's place, where the registry is not each spec's own object and storages as the specs
+    say (``_as_specified``: the rank shares what the notebook does not, or a storage was
+    resized), which finding only the changes cannot mend."""
     wanted, moved = set(changed), set(changed)
     users = collections.Counter(j for spec in specs for j in spec.storages if j >= 0)
     now = Registry(objects=list(registry.objects), kinds=list(registry.kinds), parents=registry.parents)
@@ -208,6 +207,8 @@ def found_again(registry: Registry, specs: list[ObjectSpec], changed: list[int])
         now.objects[spec.at], now.kinds[spec.at] = obj, kind_of(obj) or Kind.OPAQUE
         moves.append((spec, obj, storages))
         wanted.add(spec.at)
+    if moves and not _as_specified(registry, specs):  # (where nothing moves, it is as registry_at left it)
+        return None
     found = FoundAgain()
     registry.kinds[:] = now.kinds
     for spec, obj, storages in moves:
