@@ -158,8 +158,8 @@ MUTATIONS = [
     Mutation(
         "session-kept-snapshot-not-retaken",
         "enot_nb/_state/snapshot.py",
-        "        snapshot.retake(registry, objects, storages, scan_large=True)\n",
-        "",
+        "            snapshot.retake(registry, objects, storages, scan_large=True)\n",
+        "            pass\n",
         ["tests/test_session.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"],
     ),
     Mutation(

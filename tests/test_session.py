@@ -95,8 +95,9 @@ def pages(request, monkeypatch):
 
 def test_new_grads_every_step_leave_records_that_match_what_they_record(pages):
     """A training step replaces each parameter's ``.grad`` with a new tensor: the notebook's
-    record is walked again and the master's snapshot made for a new registry, both carrying
-    over the states and digests of what did not move. Each must match the state it records (the
+    record is updated in place (the new grads in the old ones' places), or walked again where
+    the cell also rebound a name it walked, carrying over the states and digests of what did
+    not move; the master finds its registry again. Each must match the state it records (the
     notebook's record finds nothing changed right after the cell), and a change after it to what
     was carried over (a 128 KiB buffer that training leaves alone: write-tracked, its reset
     kept) still crosses: from a plain cell to the ranks, from a session cell back."""
@@ -107,14 +108,16 @@ def test_new_grads_every_step_leave_records_that_match_what_they_record(pages):
     step = "opt.zero_grad()\nmodel(x).sum().backward()\nopt.step()"
     with start("fork", namespace=ns) as s:
         s.run("import torch\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
-        for _ in range(3):
+        # The record is updated in place after a plain step; walked again (what did not move
+        # carried over) after one that also rebinds a name it walked (update cannot keep paths)
+        for cell in (step, step, step, step + "\nx = x.clone()", step + "\nx = x.clone()", step):
             grads = [p.grad for p in model.parameters()]
-            s.run(step)
+            s.run(cell)
             assert all(p.grad is not g for p, g in zip(model.parameters(), grads))  # new tensors, as locally
             record = s.flow.mirror.record
             assert record.snapshot is not None
-            assert record.snapshot.changed_objects(record.baseline) == []
-            assert record.snapshot.changed_storages(record.baseline) == []
+            assert record.snapshot.changed_objects(record.baseline) == [], cell
+            assert record.snapshot.changed_storages(record.baseline) == [], cell
         model[2].table[5] = 3.0  # a plain change to what both records carried over
         model[0].weight.data[0, 0] = 7.0
         sums = s.run("float(model[2].table.sum()), float(model[0].weight[0, 0]), float(model[2].weight.grad.sum())")
@@ -981,6 +984,8 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
         s.run("net.bias = type(net.bias)(net.bias.detach() + 1)\n" + cell)  # moved: found anew
         s.run(cell)
         twin = torch.nn.Linear(3, 2)  # the same specs, another model: bound by a push of names
+        for mine, its in zip(twin.parameters(), ns["net"].parameters()):
+            mine.grad = None if its.grad is None else its.grad.clone()  # (grads are in the specs)
         ns["net"] = twin
         s.run(cell)
         s.run("net.weight.data.add_(1)\n" + cell)
