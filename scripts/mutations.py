@@ -217,6 +217,20 @@ MUTATIONS = [
         ["tests/test_session.py::test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk_gives"],
     ),
     Mutation(
+        "session-sharded-module-made-plain-after-a-failure",
+        "enot_nb/_worker/cell.py",
+        "            if options.gather_sharded\n",
+        "            if True\n",
+        ["tests/test_session.py::test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook"],
+    ),
+    Mutation(
+        "session-sharded-module-sent-back",
+        "enot_nb/_worker/cell.py",
+        "            if not options.gather_sharded and sharded.may_be_sharded()\n",
+        "            if False\n",
+        ["tests/test_session.py::test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook"],
+    ),
+    Mutation(
         "found-again-shared-storage",
         "enot_nb/_state/paths.py",
         "        if any(users[j] != 1 for j in spec.storages if j >= 0):\n",

@@ -782,6 +782,36 @@ def test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk
         )
 
 
+def test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook():
+    """FSDP2 (fully_shard, gloo on the CPU) in a session: the ranks keep the module sharded from
+    cell to cell, also after a failed cell (the master made it plain again there, and its peers'
+    next collective met a plain module: "mixed torch.Tensor and DTensor"); the notebook keeps
+    its own plain module as it was, stale, named once, instead of FSDP's class and hooks over
+    DTensors with no memory (which broke the notebook's record walk)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    weight, before = model[0].weight, model[0].weight.detach().clone()
+    ns = {"model": model, "torch": torch}
+    train = "for _ in range(2):\n    model(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+    with start("fork", namespace=ns) as s:
+        s.run(
+            "from torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\nfully_shard(model)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + train
+        )
+        assert type(ns["model"]) is torch.nn.Sequential and ns["model"][0].weight is weight
+        assert torch.equal(weight.detach(), before) and "model" in s.flow.mirror.stale
+        assert ns["model"](torch.ones(1, 4)).shape == (1, 2)  # a plain module that works
+        with pytest.raises(WorkerFailedError):
+            s.run(train + "raise ValueError('after training')")
+        assert s.run("type(model).__name__") == "FSDPSequential"
+        check = (
+            "import torch.distributed as dist\n" + train + "w = model[0].weight.full_tensor()\n"
+            "ws = [torch.zeros_like(w) for _ in range(2)]\ndist.all_gather(ws, w)\nsame = bool(torch.equal(*ws))"
+        )
+        s.run(check)
+        assert s.run("same") is True
+        assert type(ns["model"]) is torch.nn.Sequential and torch.equal(weight.detach(), before)
+
+
 def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch):
     """After each task the mirror updates its record where the task moved something (new names,
     written storages, objects that hold more) or walks it again (a name rebound, an object that

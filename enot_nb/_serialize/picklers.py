@@ -284,6 +284,14 @@ def _refuse_process_bound(obj: Any) -> None:
             "DistributedDataParallel is bound to the workers' process group; its "
             ".module (your model) comes back instead when the cell uses it"
         )
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(obj, dtensor.DTensor):
+        # It pickles as its local shard, which the notebook would hold as a tensor of the whole
+        # shape with no memory (a module sharded by FSDP2 in a session: its ranks keep it sharded).
+        raise TypeError(
+            "a DTensor (a module sharded by FSDP2) is bound to the workers' device mesh: a one-off "
+            "cell brings its module back whole; a session's ranks keep it sharded"
+        )
 
 
 # ----------------------------------------------------------------------------- the notebook's functions

@@ -266,11 +266,16 @@ class Tracker:
         body: ast.Module | None = None,
     ) -> CellOutcome:
         changes, changed = collect.collect(self.registry, self.snapshot, self.names_before, self.namespace, self.hidden)
+        left = (
+            sharded.left_sharded(self.registry, self.namespace, changed, changes)
+            if not options.gather_sharded and sharded.may_be_sharded()
+            else {}
+        )
         # Kept for the next cell unless the cell let go of a registered object: kept, it would
         # hold it (its memory) until the next task, and the next cell's objects differ anyway.
         gone = [n for n in (*changes.bound, *changes.deleted) if self.registry.find(self.names_before.get(n))]
         self.changed = None if gone else (changed, [new.storage for new in changes.storages])
-        outcome = CellOutcome(has_value=has_value)
+        outcome = CellOutcome(has_value=has_value, not_returned=left)
         outcome.changed_names = sorted(
             set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
         )
@@ -329,7 +334,14 @@ def _send_partial(tracker: Tracker, options: CellOptions) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second stop press must not cut this short
     try:
-        kept = sharded.restore_as_before(tracker.namespace, tracker.sharded_before, tracker.names_before)
+        # A one-off cell's sharded modules go back to how they were (they cannot be gathered
+        # now); a session's live ones stay sharded on every rank (the master's too: its peers'
+        # next collective needs it so).
+        kept = (
+            sharded.restore_as_before(tracker.namespace, tracker.sharded_before, tracker.names_before)
+            if options.gather_sharded
+            else {}
+        )
         outcome = tracker.outcome(options, None, False, None, None)
         outcome.not_returned.update(kept)
         bootstrap.send_partial(outcome)

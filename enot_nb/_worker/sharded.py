@@ -17,6 +17,10 @@ hooks on it. Sent back as it is, the notebook got a half-converted module that f
 
 On an interrupt or a failure only the master runs (no collective is possible): the modules are
 put back as they were before the cell (``restore_as_before``), and one line says so.
+
+A session's ranks keep their sharded modules live (its cells do not gather them): what the
+master changed under one stays out of its changes (``left_sharded``), and the notebook keeps its
+own module as it was, stale, one line naming it.
 """
 
 from __future__ import annotations
@@ -76,6 +80,48 @@ def originals(namespace: dict[str, Any], names: set[str]) -> dict[str, dict[str,
             tensors.update(value.named_buffers(remove_duplicate=False))
             found[name] = tensors
     return found
+
+
+SHARDED_ON_THE_RANKS = (
+    "it is sharded (FSDP2 or DTensors) on the session's ranks, which keep it so; the notebook keeps "
+    "its own as it was (a one-off cell, --fresh, brings a sharded module back whole)"
+)
+
+
+def left_sharded(registry: Any, namespace: dict[str, Any], changed: list[int], changes: Any) -> dict[str, str]:
+    """A session master's cell (its modules stay sharded): every change under a sharded module
+    the namespace holds (the module, what is registered below it, their storages) taken out of
+    ``changes`` and ``changed`` (in place), and its name out of the names bound; the names,
+    each with why. A half-converted module (FSDP's class and hooks on the notebook's plain
+    parameters) is what the notebook would get otherwise."""
+    from enot_nb._serialize.tensors import tensor_storages
+    from enot_nb._state.kinds import OPS
+
+    names = sharded_names(namespace, [n for n, v in namespace.items() if isinstance(v, _module_type())])
+    if not names:
+        return {}
+    under = {i for i in map(registry.find, (namespace[n] for n in names)) if i is not None}
+    for i in range(1, len(registry.objects)):  # a parent is registered before its children
+        if registry.parents[i][0] in under:
+            under.add(i)
+    storages = {
+        registry.find_storage(s)
+        for i in under
+        if OPS[registry.kinds[i]].has_storage
+        for s in tensor_storages(registry.objects[i])
+    }
+    changed[:] = [i for i in changed if i not in under]
+    changes.objects = [(i, state) for i, state in changes.objects if i not in under]
+    changes.storages = [new for new in changes.storages if new.storage not in storages]
+    for name in names:
+        changes.bound.pop(name, None)
+    return dict.fromkeys(names, SHARDED_ON_THE_RANKS)
+
+
+def _module_type() -> Any:
+    import torch
+
+    return torch.nn.Module
 
 
 def sharded_names(namespace: dict[str, Any], names: list[str]) -> list[str]:
