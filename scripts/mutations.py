@@ -231,6 +231,16 @@ MUTATIONS = [
         ["tests/test_session.py::test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook"],
     ),
     Mutation(
+        "pull-sends-placeholder-storages",
+        "enot_nb/_state/collect.py",
+        "    found_here = [j for j, s in enumerate(registry.storages) if s is not None and "
+        "registry.find_storage(s) == j]\n",
+        "    found_here = [j for j, s in enumerate(registry.storages) if s is not None]\n",
+        [
+            "tests/test_session.py::test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole"
+        ],
+    ),
+    Mutation(
         "found-again-shared-storage",
         "enot_nb/_state/paths.py",
         "        if any(users[j] != 1 for j in spec.storages if j >= 0):\n",

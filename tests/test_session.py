@@ -812,6 +812,46 @@ def test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_n
         assert type(ns["model"]) is torch.nn.Sequential and torch.equal(weight.detach(), before)
 
 
+def test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole():
+    """The master's object at a pulled path has no counterpart in the notebook (another type):
+    the notebook's storages there had their empty placeholders sent as the master's bytes, and
+    were emptied (an FSDP module's parameters then crashed the kernel when read)."""
+    kept = torch.ones(4)
+    ns = {"other": kept}
+    with start("fork", namespace=ns, mirror="none") as s:
+        s.run("other = [1]")
+        assert s.pull("other") == {"other": [1]}
+        whole = kept.untyped_storage().nbytes() == 16
+        assert whole  # (checked apart: a failed assert shows the tensor, and reading an emptied one crashes)
+        assert kept.tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("mirror", ["none", "all"])
+def test_a_pull_brings_a_module_sharded_by_fsdp2_back_whole_into_the_notebooks_own(mirror):
+    """pull of a module FSDP2 shards on the ranks: every rank gathers its full values, the
+    notebook loads them into its own plain module in place (the same parameter objects), the
+    ranks' module stays sharded (see the test below for what the pull had done to it)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    weight = model[0].weight
+    ns = {"model": model, "torch": torch}
+    with start("fork", namespace=ns, mirror=mirror) as s:
+        if mirror == "none":
+            s.push(model=model)
+        s.run(
+            "import torch\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\n"
+            "fully_shard(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor _ in range(2):\n"
+            "    model(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+            "full = [p.full_tensor().tolist() for p in model.parameters()]",
+            no_return=True,
+        )
+        got = s.pull("model", "full")
+        assert got["model"] is model and model[0].weight is weight and type(model) is torch.nn.Sequential
+        assert [p.tolist() for p in model.parameters()] == ns["full"]
+        assert model(torch.ones(1, 4)).shape == (1, 2)
+        s.run("kind = type(model).__name__", no_return=True)
+        assert s.pull("kind") == {"kind": "FSDPSequential"}  # the ranks' module is still sharded
+
+
 def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch):
     """After each task the mirror updates its record where the task moved something (new names,
     written storages, objects that hold more) or walks it again (a name rebound, an object that

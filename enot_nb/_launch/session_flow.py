@@ -197,10 +197,14 @@ class NamespaceFlow:
         self.after_push(prepared, outcome)
         if outcome.failures or outcome.interrupted or prepared.registry is None:
             return {}
-        pulled, not_returned = outcome.result
+        pulled, not_returned, whole = outcome.result
         changes = apply.load(pulled, prepared.registry)
         for line in apply.apply_changes(self.namespace, prepared.registry, changes, None):
             print(f"enot_nb: {line}", file=sys.stderr)
+        for name, values in whole.items():
+            why = _load_whole(self.namespace, name, values)
+            if why is not None:
+                not_returned[name] = why
         for name, why in not_returned.items():
             print(f"enot_nb: {name!r} was not brought back: {why}", file=sys.stderr)
         came = [n for n in names if n not in not_returned and n in self.namespace]
@@ -220,6 +224,25 @@ class NamespaceFlow:
             self.mirror.record.synced.pop(name, None)
         push = self._push(list(values))
         return Prepared(SyncTask(push.changes if push else None), push)
+
+
+def _load_whole(namespace: dict[str, Any], name: str, values: dict[str, Any]) -> str | None:
+    """A module sharded on the ranks, pulled: its full values loaded into the notebook's own
+    plain module of that name, in place (its parameters keep their identity); why not, or None."""
+    import torch
+
+    module = namespace.get(name)
+    if not isinstance(module, torch.nn.Module):
+        return (
+            "it is sharded on the ranks, and its gathered values are loaded into the notebook's own "
+            "module of that name, which the notebook does not hold: define (or push) the plain module first"
+        )
+    try:
+        with torch.no_grad():
+            module.load_state_dict(values)
+    except Exception as err:  # noqa: BLE001 - named, the rest of the pull still lands
+        return f"its gathered values do not fit the notebook's {type(module).__name__} ({err})"
+    return None
 
 
 def _check_names(names: list[str]) -> None:

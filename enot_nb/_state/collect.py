@@ -118,7 +118,10 @@ def everything(registry: Registry, namespace: dict[str, Any], names: list[str]) 
             state = OPS[registry.kinds[i]].new_state(obj)
             if not isinstance(state, Replaced):
                 changes.objects.append((i, state))
-    changes.storages = [_new_bytes(j, s, None) for j, s in enumerate(registry.storages) if s is not None]
+    # Only the storages found here: one with no counterpart on this rank stands as an empty
+    # placeholder (see paths.registry_at), which would empty the notebook's.
+    found_here = [j for j, s in enumerate(registry.storages) if s is not None and registry.find_storage(s) == j]
+    changes.storages = [_new_bytes(j, registry.storages[j], None) for j in found_here]
     return changes
 
 

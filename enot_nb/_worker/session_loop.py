@@ -309,8 +309,9 @@ def _mirror_registry(namespace: dict[str, Any], mirror: Mirrored) -> Registry:
 def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
     """The master's values of ``names``: every object the notebook has at their paths as
     changed (its whole state travels, into the notebook's object), the rest by value. A module
-    sharded by FSDP is not gathered here (that would unshard the ranks' live module): its
-    DTensors do not pickle, and it is named as not brought back."""
+    sharded by FSDP2 or FSDP1 comes as its full values (every rank takes part in gathering
+    them; the live module stays sharded), which the notebook loads into its own module."""
+    whole = sharded.full_state_dicts(namespace, task.names)  # every rank: a collective, if any
     if _state["rank"] != 0:
         return None
     missing = [n for n in task.names if n not in namespace]
@@ -318,8 +319,10 @@ def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
         raise NameError(f"pull: rank 0 has no variable {', '.join(map(repr, missing))}")
     registry = _mirror_registry(namespace, task.mirror)
     not_returned: dict[str, str] = {}
-    state, _ = collect.dump(collect.everything(registry, namespace, task.names), registry, not_returned)
-    return state, not_returned
+    changes = collect.everything(registry, namespace, [n for n in task.names if n not in whole])
+    sharded.left_sharded(registry, namespace, [], changes)  # their objects come as values, above
+    state, _ = collect.dump(changes, registry, not_returned)
+    return state, not_returned, whole
 
 
 def _to_module_devices(registry: Registry, push: collect.Changes) -> None:

@@ -118,6 +118,40 @@ def left_sharded(registry: Any, namespace: dict[str, Any], changed: list[int], c
     return dict.fromkeys(names, SHARDED_ON_THE_RANKS)
 
 
+def full_state_dicts(namespace: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
+    """Every rank, for a session's pull: the full values of the sharded modules among ``names``
+    (``get_model_state_dict``, a collective every rank joins; offloaded to the CPU from GPUs),
+    on the master, by name; the ranks' live modules stay sharded. {} on the other ranks, or
+    where none is sharded (then no collective is spent)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return {}
+    modules = sharded_names(namespace, [n for n in names if n in namespace])
+    if not modules:
+        return {}
+    if not _agreed({name: [] for name in modules}):
+        raise RuntimeError(
+            f"pull: the ranks hold different sharded modules among {', '.join(map(repr, names))}; "
+            "pull the same ones on every rank"
+        )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = {}
+    for name in modules:
+        module = namespace[name]
+        on_gpu = any(p.device.type != "cpu" for p in module.parameters())
+        with warnings.catch_warnings():  # FSDP's own deprecations
+            warnings.simplefilter("ignore")
+            values = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=on_gpu))
+        # Each its own copy: a gathered tensor may view a buffer FSDP frees (resizes to nothing)
+        # once the next parameter is gathered, and it would travel as a view of nothing.
+        full[name] = {
+            key: value.detach().clone() if hasattr(value, "detach") else value for key, value in values.items()
+        }
+    return full if dist.get_rank() == 0 else {}
+
+
 def _module_type() -> Any:
     import torch
 
