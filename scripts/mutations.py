@@ -241,6 +241,13 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        "session-launch-makes-a-live-sharded-module-whole",
+        "enot_nb/_worker/session_loop.py",
+        "    return value, tracker.outcome(options, None, False, None, None)\n",
+        "    return sharded.whole_result(value), tracker.outcome(options, None, False, None, None)\n",
+        ["tests/test_session.py::test_a_launched_function_that_returns_a_live_sharded_module_leaves_it_sharded"],
+    ),
+    Mutation(
         "found-again-shared-storage",
         "enot_nb/_state/paths.py",
         "        if any(users[j] != 1 for j in spec.storages if j >= 0):\n",

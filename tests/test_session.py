@@ -812,6 +812,28 @@ def test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_n
         assert type(ns["model"]) is torch.nn.Sequential and torch.equal(weight.detach(), before)
 
 
+def test_a_launched_function_that_returns_a_live_sharded_module_leaves_it_sharded():
+    """Session.launch(fn) where fn returns the ranks' live FSDP2 module: it is not made whole in
+    place, as a one-off launch's result is (that made the master's plain, its peers' sharded):
+    the call fails naming DTensor, and the ranks keep training the sharded module together."""
+    ns = {"model": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), "torch": torch}
+    with start("fork", namespace=ns) as s:
+        s.run("from torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\nfully_shard(model)\n")
+
+        def live():
+            return model  # noqa: F821 - the rank's session variable
+
+        with pytest.raises(WorkerFailedError, match="DTensor"):
+            s.launch(live)
+        s.run(
+            "import torch.distributed as dist\nmodel(torch.ones(3, 4)).sum().backward()\n"
+            "w = model[0].weight.full_tensor()\nws = [torch.zeros_like(w) for _ in range(2)]\n"
+            "dist.all_gather(ws, w)\nsame = bool(torch.equal(*ws))\nkind = type(model).__name__",
+            no_return=True,
+        )
+        assert s.pull("same", "kind") == {"same": True, "kind": "FSDPSequential"}
+
+
 def test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole():
     """The master's object at a pulled path has no counterpart in the notebook (another type):
     the notebook's storages there had their empty placeholders sent as the master's bytes, and

@@ -290,7 +290,8 @@ def _refuse_process_bound(obj: Any) -> None:
         # shape with no memory (a module sharded by FSDP2 in a session: its ranks keep it sharded).
         raise TypeError(
             "a DTensor (a module sharded by FSDP2) is bound to the workers' device mesh: a one-off "
-            "cell brings its module back whole; a session's ranks keep it sharded"
+            "cell brings its module back whole; a session's ranks keep it sharded (pull it whole: "
+            "%enot_pull NAME)"
         )
 
 

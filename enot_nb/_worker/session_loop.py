@@ -275,7 +275,7 @@ def _call(namespace: dict[str, Any], task: CallTask) -> Any:
     """fn on this rank; the master also returns what fn changed of the notebook's objects."""
     fn = _in_namespace(task.fn, namespace)
     if task.mirror is None or _state["rank"] != 0:
-        return sharded.whole_result(fn(*task.args, **task.kwargs))
+        return fn(*task.args, **task.kwargs)  # (a sharded module in it stays sharded: see below)
     registry = _mirror_registry(namespace, task.mirror)
     scan = before_long_lived_snapshot(registry.storages) if registry.storages else False
     tracker = _cell.Tracker(registry, namespace, (), {}, scan)
@@ -286,7 +286,9 @@ def _call(namespace: dict[str, Any], task: CallTask) -> Any:
     except BaseException:
         tracker.send_partial(options)
         raise
-    return sharded.whole_result(value), tracker.outcome(options, None, False, None, None)
+    # A sharded module fn returns is the ranks' live one: it is not made whole in place, as a
+    # one-off launch's is (a DTensor does not pickle, and the error says to pull it whole).
+    return value, tracker.outcome(options, None, False, None, None)
 
 
 def _in_namespace(fn: Any, namespace: dict[str, Any]) -> Any:

@@ -84,7 +84,7 @@ def originals(namespace: dict[str, Any], names: set[str]) -> dict[str, dict[str,
 
 SHARDED_ON_THE_RANKS = (
     "it is sharded (FSDP2 or DTensors) on the session's ranks, which keep it so; the notebook keeps "
-    "its own as it was (a one-off cell, --fresh, brings a sharded module back whole)"
+    "its own as it was (pull it whole: %enot_pull NAME)"
 )
 
 
@@ -146,10 +146,14 @@ def full_state_dicts(namespace: dict[str, Any], names: list[str]) -> dict[str, d
             values = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=on_gpu))
         # Each its own copy: a gathered tensor may view a buffer FSDP frees (resizes to nothing)
         # once the next parameter is gathered, and it would travel as a view of nothing.
-        full[name] = {
-            key: value.detach().clone() if hasattr(value, "detach") else value for key, value in values.items()
-        }
+        full[name] = {key: _own_copy(value) for key, value in values.items()}
     return full if dist.get_rank() == 0 else {}
+
+
+def _own_copy(value: Any) -> Any:
+    import torch
+
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _module_type() -> Any:
