@@ -201,10 +201,7 @@ class NamespaceFlow:
         changes = apply.load(pulled, prepared.registry)
         for line in apply.apply_changes(self.namespace, prepared.registry, changes, None):
             print(f"enot_nb: {line}", file=sys.stderr)
-        for name, values in whole.items():
-            why = _load_whole(self.namespace, name, values)
-            if why is not None:
-                not_returned[name] = why
+        not_returned |= _loaded_whole(self.namespace, whole)
         for name, why in not_returned.items():
             print(f"enot_nb: {name!r} was not brought back: {why}", file=sys.stderr)
         came = [n for n in names if n not in not_returned and n in self.namespace]
@@ -226,23 +223,27 @@ class NamespaceFlow:
         return Prepared(SyncTask(push.changes if push else None), push)
 
 
-def _load_whole(namespace: dict[str, Any], name: str, values: dict[str, Any]) -> str | None:
-    """A module sharded on the ranks, pulled: its full values loaded into the notebook's own
-    plain module of that name, in place (its parameters keep their identity); why not, or None."""
+def _loaded_whole(namespace: dict[str, Any], whole: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Modules sharded on the ranks, pulled: each one's full values loaded into the notebook's
+    own plain module of that name, in place (its parameters keep their identity); those that
+    could not be, each with why."""
     import torch
 
-    module = namespace.get(name)
-    if not isinstance(module, torch.nn.Module):
-        return (
-            "it is sharded on the ranks, and its gathered values are loaded into the notebook's own "
-            "module of that name, which the notebook does not hold: define (or push) the plain module first"
-        )
-    try:
-        with torch.no_grad():
-            module.load_state_dict(values)
-    except Exception as err:  # noqa: BLE001 - named, the rest of the pull still lands
-        return f"its gathered values do not fit the notebook's {type(module).__name__} ({err})"
-    return None
+    why = {}
+    for name, values in whole.items():
+        module = namespace.get(name)
+        if not isinstance(module, torch.nn.Module):
+            why[name] = (
+                "it is sharded on the ranks, and its gathered values are loaded into the notebook's own "
+                "module of that name, which the notebook does not hold: define (or push) the plain module first"
+            )
+            continue
+        try:
+            with torch.no_grad():
+                module.load_state_dict(values)
+        except Exception as err:  # noqa: BLE001 - named, the rest of the pull still lands
+            why[name] = f"its gathered values do not fit the notebook's {type(module).__name__} ({err})"
+    return why
 
 
 def _check_names(names: list[str]) -> None:
