@@ -97,7 +97,7 @@ def left_sharded(registry: Any, namespace: dict[str, Any], changed: list[int], c
     from enot_nb._serialize.tensors import tensor_storages
     from enot_nb._state.kinds import OPS
 
-    names = sharded_names(namespace, [n for n, v in namespace.items() if isinstance(v, _module_type())])
+    names = sharded_names(namespace, list(namespace))
     if not names:
         return {}
     under = {i for i in map(registry.find, (namespace[n] for n in names)) if i is not None}
@@ -135,31 +135,34 @@ def full_state_dicts(namespace: dict[str, Any], names: list[str]) -> dict[str, d
             f"pull: the ranks hold different sharded modules among {', '.join(map(repr, names))}; "
             "pull the same ones on every rank"
         )
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     full = {}
     for name in modules:
         module = namespace[name]
-        on_gpu = any(p.device.type != "cpu" for p in module.parameters())
         with warnings.catch_warnings():  # FSDP's own deprecations
             warnings.simplefilter("ignore")
-            values = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=on_gpu))
+            values = get_model_state_dict(module, options=_full_options(module))
         # Each its own copy: a gathered tensor may view a buffer FSDP frees (resizes to nothing)
         # once the next parameter is gathered, and it would travel as a view of nothing.
         full[name] = {key: _own_copy(value) for key, value in values.items()}
     return full if dist.get_rank() == 0 else {}
 
 
+def _full_options(module: Any) -> Any:
+    """Full state dicts, offloaded to the CPU (and to rank 0 alone) from GPUs; FSDP1 over CPU
+    tensors fails to offload ("setStorage ... out of bounds", torch 2.13), and needs no copy
+    anyway."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    on_gpu = any(p.device.type != "cpu" for p in module.parameters())
+    return StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+
+
 def _own_copy(value: Any) -> Any:
     import torch
 
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _module_type() -> Any:
-    import torch
-
-    return torch.nn.Module
 
 
 def sharded_names(namespace: dict[str, Any], names: list[str]) -> list[str]:
@@ -251,18 +254,11 @@ def _gather_each(
     namespace: dict[str, Any], modules: list[str], plan: dict[str, list[str]], before: dict[str, dict[str, Any]]
 ) -> None:
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     for name in modules:
         module = namespace[name]
-        # Offloaded to the CPU (and to rank 0 alone) from GPUs; FSDP1 over CPU tensors fails
-        # to offload ("setStorage ... out of bounds", torch 2.13), and needs no copy anyway.
-        on_gpu = any(p.device.type != "cpu" for p in module.parameters())
-        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+        options = _full_options(module)
         with warnings.catch_warnings():  # FSDP's own deprecations: a local cell would not see them
             warnings.simplefilter("ignore")
             full = get_model_state_dict(module, options=options)
