@@ -363,7 +363,7 @@ def ddp_cell(kernel, repeats: int, method: str) -> list[Row]:
         kernel,
         f"""
 model = torch.nn.Linear(16, 4)
-from enot_nb._processes import preload
+from enot_nb._worker import preload
 out = {{}}
 run = cell("--seed 0 --start-method {method}", {DDP_CELL!r})
 out["trivial"] = times(cell("--start-method {method}", "x = 1"), {repeats})

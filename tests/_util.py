@@ -97,19 +97,30 @@ def alive(pid: int) -> bool:
     return process_state(pid) not in (None, "Z")
 
 
-def gone_within(pids: list[int], seconds: float, reaped: bool = False) -> float | None:
-    """Seconds until every pid is dead (checked every 10 ms), or None if some outlive ``seconds``.
-
-    ``reaped``: wait until the pid is free again (no zombie left), not only until it stopped."""
+def wait_gone(pids: list[int], reaped: bool = False) -> float:
+    """Seconds until every pid has ended, waited for on each one's pidfd (readable once the
+    process has ended): the test's own timeout bounds the wait, no clock here (a loaded machine
+    only makes it slower). ``reaped``: until no zombie of them is left either (no event tells
+    that: its state is read every 10 ms)."""
+    import select
     import time
 
-    still_there = (lambda p: process_state(p) is not None) if reaped else alive
     start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        if not any(still_there(p) for p in pids):
-            return time.monotonic() - start
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            continue  # gone already
+    try:
+        for fd in fds:
+            select.select([fd], [], [])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    while reaped and any(process_state(p) is not None for p in pids):
         time.sleep(0.01)
-    return None
+    return time.monotonic() - start
 
 
 def free_port() -> int:

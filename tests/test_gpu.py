@@ -314,7 +314,7 @@ def test_a_module_a_cell_imported_that_initializes_cuda_is_not_kept_in_the_kerne
     with running_kernel(f"%load_ext enot_nb\nimport sys, torch\nsys.path.insert(0, {str(tmp_path)!r})") as k:
         k.ok("%%enot_distributed -n 2 --backend gloo --start-method fork\nimport enot_cuda_at_import")
         after = k.ok(
-            "from enot_nb._processes import preload\npreload.PRELOADER.wait()\n"
+            "from enot_nb._worker import preload\npreload.PRELOADER.wait()\n"
             "print(torch.cuda.is_initialized(), 'enot_cuda_at_import' in sys.modules)"
         )
         assert after.stdout == "False False\n"

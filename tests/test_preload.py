@@ -1,4 +1,4 @@
-"""Imports kept across cells (enot_nb._processes.preload): the rule, the CUDA refusal with its
+"""Imports kept across cells (enot_nb._worker.preload): the rule, the CUDA refusal with its
 rollback, and forks waiting for the background import. The kernel-level cases (the next fork
 and the next spawned worker inherit what a cell imported) are in test_kernel.py."""
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from enot_nb._processes import preload
+from enot_nb._worker import preload
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,7 +73,7 @@ def test_the_refusal_is_for_the_preloading_thread_only(on_path):
     _module(
         on_path,
         "enot_test_slow",
-        "from enot_nb._processes import preload\ns, g = preload._test_events\ns.set()\ng.wait(30)\n",
+        "from enot_nb._worker import preload\ns, g = preload._test_events\ns.set()\ng.wait(30)\n",
     )
     thread = threading.Thread(target=preload.import_all, args=(["enot_test_slow"],))
     thread.start()
@@ -97,7 +97,7 @@ def test_a_fork_waits_for_the_background_import(on_path):
     _module(
         on_path,
         "enot_test_forked",
-        "from enot_nb._processes import preload\ns, g = preload._test_events\ns.set()\ng.wait(30)\nWHOLE = True\n",
+        "from enot_nb._worker import preload\ns, g = preload._test_events\ns.set()\ng.wait(30)\nWHOLE = True\n",
     )
     preloader = preload.Preloader()
     os.register_at_fork(before=preloader.wait)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import enot_nb
-from enot_nb._launch import session_workers
+from enot_nb._session.kernel import workers as session_workers
 from enot_nb._state import apply
 from enot_nb._state.snapshot import Snapshot
 from enot_nb.errors import LaunchError, WorkerFailedError
@@ -83,8 +83,8 @@ def test_an_object_taken_out_of_a_synced_one_into_a_new_variable_keeps_its_chang
 @pytest.fixture(params=["tracked", "shadow"])
 def pages(request, monkeypatch):
     """How a long-lived process tells the pages it wrote: the kernel's write tracking (see
-    _state/writes), or, where that is refused, a paused shadow fork."""
-    from enot_nb._state.writes import WRITES
+    _memory/writes), or, where that is refused, a paused shadow fork."""
+    from enot_nb._memory.writes import WRITES
 
     if request.param == "shadow":
         monkeypatch.setenv("ENOT_NB_TRACK_WRITES", "0")  # the workers inherit it
@@ -261,8 +261,7 @@ def test_a_session_with_every_worker_dead_restarts_before_the_cell(capfd):
     with start("fork", namespace={"v": 3}) as s:
         for row in s.status().rows:
             os.kill(row.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while any(r.running for r in s.workers.attempt.ranks) and time.monotonic() < deadline:
+        while any(r.running for r in s.workers.attempt.ranks):  # their deaths seen (events: pidfds)
             s.workers.attempt.handle(s.workers.attempt.select(0.1))
         assert s.run("v * 2") == 6
         assert "session restarted (all its workers were dead)" in capfd.readouterr().err
@@ -315,7 +314,7 @@ def test_a_blocked_peer_is_released_while_the_master_holds_a_shadow_fork(capfd, 
 def test_a_restart_keeps_the_masters_state_at_the_failure(capfd, monkeypatch):
     """A rank that cannot be released makes the session restart; the master's state at the
     failure (a large tensor written) is in the notebook, and the notebook lives on."""
-    from enot_nb._launch import session_workers
+    from enot_nb._session.kernel import workers as session_workers
 
     monkeypatch.setattr(session_workers, "RELEASE_WAIT", 1.0)
     ns = {"big": torch.zeros(2**19)}
@@ -515,8 +514,10 @@ def test_a_press_before_any_line_of_the_notebook_side_leaves_the_ranks_and_the_n
     import sys
 
     from enot_nb import sessions
-    from enot_nb._launch import bring_back, session_flow
-    from enot_nb._state import mirror, snapshot
+    from enot_nb._launch import bring_back
+    from enot_nb._session.kernel import flow as session_flow
+    from enot_nb._session.mirror import mirror
+    from enot_nb._state import snapshot
     from tests._util import press_before_line
 
     files = {m.__file__ for m in (sessions, session_flow, bring_back, mirror, snapshot)}
@@ -559,7 +560,7 @@ def _rank_plus(k: int) -> int:
 def test_the_device_checksum_sees_every_byte_and_its_place(monkeypatch):
     """GPU storages are checksummed where they are (digests.device_checksum); run here on the
     CPU, with chunks small enough that words, tails and chunk edges are all met."""
-    from enot_nb._state import digests
+    from enot_nb._memory import digests
 
     monkeypatch.setattr(digests, "_CHECKSUM_CHUNK", 64)
     data = torch.arange(203, dtype=torch.uint8)
@@ -578,7 +579,7 @@ def _record_is_a_fresh_walk(mirror, namespace, where) -> None:
     """The mirror's record, however it was made (walked again or updated in place), is what a
     fresh walk of the synced names gives: the same objects and storages, each at a path that
     finds it, and a snapshot that sees no change now."""
-    from enot_nb._state import paths
+    from enot_nb._session.mirror import paths
     from enot_nb._state.registry import Registry
 
     record, fresh = mirror.record.baseline, Registry.of_namespace(namespace, sorted(mirror.record.synced))
@@ -596,7 +597,7 @@ def test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives():
     cell changed (paths.found_again): it must be exactly what finding every spec anew gives, or
     refuse (None) and leave the registry as it was; else the next cell's changes land on other
     objects, or a change is missed."""
-    from enot_nb._state import paths
+    from enot_nb._session.mirror import paths
     from enot_nb._state.registry import Registry
     from enot_nb._state.snapshot import Snapshot
 
@@ -692,10 +693,10 @@ def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_
     the same specs must find the objects anew, whatever the notebook decided."""
     import pickle
 
-    from enot_nb._state import paths
+    from enot_nb._memory.writes import WRITES
+    from enot_nb._session.mirror import paths
+    from enot_nb._session.mirror.kept import KeptSnapshot
     from enot_nb._state.registry import Registry
-    from enot_nb._state.snapshot import KeptSnapshot
-    from enot_nb._state.writes import WRITES
 
     if not WRITES.available():  # nothing is kept where writes are not tracked
         pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
@@ -740,8 +741,9 @@ def test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk
     still lead to them, but a walk registers them at other indices or by other steps. The next
     cell must use a reach that is what a walk gives (here: walked anew), and its changes must
     land on the objects they were made on."""
-    from enot_nb._launch.session_flow import NamespaceFlow
-    from enot_nb._state import paths, reach
+    from enot_nb._session.kernel.flow import NamespaceFlow
+    from enot_nb._session.mirror import paths
+    from enot_nb._state import reach
 
     prepare, uses = NamespaceFlow.cell, []
 
@@ -879,7 +881,7 @@ def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch)
     written storages, objects that hold more) or walks it again (a name rebound, an object that
     holds less): either way it must be what a fresh walk gives, or the next push misses a change
     or refers to an object at a path that holds another."""
-    from enot_nb._state.record import Record
+    from enot_nb._session.mirror.record import Record
 
     ns = {
         "model": torch.nn.Linear(3, 2),
@@ -981,10 +983,11 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
     plain cell changed in between, or a change is missed or lands on another object."""
     import pickle
 
-    from enot_nb._launch.session_flow import NamespaceFlow
-    from enot_nb._state import paths, reach
-    from enot_nb._state.snapshot import KeptSnapshot
-    from enot_nb._state.writes import WRITES
+    from enot_nb._memory.writes import WRITES
+    from enot_nb._session.kernel.flow import NamespaceFlow
+    from enot_nb._session.mirror import paths
+    from enot_nb._session.mirror.kept import KeptSnapshot
+    from enot_nb._state import reach
 
     if not WRITES.available():  # the master keeps a registry only where writes are tracked
         pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")

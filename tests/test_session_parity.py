@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import time
 
 import pytest
 
@@ -261,10 +260,8 @@ def test_a_kernel_shutdown_ends_the_session_workers():
         assert len(pids) == 2
         pidfds = [os.pidfd_open(p) for p in pids]  # readable once the process has ended
     try:
-        deadline = time.monotonic() + 10
-        for fd in pidfds:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready, "a session worker outlived its kernel"
+        for fd in pidfds:  # the test's timeout says if a worker outlives its kernel
+            select.select([fd], [], [])
     finally:
         for fd in pidfds:
             os.close(fd)

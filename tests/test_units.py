@@ -420,7 +420,7 @@ def test_the_kernel_tells_which_pages_were_written_since_a_reset_and_only_those(
 
     import torch
 
-    from enot_nb._state.writes import PAGE, WRITES
+    from enot_nb._memory.writes import PAGE, WRITES
 
     if not WRITES.available():
         pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
@@ -450,7 +450,7 @@ def test_storages_whose_writes_are_not_told_are_digested_whole(monkeypatch):
     import mmap
     import os
 
-    from enot_nb._state import digests, writes
+    from enot_nb._memory import digests, writes
 
     if not writes.WRITES.available():
         pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")

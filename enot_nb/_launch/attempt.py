@@ -29,7 +29,7 @@ from typing_extensions import assert_never
 from enot_nb._launch import relay
 from enot_nb._launch.ranks import Rank, RankIO, close_pipes, make_ranks
 from enot_nb._log import log
-from enot_nb._processes import forkserver_client, preload, watchdog_client
+from enot_nb._processes import forkserver_client, watchdog_client
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
@@ -37,7 +37,7 @@ from enot_nb._processes.interrupts import finish, interrupts_deferred
 from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, InMemfd, MessageKind, Payload
 from enot_nb._processes.starts import start_error
 from enot_nb._serialize import result_file
-from enot_nb._worker import bootstrap, streams
+from enot_nb._worker import bootstrap, preload, streams
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
 
 if TYPE_CHECKING:

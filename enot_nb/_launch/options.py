@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import re
+import shlex
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -147,3 +149,36 @@ def as_timedelta(timeout: Any) -> datetime.timedelta:
             parameter="timeout",
         )
     return datetime.timedelta(seconds=seconds)
+
+
+# An option as the launcher's messages write it: name=value (a Python literal), or the bare name
+# where it is no English word (nprocs, master_port; not backend, seed, output or timeout). Never
+# inside a path or a longer name.
+_ENGLISH = {"backend", "seed", "output", "timeout"}
+
+
+_OPTION_WORDS = re.compile(
+    r"(?<![\w/.-])("
+    + "|".join(sorted(LaunchOptions.FLAGS, key=len, reverse=True))
+    + r")(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+)|(?![\w/.=-]))"
+)
+
+
+def in_magic_words(message: str) -> str:
+    """A launcher message in the magic's words: ``nprocs=2, backend='gloo'`` -> ``-n 2,
+    --backend gloo``, ``master_port=None`` -> ``no --master-port`` (the flags of
+    LaunchOptions.FLAGS, the one definition of each option)."""
+
+    def one(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        flag = LaunchOptions.FLAGS[name]
+        if value is None:
+            return match.group(0) if name in _ENGLISH else flag
+        if value in ("None", "False"):
+            return f"no {flag}"
+        if value == "True":
+            return flag
+        text = value[1:-1] if value[:1] in "'\"" else value
+        return f"{flag} {shlex.quote(text)}"
+
+    return _OPTION_WORDS.sub(one, message)

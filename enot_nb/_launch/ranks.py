@@ -84,7 +84,7 @@ class Rank:
 def make_ranks(nprocs: int, node_rank: int, output: str, duplex: bool = False) -> list[Rank]:
     """A Rank, with its pipes, per local rank; on failure (EMFILE) every pipe made is closed.
     ``duplex``: the message pipe is a Unix socket pair, so that the launcher can also send the
-    worker commands on it (a session's worker; see _worker/session_loop)."""
+    worker commands on it (a session's worker; see _session/worker/loop)."""
     ranks: list[Rank] = []
     try:
         for local_rank in range(nprocs):

@@ -14,7 +14,7 @@ worker -> launcher, on one message pipe per rank (MessageKind draws the order)::
     Partial(payload)                  rank 0's state at an interrupt or failure
     then exactly one of Result(payload) (rank 0), Done(), ErrorReport(...)
 
-A session's worker (see _worker/session_loop) also reads commands from its message socket
+A session's worker (see _session/worker/loop) also reads commands from its message socket
 (RunTask, ReportGroups, AbortGroups, Regroup, StopWorker) and answers each task with an outcome;
 it may send Groups(sequence) and DeviceMemory on the way. Every message, outcomes included, is
 sent after a fence in the worker's output streams (see OUTPUT_FENCE).
@@ -226,14 +226,14 @@ WorkerMessage: TypeAlias = FencedMessage | Groups | Pushed | DeviceMemory | Resu
 
 
 # ----------------------------------------------------------------------------- launcher -> session worker
-# A session's worker (see _worker/session_loop) reads these from its message socket while idle,
+# A session's worker (see _session/worker/loop) reads these from its message socket while idle,
 # and answers each with one outcome (Result on rank 0, Done elsewhere, or ErrorReport).
 
 
 class RunTask(NamedTuple):
     """Run the task laid out in the session's task file (result_file's layout, ``size`` bytes):
     a Task pickled against the mirror's objects; ``specs`` say where each object it refers to
-    sits in the rank's namespace (see _state/paths)."""
+    sits in the rank's namespace (see _session/mirror/paths)."""
 
     size: int
     specs: tuple

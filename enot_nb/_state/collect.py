@@ -25,10 +25,10 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from enot_nb._memory.digests import written_parts
 from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
 from enot_nb._serialize.tensors import array_owner, storage_array
-from enot_nb._state.digests import written_parts
 from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from enot_nb._memory.digests import array_changed, array_digest, digest, pickle_digest
 from enot_nb._serialize.tensors import (
     UNREADABLE,
     _rebuild_tensor,
@@ -57,7 +58,6 @@ from enot_nb._serialize.tensors import (
     sparse_tensor,
     tensor_hooks,
 )
-from enot_nb._state.digests import array_changed, array_digest, digest, pickle_digest
 from enot_nb._state.states import (
     ATOMS,
     KEEP,

@@ -21,12 +21,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._processes import preload
 from enot_nb._processes.protocol import Imported
 from enot_nb._state import collect, reach
 from enot_nb._state.registry import Registry, user_variables
-from enot_nb._state.snapshot import KeptSnapshot, Snapshot
-from enot_nb._worker import bootstrap, frontend, sharded
+from enot_nb._state.snapshot import Snapshot, SnapshotKeeper
+from enot_nb._worker import bootstrap, frontend, preload, sharded
 from enot_nb._worker import figures as _figures
 
 CELL_FILENAME = "<enot_distributed cell>"
@@ -102,7 +101,7 @@ def run_cell(
     options: CellOptions,
     registry: Registry | None = None,
     scan_large: bool = False,
-    kept: KeptSnapshot | None = None,
+    kept: SnapshotKeeper | None = None,
     late_presses_ignored: bool = False,
 ) -> CellOutcome | None:
     """Run the cell as this rank; the master returns what goes back to the notebook.
@@ -110,7 +109,7 @@ def run_cell(
     ``registry``: the notebook's objects (inherited by fork, or the shipped copies); None in an
     exported script, where the namespace is this process's own. ``scan_large``: a session
     master's snapshot reads the large storages' pages (see digests.storage_digests). ``kept``:
-    a session master's snapshot from its last cell, used and kept again (see KeptSnapshot).
+    a session master's snapshot from its last cell, used and kept again (see SnapshotKeeper).
     ``late_presses_ignored``: a session worker's (see ignore_late_presses).
     """
     from enot_nb import distributed
@@ -246,7 +245,7 @@ class Tracker:
         hidden: Any,
         sharded_before: dict[str, Any],
         scan_large: bool = False,
-        kept: KeptSnapshot | None = None,
+        kept: SnapshotKeeper | None = None,
     ) -> None:
         self.registry, self.namespace, self.hidden = registry, namespace, hidden
         self.sharded_before = sharded_before
@@ -304,7 +303,7 @@ class Tracker:
         return outcome
 
     def keep(self) -> None:
-        """The cell ended well: its snapshot is kept for the next (see KeptSnapshot)."""
+        """The cell ended well: its snapshot is kept for the next (see SnapshotKeeper)."""
         if self.kept is not None and self.changed is not None:
             self.kept.keep(self.registry, self.snapshot, *self.changed)
 

@@ -30,11 +30,11 @@ import signal
 import socket
 import sys
 
-from enot_nb._processes import framing, preload
+from enot_nb._processes import framing
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.protocol import CallerMessage, Exit, Preload, Ready, Started, StartFailed
 from enot_nb._serialize import picklers
-from enot_nb._worker import bootstrap
+from enot_nb._worker import bootstrap, preload
 
 
 def _fork_workers(

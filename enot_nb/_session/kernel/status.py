@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from enot_nb._launch.plan import LaunchPlan
-from enot_nb._launch.session_workers import RankState, SessionWorkers
+from enot_nb._session.kernel.workers import RankState, SessionWorkers
 
 
 @dataclass

@@ -3,7 +3,7 @@ userfaultfd in asynchronous write-protect mode (6.7+), read with the PAGEMAP_SCA
 
 A long-lived process (a session's master, the notebook between session cells) owns every page
 it ever wrote, so pagemap's "exclusively mapped" bit no longer tells what a cell wrote; the
-fallback is a paused shadow fork (see _processes/shadow), whose first write to each page copies
+fallback is a paused shadow fork (see _memory/shadow), whose first write to each page copies
 it. Here instead a reset write-protects an area's pages (no copy, no fork); the first write to a
 page after it is resolved by the kernel at once (no handler thread: the "async" mode) and marks
 the page written, which one ioctl reports as ranges. Reading which of 2 GiB's pages were written

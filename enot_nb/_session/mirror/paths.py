@@ -21,25 +21,12 @@ import collections
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from enot_nb._serialize.tensors import tensor_storages
+from enot_nb._session.tasks import Mirrored, ObjectSpec
 from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.registry import Registry
-
-
-class ObjectSpec(NamedTuple):
-    """Where registry object ``at`` sits: the step from object ``parent`` (0: the namespace,
-    whose steps are variable names), its type, and the storages it brings (a tensor's)."""
-
-    at: int
-    parent: int
-    step: str
-    type_name: str
-    storages: tuple[int, ...] = ()
-    sizes: tuple[int, ...] = ()
-    """The bytes of each of its storages where the notebook's and the rank's should agree: a
-    tensor of another shape on a rank must not take the notebook's bytes."""
 
 
 class PathError(LookupError):
@@ -283,3 +270,8 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
         if here != spec.sizes:
             raise fail(f"its storage holds {spec.sizes} bytes in the notebook, {here} on this rank")
     return obj
+
+
+def mirrored(registry: Registry) -> Mirrored:
+    """What the master needs to find its own objects at the notebook's registry indices."""
+    return Mirrored(specs_of(registry), len(registry.objects), len(registry.storages))

@@ -2,7 +2,7 @@
 
 One ``Attempt`` starts them (the same start as a one-off launch: pipes, rendezvous, the
 multiprocessing folder, the watchdog, pidfds; a spawn session's own fork server) with the
-session loop as their job (see _worker/session_loop), and closes them. In between, each command
+session loop as their job (see _session/worker/loop), and closes them. In between, each command
 goes to every rank on its message socket, and the kernel reads output and messages until every
 rank has answered (its outcome), or one died::
 
@@ -54,8 +54,9 @@ from enot_nb._processes.protocol import (
     StopWorker,
 )
 from enot_nb._serialize import picklers, result_file
-from enot_nb._state.mirror import PickledTask
-from enot_nb._worker import bootstrap, session_loop
+from enot_nb._session.mirror.mirror import PickledTask
+from enot_nb._session.worker import loop as session_loop
+from enot_nb._worker import bootstrap
 from enot_nb.errors import LaunchError, WorkerFailedError, WorkerFailure
 
 # Seconds the other ranks get to answer once one rank's cell failed, before the kernel takes

@@ -1,7 +1,7 @@
 """A paused fork of this process, so that pagemap tells which pages this process wrote since.
 
 A one-off cell's master is a fresh fork: every page it owns alone it wrote during the cell, so
-only those travel back (see _state/digests). A session's processes live on: the master, and the
+only those travel back (see _memory/digests). A session's processes live on: the master, and the
 notebook between session cells, own every page they ever wrote, and ownership would no longer
 tell anything. A fork made just before the snapshot shares every page again; a page this process
 writes afterwards is copied, and owned, again: exactly the pages written since the fork, found

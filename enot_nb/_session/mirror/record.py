@@ -15,14 +15,14 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
+from enot_nb._memory.digests import FORKS, before_long_lived_snapshot
+from enot_nb._memory.writes import WRITES
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.collect import Changes
-from enot_nb._state.digests import FORKS, before_long_lived_snapshot
 from enot_nb._state.kinds import OPS, kind_of
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
 from enot_nb._state.states import ATOMS
-from enot_nb._state.writes import WRITES
 
 
 @dataclass

@@ -26,11 +26,11 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._processes.shadow import SHADOW
-from enot_nb._state import paths
+from enot_nb._memory.digests import digested_size
+from enot_nb._memory.shadow import SHADOW
+from enot_nb._session.mirror import paths
+from enot_nb._session.mirror.record import Moved, Record
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
-from enot_nb._state.digests import digested_size
-from enot_nb._state.record import Moved, Record
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb.errors import LaunchError
 
@@ -60,7 +60,7 @@ class Push:
 @dataclass
 class SinceSync:
     """What the push's comparison found: its changes (before the push keeps those it sends), and
-    every object and storage of the record that changed (see _launch/cell_reach)."""
+    every object and storage of the record that changed (see _session/kernel/cell_reach)."""
 
     changes: Changes
     moved: Moved

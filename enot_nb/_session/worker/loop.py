@@ -1,7 +1,7 @@
 """A session's worker: a torchrun worker that runs the tasks the notebook sends, one after another,
 in a namespace of its own that lives as long as the process.
 
-Life of a session worker (see _launch/session_workers for the kernel's side)::
+Life of a session worker (see _session/kernel/workers for the kernel's side)::
 
     bootstrap.run: isolation, init_torch (once), Connected -> serve():
       idle: read a command from the message socket (a stop press here is one that came late)
@@ -12,26 +12,24 @@ Life of a session worker (see _launch/session_workers for the kernel's side)::
       ReportGroups -> Groups(sequence)   AbortGroups -> every group aborted   Regroup -> a new one
       StopWorker (or the kernel gone) -> leave, as a one-off worker does
 
-Tasks are records (``CellTask``, ``CallTask``, ``PullTask``, ``SyncTask``), each with the push
-that comes first; the kernel pickles them against the mirror's registry (collect.StatePickler),
-so an object the ranks already hold travels as its index and is found here by its path.
+Tasks are the records of _session/tasks; the group's repair is _session/worker/groups.
 """
 
 from __future__ import annotations
 
 import builtins
 import os
-import pickle
 import signal
 import socket
 import sys
 import traceback
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from typing_extensions import assert_never
 
+from enot_nb._memory.digests import before_long_lived_snapshot
 from enot_nb._processes import framing
 from enot_nb._processes.protocol import (
     AbortGroups,
@@ -47,89 +45,37 @@ from enot_nb._processes.protocol import (
     StopWorker,
 )
 from enot_nb._serialize import result_file, shm
-from enot_nb._state import apply, collect, paths
-from enot_nb._state.digests import before_long_lived_snapshot
+from enot_nb._session.mirror import paths
+from enot_nb._session.mirror.kept import KeptSnapshot
+from enot_nb._session.tasks import CallTask, CellTask, Mirrored, PullTask, SyncTask, Task
+from enot_nb._session.worker import groups
+from enot_nb._state import apply, collect
 from enot_nb._state.registry import Registry
-from enot_nb._state.snapshot import KeptSnapshot
 from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import cell as _cell
 
 
 @dataclass
-class Mirrored:
-    """The notebook's registry for a task, as specs: the master finds its own objects at the
-    same indices (paths.registry_at), snapshots them, and sends what changed against them."""
+class WorkerSession:
+    """This worker's session, from ``serve`` on: its namespace, the task file, how it reads its
+    commands, and the world group's backend and timeout (for making it again)."""
 
-    specs: list[paths.ObjectSpec]
-    objects: int
-    storages: int
-    packed: bytes | None = field(default=None, compare=False, repr=False)
-    """Its pickle, made once (the notebook sends the same specs again while a cell's reach is
-    kept) and kept where it was loaded: the master knows the same specs by it (see
-    KeptSnapshot.registry_for)."""
-
-    @classmethod
-    def of(cls, registry: Registry) -> Mirrored:
-        """What the master needs to find its own objects at the notebook's registry indices."""
-        return cls(paths.specs_of(registry), len(registry.objects), len(registry.storages))
-
-    def __reduce__(self) -> tuple:
-        # Plain data, pickled in one go by the C pickler: the task's pickler (a Python subclass
-        # that looks every object up in the registry) would visit each of its thousands of parts.
-        if self.packed is None:
-            self.packed = pickle.dumps((self.specs, self.objects, self.storages), protocol=5)
-        return _mirrored, (self.packed,)
+    namespace: dict[str, Any]
+    task_fd: int
+    rank: int
+    backend: str
+    timeout: Any
+    sock: socket.socket
+    reader: framing.MessageReader[SessionCommand]
 
 
-def _mirrored(data: bytes) -> Mirrored:
-    specs, objects, storages = pickle.loads(data)
-    return Mirrored(specs, objects, storages, packed=data)
+_SESSION: WorkerSession | None = None
+"""Set by ``serve``: a process runs one session."""
 
 
-@dataclass
-class CellTask:
-    """Run a cell (the magic's options as the worker needs them)."""
-
-    push: collect.Changes | None
-    code: str
-    options: _cell.CellOptions
-    mirror: Mirrored | None
-    """None: nothing comes back (--mirror none, --no-return)."""
-
-
-@dataclass
-class CallTask:
-    """``Session.launch(fn, ...)``: fn with the rank's session namespace as its globals."""
-
-    push: collect.Changes | None
-    fn: Any
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-    mirror: Mirrored | None = None
-    """The notebook's registry of what fn reaches: what fn changes comes back, as a cell's."""
-
-
-@dataclass
-class PullTask:
-    """``pull(names)``: the master's values, as changes against the notebook's registry of them
-    (in place where the notebook holds an object of the same type at the same path)."""
-
-    push: collect.Changes | None
-    names: list[str]
-    mirror: Mirrored
-
-
-@dataclass
-class SyncTask:
-    """Only the push (``Session.push``, or a sync before a pull)."""
-
-    push: collect.Changes | None
-
-
-Task = CellTask | CallTask | PullTask | SyncTask
-
-_state: dict[str, Any] = {}
-"""This worker's session: its namespace, the task file's descriptor, the backend and rank."""
+def _session() -> WorkerSession:
+    assert _SESSION is not None, "not a session worker"
+    return _SESSION
 
 
 def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
@@ -138,18 +84,20 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
     ``backend``, ``timeout``: the world group's, for making it again (regroup)."""
     import torch.distributed as dist
 
+    global _SESSION
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-    _state.update(
+    assert bootstrap._message_fd is not None
+    sock = socket.socket(fileno=os.dup(bootstrap._message_fd))
+    reader: framing.MessageReader[SessionCommand] = framing.MessageReader()
+    _SESSION = WorkerSession(
         namespace=namespace,
         task_fd=task_fd if task_fd is not None else shm.SHARED_FD[0],
         rank=dist.get_rank() if dist.is_initialized() else 0,
         backend=backend,
         timeout=timeout,
+        sock=sock,
+        reader=reader,
     )
-    assert bootstrap._message_fd is not None
-    sock = socket.socket(fileno=os.dup(bootstrap._message_fd))
-    reader: framing.MessageReader[SessionCommand] = framing.MessageReader()
-    _state.update(sock=sock, reader=reader)
     while True:
         try:  # a press from the end of a task to here was ignored (see _answer): it came late
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the next task's to take
@@ -167,7 +115,7 @@ def _answer(command: SessionCommand) -> None:
     """Do one command and send its one answer. A stop press is ignored from the end of the task
     until the answer is sent (it would send a second one, see _cell.ignore_late_presses); one
     at the idle read came late too, and is passed over."""
-    rank = _state["rank"]
+    rank = _session().rank
     try:
         match command:
             case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent):
@@ -185,11 +133,12 @@ def _answer(command: SessionCommand) -> None:
             case Proceed():
                 pass  # a late one (its task failed here): nothing to do
             case ReportGroups():
-                bootstrap.send(Groups(_sequences()))
+                bootstrap.send(Groups(groups.sequences()))
             case AbortGroups(peers=peers):  # no answer: the rank has answered its task already
-                abort_groups(set(peers) - {os.getpid()})
+                groups.abort_groups(set(peers) - {os.getpid()})
             case Regroup(init_method=init_method):
-                regroup(init_method)
+                session = _session()
+                groups.regroup(init_method, session.backend, session.timeout)
                 bootstrap.send(Done())  # never a Result: the task's result stays in the file
             case StopWorker():
                 pass
@@ -218,9 +167,10 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
     """Load the task against this rank's objects, apply its push, run it; rank 0's result.
     ``confirm``: the task's number: say the push is applied, and run the task only if every rank
     could (a Proceed of an earlier task, interrupted before it was read, is passed over)."""
-    namespace = _state["namespace"]
+    session = _session()
+    namespace = session.namespace
     registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
-    state = result_file.read_result(_state["task_fd"], size, raw=True)
+    state = result_file.read_result(session.task_fd, size, raw=True)
     task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
     # A push that only binds or deletes names changes no object a snapshot holds (the namespace
     # has none: the names are compared on their own); one that changes objects does.
@@ -235,9 +185,9 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
         _to_module_devices(registry, task.push)
     if confirm is not None:
         bootstrap.send(Pushed())
-        command = framing.recv_message(_state["sock"], _state["reader"])
+        command = framing.recv_message(session.sock, session.reader)
         while isinstance(command, Proceed) and command.task != confirm:
-            command = framing.recv_message(_state["sock"], _state["reader"])
+            command = framing.recv_message(session.sock, session.reader)
         if not (isinstance(command, Proceed) and command.go):
             return _SKIPPED
     match task:
@@ -257,7 +207,7 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
     """The cell; the master's snapshot of what it reaches is kept for the next cell (``keep``:
     nothing but this cell will have changed it, see KeptSnapshot)."""
     registry, scan = None, False
-    if task.mirror is not None and _state["rank"] == 0:
+    if task.mirror is not None and _session().rank == 0:
         registry = _KEPT.registry_for(namespace, task.mirror.packed) if keep else None
         registry = registry or _mirror_registry(namespace, task.mirror)
         if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
@@ -274,7 +224,7 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
 def _call(namespace: dict[str, Any], task: CallTask) -> Any:
     """fn on this rank; the master also returns what fn changed of the notebook's objects."""
     fn = _in_namespace(task.fn, namespace)
-    if task.mirror is None or _state["rank"] != 0:
+    if task.mirror is None or _session().rank != 0:
         return fn(*task.args, **task.kwargs)  # (a sharded module in it stays sharded: see below)
     registry = _mirror_registry(namespace, task.mirror)
     scan = before_long_lived_snapshot(registry.storages) if registry.storages else False
@@ -314,7 +264,7 @@ def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
     sharded by FSDP2 or FSDP1 comes as its full values (every rank takes part in gathering
     them; the live module stays sharded), which the notebook loads into its own module."""
     whole = sharded.full_state_dicts(namespace, task.names)  # every rank: a collective, if any
-    if _state["rank"] != 0:
+    if _session().rank != 0:
         return None
     missing = [n for n in task.names if n not in namespace]
     if missing:
@@ -349,132 +299,3 @@ def _report_device_memory() -> None:
     if torch is not None and torch.cuda.is_initialized():
         mib = 1 << 20
         bootstrap.send(DeviceMemory(torch.cuda.memory_allocated() / mib, torch.cuda.memory_reserved() / mib))
-
-
-def _sequences() -> dict[str, int] | None:
-    """Each process group's sequence number on this rank, by group name (see protocol.Groups)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return None
-    world = dist.distributed_c10d._world
-    groups: list[Any] = list(world.pg_map)  # their counter is not in torch's stubs
-    try:
-        return {world.pg_names[group]: int(group._get_sequence_number_for_group()) for group in groups}
-    except Exception:  # noqa: BLE001 - a backend that does not count: assume the worst
-        return None
-
-
-def abort_groups(peers: set[int]) -> None:
-    """Abort every process group, so that a peer that waits in a collective with this rank is
-    released with an error and returns to idle. NCCL's abort does it; gloo closes its
-    connections only when the group object dies, and a DDP wrapper (or a user's subgroup) keeps
-    it alive: so this rank's connections with the ``peers`` are shut down too (a peer blocked
-    in a gloo wait sees "connection closed" within milliseconds)."""
-    import torch.distributed as dist
-
-    # Our own descriptors of them, taken while the groups still hold them (an abort may close
-    # theirs, and a number closed may be reused by then).
-    connections = []
-    for fd in connections_with(peers):
-        try:
-            connections.append(socket.socket(fileno=os.dup(fd)))
-        except OSError:
-            pass
-    if dist.is_initialized():
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:  # noqa: BLE001 - then destroy, which also releases the peers
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - the sockets below release them anyway
-                pass
-    for connection in connections:
-        try:
-            connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            connection.close()
-
-
-def connections_with(peers: set[int]) -> list[int]:
-    """This process's descriptors of TCP connections whose other end a process in ``peers``
-    holds (read from /proc: the socket inodes, and the connections' addresses)."""
-    mine = _socket_inodes(os.getpid())
-    theirs: set[int] = set()
-    for pid in peers:
-        theirs |= set(_socket_inodes(pid))
-    table = _tcp_connections()
-    by_ends = {ends: inode for inode, ends in table.items()}
-    found = []
-    for inode, fd in mine.items():
-        ends = table.get(inode)
-        if ends is not None and by_ends.get((ends[1], ends[0])) in theirs:
-            found.append(fd)
-    return found
-
-
-def _socket_inodes(pid: int) -> dict[int, int]:
-    """inode -> descriptor of each socket ``pid`` holds (nothing if /proc cannot tell)."""
-    inodes = {}
-    folder = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return {}
-    for name in names:
-        try:
-            target = os.readlink(f"{folder}/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes[int(target[8:-1])] = int(name)
-    return inodes
-
-
-def _tcp_connections() -> dict[int, tuple[str, str]]:
-    """inode -> (local address, remote address) of every TCP socket in this network namespace."""
-    table = {}
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as lines:
-                next(lines)
-                for line in lines:
-                    fields = line.split()
-                    table[int(fields[9])] = (fields[1], fields[2])
-        except (OSError, StopIteration, IndexError, ValueError):
-            continue
-    return table
-
-
-def regroup(init_method: str) -> None:
-    """Make the world group again, in this same process: the old one is gone (aborted, or left
-    with a collective half done), and the objects that hold it must be made again."""
-    import torch.distributed as dist
-
-    from enot_nb._runtime import env
-
-    backend = None
-    if dist.is_initialized():
-        backend = dist.get_backend()
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - an aborted group may refuse; a new one is made anyway
-            pass
-    layout = env.read_layout()
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        import torch
-
-        kwargs["device_id"] = torch.device("cuda", layout.local_rank)
-    dist.init_process_group(
-        backend=backend or _state["backend"],
-        init_method=init_method,
-        rank=layout.rank,
-        world_size=layout.world_size,
-        timeout=_state["timeout"],
-        **kwargs,
-    )
-    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-        dist.barrier()  # every rank connected before any cell runs (see bootstrap._check_connected)

@@ -10,13 +10,13 @@ reach is the same as the last cell's where:
                                                             object, an atom both times, or absent)
     none of the reached objects changed since the walk     (below)
 
-The last is told by the push's comparison of the record (see _state/mirror): it sees any change
+The last is told by the push's comparison of the record (see _session/mirror/mirror): it sees any change
 to the record's objects and storages since the last sync. So a reach is kept only after a cell
 whose changes leave it what a walk gives (the bytes it wrote move nothing; an object whose new
 children took its old ones' places, a training step's new ``.grad``, is updated as the record
 is, see record.replaced_in_place), and only if the record holds every object and storage of it.
 The master keeps its registry where what the cell changed is found again by the same specs
-(see snapshot.KeptSnapshot.registry_for, paths.found_again).
+(see kept.KeptSnapshot.registry_for, paths.found_again).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._state import paths, reach
-from enot_nb._state.mirror import SinceSync
-from enot_nb._state.record import Moved, Record, replaced_in_place
-from enot_nb._worker.session_loop import Mirrored
+from enot_nb._session.mirror import paths
+from enot_nb._session.mirror.mirror import SinceSync
+from enot_nb._session.mirror.record import Moved, Record, replaced_in_place
+from enot_nb._session.tasks import Mirrored
+from enot_nb._state import reach
 
 
 @dataclass
@@ -51,7 +52,7 @@ class CellReach:
 
     def specs(self) -> Mirrored:
         if self.mirror is None:
-            self.mirror = Mirrored.of(self.found.registry)
+            self.mirror = paths.mirrored(self.found.registry)
         return self.mirror
 
     def holds(self, namespace: dict[str, Any], names: reach.CodeNames, hidden: Any, since: SinceSync | None) -> bool:

@@ -4,7 +4,7 @@ Each task (a cell, ``launch``, ``pull``, ``push``) is made here, then sent by th
 workers (session_workers), then its outcome applied here::
 
     before: the push (what the notebook changed since the last sync, and the variables the task
-            reaches that the ranks lack: _state/mirror), and, for a cell, the notebook's
+            reaches that the ranks lack: _session/mirror/mirror), and, for a cell, the notebook's
             registry of what it reaches, as specs the master finds its own objects by
     after:  the master's changes applied in place (bring_back, as a one-off cell's), then the
             mirror's record of what the ranks hold; what did not come back is stale here
@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._launch.bring_back import BroughtBack, Bundle, bring_back
-from enot_nb._launch.cell_reach import CellReach
-from enot_nb._launch.session_workers import CommandOutcome
+from enot_nb._session.kernel.cell_reach import CellReach
+from enot_nb._session.kernel.workers import CommandOutcome
+from enot_nb._session.mirror import paths
+from enot_nb._session.mirror.mirror import Mirror, PickledTask, Push, SinceSync
+from enot_nb._session.mirror.record import Moved
+from enot_nb._session.tasks import CallTask, CellTask, PullTask, SyncTask
 from enot_nb._state import apply, reach
 from enot_nb._state.collect import Changes
-from enot_nb._state.mirror import Mirror, PickledTask, Push, SinceSync
-from enot_nb._state.record import Moved
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
-from enot_nb._worker.session_loop import CallTask, CellTask, Mirrored, PullTask, SyncTask
 from enot_nb.errors import LaunchConfigError
 
 MIRRORS = ("all", "none")
@@ -166,7 +167,7 @@ class NamespaceFlow:
             found = reach.reach(self.namespace, "", self._hidden(), found=reach.global_names(fn))
             prepared.reached, prepared.registry = found.names, found.registry
             prepared.push = self._push(found.names)
-            mirror = Mirrored.of(found.registry)
+            mirror = paths.mirrored(found.registry)
         prepared.task = CallTask(prepared.push.changes if prepared.push else None, fn, args, kwargs, mirror)
         return prepared
 
@@ -189,7 +190,7 @@ class NamespaceFlow:
     def pull(self, names: list[str]) -> Prepared:
         _check_names(names)
         registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
-        mirror = Mirrored.of(registry)
+        mirror = paths.mirrored(registry)
         push = self._push([], pulling=list(names))
         return Prepared(PullTask(push.changes if push else None, list(names), mirror), push, registry)
 

@@ -17,10 +17,10 @@ import sys
 import zlib
 from typing import Any, NamedTuple
 
-from enot_nb._processes.shadow import SHADOW
+from enot_nb._memory import pagemap as _pagemap
+from enot_nb._memory.shadow import SHADOW
+from enot_nb._memory.writes import WRITES
 from enot_nb._serialize.tensors import storage_array
-from enot_nb._state import pagemap as _pagemap
-from enot_nb._state.writes import WRITES
 
 Area = tuple[int, int]
 """A memory area: (address, length)."""
@@ -210,7 +210,7 @@ TRACK_MIN = 1 << 16
 def owned_share(storages: list[Any], recorded: list[StorageDigest] | None = None) -> float:
     """The share of the large storages' pages (see SCAN_MAX) that this process owns alone: 1.0
     where pagemap cannot tell, 0.0 without large storages. A long-lived process (a session's
-    master, the notebook between session cells) makes a shadow fork (see _processes/shadow)
+    master, the notebook between session cells) makes a shadow fork (see _memory/shadow)
     when it is high: a snapshot then digests, and a change sends, only the pages written since.
     ``recorded``: the digests of other storages, kept from before: the pages they digest (owned
     when they were taken) count as owned, since each comparison digests them again."""
@@ -228,7 +228,7 @@ def owned_share(storages: list[Any], recorded: list[StorageDigest] | None = None
 def before_long_lived_snapshot(storages: list[Any], kept: list[StorageDigest] | None = None) -> bool:
     """Before a long-lived process's snapshot of ``storages`` (a session's master, the notebook's
     record of its ranks): its ``scan_large``. Where writes are tracked (see writes), the snapshot
-    resets them: True, and no shadow is kept. Else the shadow fork (see _processes/shadow) is
+    resets them: True, and no shadow is kept. Else the shadow fork (see _memory/shadow) is
     made, or renewed once too many pages are owned again (``kept``: see owned_share); right after
     that no page is owned, and the large storages' need not be read (False)."""
     if WRITES.available():

@@ -1,0 +1,263 @@
+"""A persistent session: N supervised torchrun workers that live across cells, the notebook
+mirroring the master.
+
+Example::
+
+    %load_ext enot_nb
+    %enot_session start -n 2 --backend gloo
+
+    %%enot_distributed
+    ddp = DDP(model)                  # built once; lives on every rank
+    train(ddp, steps=50)              # `model` is updated in the notebook, in place
+
+    lr = 0.01                         # a plain cell: reaches every rank before the next cell
+
+    %enot_session stop
+
+Or from code: ``with enot_nb.Session(nprocs=2, backend="gloo") as s: s.run("x = 1")``.
+
+The workers are a ``SessionWorkers`` (_session/kernel/workers: start, commands, failures); what
+the ranks hold of the notebook and what changed since is a ``Mirror`` (_session/mirror/mirror); the
+rank's side is _session/worker/loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from enot_nb._defaults import DEFAULT_TIMEOUT
+from enot_nb._launch import relay
+from enot_nb._launch.bring_back import CellInterrupted
+from enot_nb._launch.options import LaunchOptions
+from enot_nb._launch.plan import plan_launch
+from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, Prepared
+from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, status_of
+from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
+from enot_nb._worker import cell as _cell
+from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError
+
+__all__ = ["CellRun", "RankStatus", "Session", "SessionStatus", "session"]
+
+_live: list[Session] = []
+
+
+def session() -> Session | None:
+    """The live session of this process, or None."""
+    return _live[0] if _live else None
+
+
+class Session:
+    """N workers that live across cells (see the module's docstring). ``nprocs`` ... ``timeout``:
+    as for ``notebook_launcher`` (one definition: LaunchOptions). ``mirror``: "all" (the
+    notebook mirrors the master; its changes reach every rank before the next task) or "none"
+    (nothing flows unless asked: pull, push). ``namespace``: what code run here sees and gets
+    back (default: the notebook's; outside IPython, a dict of its own). ``output``: whose output
+    ``run`` shows by default."""
+
+    def __init__(
+        self,
+        nprocs: int | None = None,
+        *,
+        backend: str | None = None,
+        seed: int | None = None,
+        cuda_optimize_for_speed: bool = False,
+        cuda_reproducible: bool = False,
+        start_method: str | None = None,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        mirror: str = "all",
+        namespace: dict[str, Any] | None = None,
+        output: str = "master",
+        quiet: bool = False,
+    ) -> None:
+        if mirror not in MIRRORS:
+            raise LaunchConfigError(f"mirror={mirror!r} must be 'all' or 'none'", parameter="mirror")
+        given = locals()  # the launch options, by their one definition's names
+        self.options = LaunchOptions(**{name: given[name] for name in LaunchOptions.names() if name in given})
+        self.plan = plan_launch(self.options)
+        self.mirror_mode = mirror
+        self.output = output
+        self.namespace = namespace if namespace is not None else _notebook_namespace()
+        self.flow = NamespaceFlow(self.namespace, mirror)
+        self.workers: SessionWorkers | None = None
+        self.last: CommandOutcome | None = None  # the last task's end (its sizes: what moved)
+        if _live:
+            raise LaunchError(
+                "a session is already running in this process; stop it first (`%enot_session stop` "
+                "or session.close()), or restart it with other options (`%enot_session restart ...`)"
+            )
+        self._start(quiet)
+
+    def _start(self, quiet: bool = False) -> None:
+        self.workers = start_workers(self.plan, None if quiet else self.mirror_mode)
+        if self not in _live:
+            _live.append(self)
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop every worker (and their children); the notebook keeps what it holds."""
+        workers, self.workers = self.workers, None
+        if self in _live:
+            _live.remove(self)
+            atexit.unregister(self.close)
+        if workers is not None:
+            workers.close()
+        self.flow.mirror.reset()  # its shadow fork too
+
+    def restart(self, why: str | None = None) -> None:
+        """New workers, given what the old ones held of the notebook's state (by value, on the
+        CPU); one line says what was restored, from an older copy, and what is gone."""
+        if self.workers is None and self not in _live:
+            raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
+        mirror = self.flow.mirror
+        lost = sorted(mirror.on_workers) if self.flow.mirrored else ["everything (--mirror none)"]
+        older = sorted(mirror.stale) if self.flow.mirrored else []
+        held = [n for n in mirror.record.synced if n in self.namespace] if self.flow.mirrored else []
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        mirror.reset()
+        self._start(quiet=True)
+        restored = self._restore(held) if held else []
+        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older, restored), file=sys.stderr)
+
+    def _restore(self, names: list[str]) -> list[str]:
+        """The variables the old workers held, pushed to the new ones; those restored."""
+        assert self.workers is not None
+        prepared = self.flow.push_values({n: self.namespace[n] for n in names})
+        workers = self.workers
+        workers.run_task(self.flow.pickle(prepared), "none", lambda done: self.flow.after_push(prepared, done))
+        outcome = workers.last  # refused: the next cell pushes what it uses
+        assert outcome is not None
+        return [] if outcome.failures or outcome.restart is not None else names
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _ready(self) -> SessionWorkers:
+        if self.workers is None:
+            raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
+        dead = self.workers.deaths()
+        if dead is not None:
+            self.restart(dead)
+        assert self.workers is not None
+        return self.workers
+
+    def status(self) -> SessionStatus:
+        """A row per rank: pid, device, state, host memory, GPU memory, cells run, uptime."""
+        return status_of(self.workers, self.plan, self.mirror_mode)
+
+    def run(
+        self,
+        code: str,
+        *,
+        output: str | None = None,
+        returns: list[str] | None = None,
+        no_return: bool = False,
+        sync: list[str] | None = None,
+    ) -> Any:
+        """Run ``code`` on every rank, in each rank's namespace; the notebook mirrors the master
+        (--mirror all) and the value of a last expression comes back as a cell's Out."""
+        return self.run_cell(code, CellRun(output or self.output, returns, no_return, sync))
+
+    def run_cell(self, code: str, run: CellRun) -> Any:
+        """A cell with the magic's per-cell options (see ``run``)."""
+        compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error before anything is sent
+        self._ready().cells += 1
+        return self._task(lambda: self.flow.cell(code, run), run.output, self.flow.after_cell)
+
+    def launch(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on every rank, with the rank's session namespace as its
+        globals (``fn`` travels by value); rank 0's result, as ``notebook_launcher``'s."""
+        return self._task(lambda: self.flow.call(fn, args, kwargs), self.output, self.flow.after_call)
+
+    def pull(self, *names: str) -> dict[str, Any]:
+        """The master's values of ``names``: returned, and bound in the namespace, in place
+        where an object of the same type sits at the same path."""
+        wanted = list(names)
+        return self._task(
+            lambda: self.flow.pull(wanted), "master", lambda made, done: self.flow.after_pull(made, done, wanted)
+        )
+
+    def push(self, **values: Any) -> None:
+        """Send ``values`` to every rank, bound under their names (under --mirror all, in the
+        notebook too: it mirrors the master). A pushed value replaces what a rank held there."""
+        self._task(lambda: self.flow.push_values(values), self.output, self.flow.after_push)
+
+    def _task(self, make: Callable[[], Prepared], output: str, apply: Callable[[Prepared, CommandOutcome], Any]) -> Any:
+        """A task made (after a restart, if ranks had died), sent, its outcome applied by
+        ``apply`` (see SessionWorkers.run_task); then new workers where the old ones must be
+        replaced (from the notebook, which now holds what the master reached); its failure
+        raised."""
+        workers = self._ready()
+        prepared = make()
+        try:
+            value = workers.run_task(self.flow.pickle(prepared), output, lambda done: apply(prepared, done))
+        finally:
+            self.last = workers.last
+            if self.last is not None and self.last.restart is not None:
+                self.restart(self.last.restart)
+        assert self.last is not None
+        _raise_failure(self.last)
+        return value
+
+
+def _raise_failure(outcome: CommandOutcome) -> None:
+    if outcome.interrupted:
+        raise CellInterrupted()
+    if outcome.failures:
+        raise WorkerFailedError(outcome.failures)
+
+
+def _notebook_namespace() -> dict[str, Any]:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    shell = get_ipython()
+    return shell.user_ns if shell is not None else {}
+
+
+def start_workers(plan: Any, mirror: str | None) -> SessionWorkers:
+    """A session's workers, started; one line says so (unless ``mirror`` is None: quiet)."""
+    started = time.monotonic()
+    workers = SessionWorkers(plan, relay.show if relay.in_ipython() else None)
+    try:
+        workers.start()
+    except BaseException:
+        workers.close()
+        raise
+    if mirror is not None:
+        print(
+            f"enot_nb: session started: {plan.nprocs} rank(s), {plan.backend}, "
+            f"{', '.join(sorted(set(devices(plan))))}, {plan.start_method}, --mirror {mirror}, "
+            f"in {time.monotonic() - started:.2f} s",
+            file=sys.stderr,
+        )
+    return workers
+
+
+def restart_line(
+    nprocs: int, mirrored: bool, why: str | None, lost: list[str], older: list[str], restored: list[str]
+) -> str:
+    """What a restart restored (the notebook's state), from an older copy (the stale variables),
+    and what is gone (what lived only on the workers)."""
+    reason = f" ({why})" if why else ""
+    if not mirrored:
+        restored_line = "they hold nothing"
+    elif restored:
+        restored_line = f"restored from the notebook (on the CPU): {', '.join(restored)}"
+    else:
+        restored_line = "the notebook's state reaches them as the next cells use it"
+    older_line = (
+        f"; from the notebook's older copy (the master's newer one is lost): {', '.join(older)}" if older else ""
+    )
+    gone = f"; gone, as it lived only on the workers: {', '.join(lost)}" if lost else ""
+    return f"enot_nb: session restarted{reason}: {nprocs} new worker(s); {restored_line}{older_line}{gone}"

@@ -1,0 +1,99 @@
+"""The records a session's kernel side and its ranks share: the tasks, and where each object
+the notebook sends by index sits in its namespace (``ObjectSpec``), by which a rank finds its
+own (see _session/mirror/paths).
+
+A task is pickled against the mirror's registry (collect.StatePickler), so that an object the
+ranks already hold travels as its index; each carries the push that comes first.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from enot_nb._state import collect
+from enot_nb._worker.cell import CellOptions
+
+
+class ObjectSpec(NamedTuple):
+    """Where registry object ``at`` sits: the step from object ``parent`` (0: the namespace,
+    whose steps are variable names), its type, and the storages it brings (a tensor's)."""
+
+    at: int
+    parent: int
+    step: str
+    type_name: str
+    storages: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    """The bytes of each of its storages where the notebook's and the rank's should agree: a
+    tensor of another shape on a rank must not take the notebook's bytes."""
+
+
+@dataclass
+class Mirrored:
+    """The notebook's registry for a task, as specs: the master finds its own objects at the
+    same indices (see _session/mirror/paths.registry_at), snapshots them, and sends what changed against them."""
+
+    specs: list[ObjectSpec]
+    objects: int
+    storages: int
+    packed: bytes | None = field(default=None, compare=False, repr=False)
+    """Its pickle, made once (the notebook sends the same specs again while a cell's reach is
+    kept) and kept where it was loaded: the master knows the same specs by it (see
+    KeptSnapshot.registry_for)."""
+
+    def __reduce__(self) -> tuple:
+        # Plain data, pickled in one go by the C pickler: the task's pickler (a Python subclass
+        # that looks every object up in the registry) would visit each of its thousands of parts.
+        if self.packed is None:
+            self.packed = pickle.dumps((self.specs, self.objects, self.storages), protocol=5)
+        return _mirrored, (self.packed,)
+
+
+def _mirrored(data: bytes) -> Mirrored:
+    specs, objects, storages = pickle.loads(data)
+    return Mirrored(specs, objects, storages, packed=data)
+
+
+@dataclass
+class CellTask:
+    """Run a cell (the magic's options as the worker needs them)."""
+
+    push: collect.Changes | None
+    code: str
+    options: CellOptions
+    mirror: Mirrored | None
+    """None: nothing comes back (--mirror none, --no-return)."""
+
+
+@dataclass
+class CallTask:
+    """``Session.launch(fn, ...)``: fn with the rank's session namespace as its globals."""
+
+    push: collect.Changes | None
+    fn: Any
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    mirror: Mirrored | None = None
+    """The notebook's registry of what fn reaches: what fn changes comes back, as a cell's."""
+
+
+@dataclass
+class PullTask:
+    """``pull(names)``: the master's values, as changes against the notebook's registry of them
+    (in place where the notebook holds an object of the same type at the same path)."""
+
+    push: collect.Changes | None
+    names: list[str]
+    mirror: Mirrored
+
+
+@dataclass
+class SyncTask:
+    """Only the push (``Session.push``, or a sync before a pull)."""
+
+    push: collect.Changes | None
+
+
+Task = CellTask | CallTask | PullTask | SyncTask
