@@ -40,8 +40,8 @@ MUTATIONS = [
         "        return _apply_all(namespace, registry, changes, returns)\n",
         "        return []\n",
         [
-            "tests/test_state_parity.py::test_distributed_cell_is_a_local_cell[resize-notebook-tensor-fork]",
-            "tests/test_state_parity.py::test_distributed_cell_is_a_local_cell[module-moved-between-devices-fork]",
+            "tests/cells/test_state_parity.py::test_distributed_cell_is_a_local_cell[resize-notebook-tensor-fork]",
+            "tests/cells/test_state_parity.py::test_distributed_cell_is_a_local_cell[module-moved-between-devices-fork]",
         ],
     ),
     Mutation(
@@ -50,8 +50,8 @@ MUTATIONS = [
         "math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S",
         "math.isfinite(seconds) and seconds <= MAX_TIMEOUT_S",
         [
-            "tests/test_reliability.py::test_bad_launcher_arguments_fail_fast_and_clearly",
-            "tests/test_reliability.py::test_bad_magic_options_are_usage_errors",
+            "tests/launcher/test_reliability.py::test_bad_launcher_arguments_fail_fast_and_clearly",
+            "tests/launcher/test_reliability.py::test_bad_magic_options_are_usage_errors",
         ],
     ),
     Mutation(
@@ -59,14 +59,14 @@ MUTATIONS = [
         "enot_nb/_launch/attempt.py",
         "        self.stop([r for r in self.attempt.ranks if r.running], _ESCALATION[1:])\n",
         "        pass\n",
-        ["tests/test_launcher.py::test_other_ranks_are_stopped_by_the_launcher_after_a_failure"],
+        ["tests/launcher/test_launcher.py::test_other_ranks_are_stopped_by_the_launcher_after_a_failure"],
     ),
     Mutation(
         "results-come-back-as-zeros",
         "enot_nb/_serialize/tensors.py",
         "    storage = torch.UntypedStorage(view.nbytes)\n    if view.nbytes:\n",
         "    storage = torch.UntypedStorage(view.nbytes)\n    storage_array(storage)[:] = 0\n    if False:\n",
-        ["tests/test_hygiene.py::test_kept_results_hold_no_file_descriptor"],
+        ["tests/launcher/test_hygiene.py::test_kept_results_hold_no_file_descriptor"],
     ),
     Mutation(
         # Half of each small returned storage's bytes arrive (the rest zeros): the weights still
@@ -78,10 +78,10 @@ MUTATIONS = [
         "        storage_array(storage)[:] = 0\n"
         "        storage_array(storage)[:half] = numpy.frombuffer(view, dtype=numpy.uint8)[:half]\n",
         [
-            "tests/test_integrations.py::test_lightning_trainer_ddp_trains_on_the_workers",
-            "tests/test_integrations.py::test_lightning_fabric_ddp_trains_on_the_workers",
-            "tests/test_integrations.py::test_hf_trainer_trains_a_model_built_in_the_notebook",
-            "tests/test_integrations.py::test_accelerate_prepare_backward_gather",
+            "tests/frameworks/test_integrations.py::test_lightning_trainer_ddp_trains_on_the_workers",
+            "tests/frameworks/test_integrations.py::test_lightning_fabric_ddp_trains_on_the_workers",
+            "tests/frameworks/test_integrations.py::test_hf_trainer_trains_a_model_built_in_the_notebook",
+            "tests/frameworks/test_integrations.py::test_accelerate_prepare_backward_gather",
         ],
     ),
     Mutation(
@@ -89,16 +89,16 @@ MUTATIONS = [
         "enot_nb/_state/apply.py",
         "    with interrupts_deferred():\n        return _apply_all(",
         "    if True:\n        return _apply_all(",
-        ["tests/test_reach.py::test_a_stop_press_anywhere_in_applying_the_changes_leaves_all_of_them_or_none"],
+        ["tests/cells/test_reach.py::test_a_stop_press_anywhere_in_applying_the_changes_leaves_all_of_them_or_none"],
     ),
     Mutation(
         # Pages shared with a child the master forked are no longer the master's own: unrecorded,
         # a write made before the fork is lost.
         "pages-at-forks-not-recorded",
-        "enot_nb/_memory/digests.py",
+        "enot_nb/_memory/forks.py",
         "    def before_fork(self) -> None:\n",
         "    def before_fork(self) -> None:\n        return\n",
-        ["tests/test_reach.py::test_a_storage_comes_back_by_its_written_pages_even_with_a_live_child"],
+        ["tests/cells/test_reach.py::test_a_storage_comes_back_by_its_written_pages_even_with_a_live_child"],
     ),
     Mutation(
         "magic-arguments-not-reached",
@@ -106,7 +106,7 @@ MUTATIONS = [
         "        return _loose_names(arguments[1])\n",
         "        return CodeNames(frozenset())\n",
         [
-            "tests/test_state_parity.py::test_distributed_cell_is_a_local_cell[line-magic-argument-reaches-the-model-fork]"
+            "tests/cells/test_state_parity.py::test_distributed_cell_is_a_local_cell[line-magic-argument-reaches-the-model-fork]"
         ],
     ),
     Mutation(
@@ -114,7 +114,7 @@ MUTATIONS = [
         "enot_nb/_worker/preload.py",
         "            thread.join()\n",
         "            pass\n",
-        ["tests/test_preload.py::test_a_fork_waits_for_the_background_import"],
+        ["tests/cells/test_preload.py::test_a_fork_waits_for_the_background_import"],
     ),
     Mutation(
         "session-push-drops-in-place-changes",
@@ -122,8 +122,8 @@ MUTATIONS = [
         "        changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden)\n",
         "        changes, changed = Changes(), []\n",
         [
-            "tests/test_session.py::test_a_plain_change_in_place_reaches_every_rank",
-            "tests/test_session_parity.py::test_a_session_cell_is_a_local_cell"
+            "tests/session/test_mirror.py::test_a_plain_change_in_place_reaches_every_rank",
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell"
             "[model-trained-in-place-lr-changed-in-a-plain-cell-fork]",
         ],
     ),
@@ -132,56 +132,60 @@ MUTATIONS = [
         "enot_nb/_session/worker/groups.py",
         "    for fd in connections_with(peers):\n",
         "    for fd in connections_with(set()):\n",
-        ["tests/test_session.py::test_a_rank_blocked_in_a_collective_is_released_and_the_group_made_again"],
+        ["tests/session/test_faults.py::test_a_rank_blocked_in_a_collective_is_released_and_the_group_made_again"],
     ),
     Mutation(
         "session-widgets-under-the-first-cell",
         "enot_nb/_session/worker/loop.py",
         "                frontend.follow_parent(parent)\n",
         "                pass\n",
-        ["tests/test_session_parity.py::test_widgets_and_output_captures_hang_under_the_cell_that_runs"],
+        ["tests/session/test_session_parity.py::test_widgets_and_output_captures_hang_under_the_cell_that_runs"],
     ),
     Mutation(
         "session-no-shadow-fork",
         "enot_nb/_memory/shadow.py",
         "        if self.pid is None or owned_share > RENEW_ABOVE:\n",
         "        if False:\n",
-        ["tests/test_session.py::test_one_element_written_into_a_large_tensor_sends_a_page"],
+        ["tests/session/test_mirror.py::test_one_element_written_into_a_large_tensor_sends_a_page"],
     ),
     Mutation(
         "session-kept-snapshot-not-dropped",
         "enot_nb/_session/worker/loop.py",
         "    if not keep:  # before anything changes: a push, another task (see KeptSnapshot)\n        _KEPT.drop()\n",
         "    if not keep:  # before anything changes: a push, another task (see KeptSnapshot)\n        pass\n",
-        ["tests/test_session.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"],
+        [
+            "tests/session/test_kept_walks.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"
+        ],
     ),
     Mutation(
         "session-kept-snapshot-not-retaken",
         "enot_nb/_session/mirror/kept.py",
         "            snapshot.retake(registry, objects, storages, scan_large=True)\n",
         "            pass\n",
-        ["tests/test_session.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"],
+        [
+            "tests/session/test_kept_walks.py::test_the_master_keeps_its_snapshot_from_cell_to_cell_and_still_sees_every_write"
+        ],
     ),
     Mutation(
         "session-kept-reach-bindings-unchecked",
         "enot_nb/_session/kernel/cell_reach.py",
         "            and reach.bound_as_looked_up(self.found, namespace, hidden)\n",
         "",
-        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+        ["tests/session/test_kept_walks.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
     ),
     Mutation(
         "session-kept-reach-changes-unchecked",
         "enot_nb/_session/kernel/cell_reach.py",
         "            and not any(registry.find(obj) is not None for obj in since.moved.objects)\n",
         "",
-        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+        ["tests/session/test_kept_walks.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
     ),
     Mutation(
         "session-master-kept-registry-roots-unchecked",
         "enot_nb/_session/mirror/kept.py",
         "            if parent == 0 and namespace.get(step, _NONE) is not registry.objects[i]:\n",
         "            if False:\n",
-        ["tests/test_session.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
+        ["tests/session/test_kept_walks.py::test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives"],
     ),
     Mutation(
         "session-master-kept-registry-after-a-move",
@@ -189,7 +193,7 @@ MUTATIONS = [
         "        if again is not None and not has_placeholders(registry) and not snapshot.untaken(registry):\n",
         "        if not has_placeholders(registry) and not snapshot.untaken(registry):\n",
         [
-            "tests/test_session.py::test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again"
+            "tests/session/test_kept_walks.py::test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again"
         ],
     ),
     Mutation(
@@ -198,8 +202,8 @@ MUTATIONS = [
         "                return None  # on another storage now (``t.data = other``)\n",
         "                pass\n",
         [
-            "tests/test_session.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives",
-            "tests/test_session.py::test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again",
+            "tests/session/test_kept_walks.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives",
+            "tests/session/test_kept_walks.py::test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_found_again",
         ],
     ),
     Mutation(
@@ -207,28 +211,34 @@ MUTATIONS = [
         "enot_nb/_session/mirror/paths.py",
         "    if moves and not _as_specified(registry, specs):  # (where nothing moves, it is as registry_at left it)\n",
         "    if False:\n",
-        ["tests/test_session.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives"],
+        ["tests/session/test_kept_walks.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives"],
     ),
     Mutation(
         "kept-reach-walk-order-unchecked",
         "enot_nb/_session/mirror/record.py",
         "    if regrowth is None or regrowth.starts or not regrowth.in_walk_order:\n",
         "    if regrowth is None or regrowth.starts:\n",
-        ["tests/test_session.py::test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk_gives"],
+        [
+            "tests/session/test_kept_walks.py::test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk_gives"
+        ],
     ),
     Mutation(
         "session-sharded-module-made-plain-after-a-failure",
         "enot_nb/_worker/cell.py",
         "            if options.gather_sharded\n",
         "            if True\n",
-        ["tests/test_session.py::test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook"],
+        [
+            "tests/session/test_sharded.py::test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook"
+        ],
     ),
     Mutation(
         "session-sharded-module-sent-back",
         "enot_nb/_worker/cell.py",
         "            if not options.gather_sharded and sharded.may_be_sharded()\n",
         "            if False\n",
-        ["tests/test_session.py::test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook"],
+        [
+            "tests/session/test_sharded.py::test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook"
+        ],
     ),
     Mutation(
         "pull-sends-placeholder-storages",
@@ -237,7 +247,7 @@ MUTATIONS = [
         "registry.find_storage(s) == j]\n",
         "    found_here = [j for j, s in enumerate(registry.storages) if s is not None]\n",
         [
-            "tests/test_session.py::test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole"
+            "tests/session/test_mirror.py::test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole"
         ],
     ),
     Mutation(
@@ -245,35 +255,39 @@ MUTATIONS = [
         "enot_nb/_session/worker/loop.py",
         "    return value, tracker.outcome(options, None, False, None, None)\n",
         "    return sharded.whole_result(value), tracker.outcome(options, None, False, None, None)\n",
-        ["tests/test_session.py::test_a_launched_function_that_returns_a_live_sharded_module_leaves_it_sharded"],
+        [
+            "tests/session/test_sharded.py::test_a_launched_function_that_returns_a_live_sharded_module_leaves_it_sharded"
+        ],
     ),
     Mutation(
         "found-again-shared-storage",
         "enot_nb/_session/mirror/paths.py",
         "        if any(users[j] != 1 for j in spec.storages if j >= 0):\n",
         "        if False:\n",
-        ["tests/test_session.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives"],
+        ["tests/session/test_kept_walks.py::test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives"],
     ),
     Mutation(
         "session-popped-object-changes-dropped",
         "enot_nb/_session/mirror/mirror.py",
         "            held = sorted(n for n in now if n in synced or n in reached)\n",
         "            held = sorted(n for n in now if n in synced)\n",
-        ["tests/test_session.py::test_an_object_taken_out_of_a_synced_one_into_a_new_variable_keeps_its_changes"],
+        [
+            "tests/session/test_mirror.py::test_an_object_taken_out_of_a_synced_one_into_a_new_variable_keeps_its_changes"
+        ],
     ),
     Mutation(
         "shared-memory-storage-write-tracked",
         "enot_nb/_memory/digests.py",
         "    shared = [scan_large and not _is_array(owner) and _shared(owner) for owner in owners]\n",
         "    shared = [False] * len(areas)\n",
-        ["tests/test_units.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
+        ["tests/unit/test_written_pages.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
     ),
     Mutation(
         "write-tracker-registrations-uncapped",
         "enot_nb/_memory/writes.py",
         "            if self._registered >= MAX_REGISTRATIONS:\n",
         "            if False:\n",
-        ["tests/test_units.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
+        ["tests/unit/test_written_pages.py::test_storages_whose_writes_are_not_told_are_digested_whole"],
     ),
     Mutation(
         "late-presses-not-ignored",
@@ -281,8 +295,8 @@ MUTATIONS = [
         "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n",
         "    signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT))\n",
         [
-            "tests/test_session.py::test_a_press_while_the_master_makes_its_outcome_is_late_and_the_outcome_comes_whole",
-            "tests/test_session.py::test_the_stop_button_while_the_master_makes_its_outcome_still_brings_it_whole",
+            "tests/session/test_presses.py::test_a_press_while_the_master_makes_its_outcome_is_late_and_the_outcome_comes_whole",
+            "tests/session/test_presses.py::test_the_stop_button_while_the_master_makes_its_outcome_still_brings_it_whole",
         ],
     ),
     Mutation(
@@ -290,21 +304,21 @@ MUTATIONS = [
         "enot_nb/_state/snapshot.py",
         "            same = i is not None and before.kinds[i] is kind and id(obj) not in moved_ids\n",
         "            same = i is not None and before.kinds[i] is kind\n",
-        ["tests/test_session.py::test_new_grads_every_step_leave_records_that_match_what_they_record"],
+        ["tests/session/test_mirror.py::test_new_grads_every_step_leave_records_that_match_what_they_record"],
     ),
     Mutation(
         "carried-over-digests-of-written-storages",
         "enot_nb/_state/snapshot.py",
         "        at = [None if id(s) in written_ids else before.find_storage(s) for s in registry.storages]\n",
         "        at = [before.find_storage(s) for s in registry.storages]\n",
-        ["tests/test_session.py::test_new_grads_every_step_leave_records_that_match_what_they_record"],
+        ["tests/session/test_mirror.py::test_new_grads_every_step_leave_records_that_match_what_they_record"],
     ),
     Mutation(
         "session-written-pages-untold",  # (a mutation inside writes.py fails its probe: no tracking)
-        "enot_nb/_memory/digests.py",
-        "            found[j] = WRITES.written(areas[j], before.epoch)\n",
+        "enot_nb/_memory/written.py",
+        "            found[j] = WRITES.written(areas[j], epoch)\n",
         "            found[j] = None\n",
-        ["tests/test_session.py::test_one_element_written_into_a_large_tensor_sends_a_page"],
+        ["tests/session/test_mirror.py::test_one_element_written_into_a_large_tensor_sends_a_page"],
     ),
 ]
 

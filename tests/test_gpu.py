@@ -4,7 +4,7 @@ Run on a lent GPU machine by ``scripts/gpu_check.sh``. One GPU is the usual case
 also runs two gloo ranks on that one GPU (CUDA tensors through bucketing and the state return)
 and a one-rank nccl group made explicitly (device binding, nccl collectives, staging of CPU
 tensors); NCCL refuses two ranks on one GPU. The device-choice logic one GPU cannot exercise is
-covered on the CPU by tests/test_units.py.
+covered on the CPU by tests/unit/.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
 from enot_nb._processes.interrupts import finish, interrupts_deferred
-from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, InMemfd, MessageKind, Payload
+from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, InMemfd, Payload, Result
 from enot_nb._processes.starts import start_error
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap, preload, streams
@@ -218,7 +218,7 @@ class Attempt:
         try:
             self.start()
             self._supervise()
-            return collect(self.plan, self.ranks, self.failures, self.result_fd)
+            return outcome_of(self.plan, self.ranks, self.failures, self.result_fd)
         except KeyboardInterrupt:
             self.stopper.interrupt()
             raise LaunchInterrupted(partial_state(self.ranks, self.result_fd)) from None
@@ -376,7 +376,7 @@ def release_each(holder: object, **releases: Callable[[Any], object]) -> tuple[b
     return released, errors
 
 
-def collect(plan: LaunchPlan, ranks: list[Rank], failures: list[WorkerFailure], result_fd: int | None) -> Outcome:
+def outcome_of(plan: LaunchPlan, ranks: list[Rank], failures: list[WorkerFailure], result_fd: int | None) -> Outcome:
     """The attempt's outcome once every rank has ended: the failures, root cause first, or rank
     0's result (from the result memfd or its message)."""
     if failures:
@@ -405,7 +405,7 @@ def partial_state(ranks: list[Rank], result_fd: int | None) -> Any:
     if master is None:
         return None
     # A master that finished (it caught the interrupt, or was done first) sent all it had.
-    payload = master.payload if master.outcome == MessageKind.RESULT else master.partial
+    payload = master.payload if isinstance(master.outcome, Result) else master.partial
     if payload is None:
         return None
     try:

@@ -33,10 +33,10 @@ from enot_nb._processes.protocol import (
     FrontEndMessage,
     Groups,
     Imported,
-    MessageKind,
     Partial,
     Payload,
     Pushed,
+    RankOutcome,
     Result,
     WorkerMessage,
 )
@@ -55,7 +55,7 @@ class Rank:
     messages: MessageReader[WorkerMessage] = field(default_factory=MessageReader)
     pid: int | None = None
     exitcode: int | None = None
-    outcome: MessageKind | None = None  # RESULT, DONE or ERROR
+    outcome: RankOutcome | None = None  # its last Result, Done or ErrorReport
     payload: Payload | None = None  # rank 0's result (its Result message)
     partial: Payload | None = None  # rank 0's state at an interrupt or failure (Partial)
     imported: tuple[str, ...] = ()  # what a cell's master imported (Imported; see preload)
@@ -68,6 +68,10 @@ class Rank:
     fenced: dict[str, Fenced] = field(default_factory=lambda: {"out": Fenced(), "err": Fenced()})
     handled: int = 0  # messages handled that the worker fenced its output for (all but outcomes)
     open_reads: set[str] = field(default_factory=lambda: set(STREAMS))
+
+    def err_tail(self) -> str:
+        """The last lines it wrote to stderr (for a failure's report)."""
+        return self.sinks["err"].tail()
 
     @property
     def running(self) -> bool:
@@ -194,9 +198,9 @@ class RankIO:
                 pass
         match message:
             case Result(payload):
-                r.outcome, r.payload = message.kind, payload
+                r.outcome, r.payload = message, payload
             case Done():
-                r.outcome = message.kind
+                r.outcome = message
             case Groups():
                 r.groups = message
             case DeviceMemory():
@@ -204,7 +208,7 @@ class RankIO:
             case Pushed():
                 r.pushed = True
             case ErrorReport():
-                r.outcome = message.kind
+                r.outcome = message
                 self.on_error(r, message)
             case Connected():
                 r.connected = True

@@ -11,15 +11,12 @@ digested whole.
 from __future__ import annotations
 
 import ctypes
-import os
 import pickle
 import sys
 import zlib
 from typing import Any, NamedTuple
 
-from enot_nb._memory import pagemap as _pagemap
-from enot_nb._memory.shadow import SHADOW
-from enot_nb._memory.writes import WRITES
+from enot_nb._memory import written
 from enot_nb._serialize.tensors import storage_array
 
 Area = tuple[int, int]
@@ -218,7 +215,7 @@ def owned_share(storages: list[Any], recorded: list[StorageDigest] | None = None
     kept = [d.mask[1:-1] for d in recorded or () if isinstance(d, PagesDigest) and d.size >= SCAN_MAX]
     if not large and not kept:
         return 0.0
-    masks = _pagemap.own_pages([_storage_area(s) for s in large]) if large and _pagemap.supported() else []
+    masks = written.owned_pages([_storage_area(s) for s in large]) if large else []
     if masks is None or (large and not masks):
         return 1.0
     pages = [mask[1:-1] for mask in masks] + kept
@@ -231,84 +228,7 @@ def before_long_lived_snapshot(storages: list[Any], kept: list[StorageDigest] | 
     resets them: True, and no shadow is kept. Else the shadow fork (see _memory/shadow) is
     made, or renewed once too many pages are owned again (``kept``: see owned_share); right after
     that no page is owned, and the large storages' need not be read (False)."""
-    if WRITES.available():
-        SHADOW.end()
-        return True
-    return SHADOW.before_snapshot(owned_share(storages, kept))
-
-
-class _ForkWatch:
-    """The pages of the areas digested by pages that this process owned at each of its forks
-    since the snapshot. A fork shares every page with the child (a DataLoader's persistent
-    worker), and pagemap then no longer calls the pages this process's own, though the cell may
-    have written them before the fork: they count as written. A child that no fork of ours made
-    (a C library's fork) leaves every paged area counted as changed."""
-
-    def __init__(self) -> None:
-        self.masks: dict[Area, Any] = {}
-        self.children_before: set[bytes] | None = set()
-        self.seen: set[bytes] = set()
-
-    def reset(self) -> None:
-        self.masks.clear()
-        self.children_before, self.seen = _children(), set()
-
-    def add(self, area: Area) -> None:
-        """Watch ``area`` from now (digested now: the forks before do not matter to it)."""
-        self.masks[area] = None
-
-    def before_fork(self) -> None:
-        areas = list(self.masks)
-        found = _pagemap.own_pages(areas) if areas else None
-        for area, mask in zip(areas, found or ()):
-            was = self.masks[area]
-            self.masks[area] = mask.copy() if was is None else was | mask
-
-    def after_fork(self) -> None:
-        # Even with no area watched yet: one may be digested before the next reset (a record
-        # updated in place, see Snapshot.retake), and this child must not look unseen then.
-        self.seen |= _children() or set()
-
-    def at_forks(self, area: Area) -> Any:
-        """The pages of ``area`` owned at some fork since the snapshot (None: no fork)."""
-        return self.masks.get(area)
-
-    def unseen_children(self) -> bool:
-        """A child no fork of ours made (or /proc cannot tell): pages cannot be trusted."""
-        now = _children()
-        if now is None or self.children_before is None:
-            return True
-        return bool(now - self.children_before - self.seen)
-
-
-def _children() -> set[bytes] | None:
-    """This process's children (their pids), or None where /proc cannot tell. Read with bare
-    descriptors: a kernel has a dozen threads, and this runs at every session cell's compare
-    (a file object per thread cost twice as much)."""
-    found: set[bytes] = set()
-    try:
-        for task in os.listdir("/proc/self/task"):
-            fd = os.open(f"/proc/self/task/{task}/children", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                listed = b""
-                while chunk := os.read(fd, 65536):
-                    listed += chunk
-            finally:
-                os.close(fd)
-            found.update(listed.split())
-    except OSError:
-        return None
-    return found
-
-
-FORKS = _ForkWatch()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=FORKS.before_fork, after_in_parent=FORKS.after_fork)
-
-
-def watch_forks() -> None:
-    """Start recording the pages owned at each fork (called as the snapshot begins)."""
-    FORKS.reset()
+    return written.before_long_lived_snapshot(lambda: owned_share(storages, kept))
 
 
 def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False) -> list[AreaDigest | PagesDigest]:
@@ -323,20 +243,20 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
     # this process's write tracking nor its pagemap sees: a long-lived snapshot digests it whole.
     shared = [scan_large and not _is_array(owner) and _shared(owner) for owner in owners]
     whole = shared  # digested whole: pages owned or written tell nothing more
-    if scan_large and WRITES.available():
+    if scan_large and written.kernel_tracks_writes():
         tracked = [
             j
             for j, (area, owner) in enumerate(zip(areas, owners))
             if area[1] >= TRACK_MIN and not _is_array(owner) and not shared[j] and not _pinned(owner)
         ]
-        epochs = {j: e for j, e in zip(tracked, WRITES.reset([areas[j] for j in tracked])) if e is not None}
+        epochs = {j: e for j, e in zip(tracked, written.mark([areas[j] for j in tracked])) if e is not None}
         # Every other storage of a process that lives on is its own by now, all of it (a small
         # one: one crc costs less than reading its pages' flags), or its writes are not told
         # (page-locked memory, a reset refused): digested whole.
         whole = [j not in epochs and not _is_array(owner) for j, owner in enumerate(owners)]
     skip = [(is_large and not scan_large) or j in epochs or whole[j] for j, is_large in enumerate(large)]
     scanned = [(0, 0) if skipped else area for area, skipped in zip(areas, skip)]
-    masks = _pagemap.own_pages(scanned) if _pagemap.supported() else None
+    masks = written.owned_pages(scanned)
     digests: list[AreaDigest | PagesDigest] = []
     for j, (area, owner) in enumerate(zip(areas, owners)):
         if masks is not None and skip[j]:
@@ -350,7 +270,7 @@ def _area_digests(areas: list[Area], owners: list[Any], scan_large: bool = False
             mask[0] = mask[-1] = True
             digests.append(PagesDigest(*area, mask, _digest_pages(area, owner, mask), epochs.get(j)))
             if j not in epochs:  # a fork does not hide a tracked write
-                FORKS.add(area)
+                written.watch(area)
     return digests
 
 
@@ -387,7 +307,7 @@ def _pinned(storage: Any) -> bool:
 def _no_pages(area: Area) -> Any:
     import numpy
 
-    first, last = area[0] // _pagemap.PAGE, (area[0] + area[1] - 1) // _pagemap.PAGE
+    first, last = area[0] // written.PAGE, (area[0] + area[1] - 1) // written.PAGE
     return numpy.zeros(last - first + 1, dtype=bool)
 
 
@@ -407,7 +327,7 @@ def _digest_pages(area: Area, owner: Any, mask: Any) -> tuple[int, int]:
 def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> list[bool]:
     """Whether each area changed since ``before`` (its digest; anything else: changed)."""
     paged = [j for j, b in enumerate(before) if isinstance(b, PagesDigest) and (b.start, b.size) == areas[j]]
-    masks = _owned_since([areas[j] for j in paged], [before[j] for j in paged]) if paged else []
+    masks = written.pages_written_since([areas[j] for j in paged], [before[j].epoch for j in paged]) if paged else []
     changed = [True] * len(areas)
     for j, mask in zip(paged, masks or [None] * len(paged)):
         was = before[j].mask
@@ -418,22 +338,6 @@ def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> l
         if isinstance(b, AreaDigest):
             changed[j] = (b.start, b.size) != areas[j] or b.digest != _whole_digest(areas[j], owners[j])
     return changed
-
-
-def _owned_since(areas: list[Area], befores: list[PagesDigest]) -> list[Any]:
-    """For each area, the pages this process owns now or owned at a fork since the snapshot, or
-    (tracked) wrote since its reset; None where pages cannot tell (after a fork that we did not
-    see, or a tracking reset since)."""
-    owned = [j for j, before in enumerate(befores) if before.epoch is None]
-    found: list[Any] = [None] * len(areas)
-    for j, before in enumerate(befores):
-        if before.epoch is not None:
-            found[j] = WRITES.written(areas[j], before.epoch)
-    masks = _pagemap.own_pages([areas[j] for j in owned]) if owned and not FORKS.unseen_children() else None
-    for j, mask in zip(owned, masks or ()):
-        at_forks = FORKS.at_forks(areas[j])
-        found[j] = mask if at_forks is None else mask | at_forks
-    return found
 
 
 def written_parts(storages: list[Any], befores: list[StorageDigest]) -> list[list[tuple[int, int]] | None]:
@@ -448,7 +352,7 @@ def written_parts(storages: list[Any], befores: list[StorageDigest]) -> list[lis
         if isinstance(before, PagesDigest) and (before.start, before.size) == area and area[1] >= SCAN_MAX
     ]
     found: list[list[tuple[int, int]] | None] = [None] * len(storages)
-    masks = _owned_since([areas[j] for j in paged], [befores[j] for j in paged]) if paged else []  # type: ignore[misc]
+    masks = written.pages_written_since([areas[j] for j in paged], [befores[j].epoch for j in paged]) if paged else []  # type: ignore[union-attr]
     for j, mask in zip(paged, masks):
         before = befores[j]
         assert isinstance(before, PagesDigest)
@@ -460,13 +364,13 @@ def _runs(area: Area, pages: Any) -> list[tuple[int, int]]:
     """The runs of marked pages of an area, as (offset, length) within it."""
     import numpy
 
-    base = area[0] // _pagemap.PAGE * _pagemap.PAGE - area[0]  # the first page's start, <= 0
+    base = area[0] // written.PAGE * written.PAGE - area[0]  # the first page's start, <= 0
     if len(pages) > 2 and not pages[1:-1].any():  # its edge pages at most (tracked, unwritten inside)
-        last = base + (len(pages) - 1) * _pagemap.PAGE
-        return [(0, base + _pagemap.PAGE)] * bool(pages[0]) + [(last, area[1] - last)] * bool(pages[-1])
+        last = base + (len(pages) - 1) * written.PAGE
+        return [(0, base + written.PAGE)] * bool(pages[0]) + [(last, area[1] - last)] * bool(pages[-1])
     edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], pages.view(numpy.int8), [0]))))
     parts = []
     for first, end in zip(edges[::2].tolist(), edges[1::2].tolist()):
-        low, high = max(0, base + first * _pagemap.PAGE), min(area[1], base + end * _pagemap.PAGE)
+        low, high = max(0, base + first * written.PAGE), min(area[1], base + end * written.PAGE)
         parts.append((low, high - low))
     return parts

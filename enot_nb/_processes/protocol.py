@@ -5,14 +5,14 @@ How the records travel (framed pickles, descriptors in batches) is
 class: a kind and its fields cannot disagree, and a reader that forgets a kind fails the type
 check (``assert_never``), not a notebook.
 
-worker -> launcher, on one message pipe per rank (MessageKind draws the order)::
+worker -> launcher, on one message pipe per rank, in this order::
 
     Connected()                       past init_process_group and the first barrier
     Display(data, metadata, ...)      \\
     ClearOutput(wait)                  > what its front end publishes (see frontend, relay)
     CommMessage(msg_type, ...)        /
     Partial(payload)                  rank 0's state at an interrupt or failure
-    then exactly one of Result(payload) (rank 0), Done(), ErrorReport(...)
+    then exactly one of Result(payload) (rank 0), Done(), ErrorReport(...): its outcome
 
 A session's worker (see _session/worker/loop) also reads commands from its message socket
 (RunTask, ReportGroups, AbortGroups, Regroup, StopWorker) and answers each task with an outcome;
@@ -26,33 +26,9 @@ LaunchFds), Started (+ a pidfd per rank) or StartFailed, Exit (see forkserver).
 
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple, TypeAlias
 
 from enot_nb._processes.framing import LaunchFds
-
-
-class MessageKind(enum.Enum):
-    """Every kind of worker message, in the order a worker sends them::
-
-        CONNECTED -> (DISPLAY | CLEAR_OUTPUT | COMM | PARTIAL | IMPORTED)* -> RESULT | DONE | ERROR
-
-    The last three are a rank's outcome (``Rank.outcome``; a session's rank sends one per task,
-    and GROUPS, DEVICE_MEMORY between); a worker fences its output before each message."""
-
-    CONNECTED = "connected"
-    DISPLAY = "display"
-    CLEAR_OUTPUT = "clear_output"
-    COMM = "comm"
-    PARTIAL = "partial"
-    IMPORTED = "imported"
-    GROUPS = "groups"
-    PUSHED = "pushed"
-    DEVICE_MEMORY = "device_memory"
-    RESULT = "result"
-    DONE = "done"
-    ERROR = "error"
-
 
 # Written by a worker into its stdout and stderr pipes just before each message (see
 # bootstrap.send): the launcher shows the output before it, then the message, then
@@ -85,10 +61,6 @@ Payload: TypeAlias = InMemfd | Inline
 class Connected(NamedTuple):
     """The rank got past init_process_group and the first barrier: user code may run."""
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.CONNECTED
-
 
 class Display(NamedTuple):
     """What IPython's display publisher was given in the worker."""
@@ -98,19 +70,11 @@ class Display(NamedTuple):
     transient: dict
     update: bool
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.DISPLAY
-
 
 class ClearOutput(NamedTuple):
     """``IPython.display.clear_output(wait)`` in the worker."""
 
     wait: bool
-
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.CLEAR_OUTPUT
 
 
 class CommMessage(NamedTuple):
@@ -123,10 +87,6 @@ class CommMessage(NamedTuple):
     buffers: list[bytes]
     topic: bytes
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.COMM
-
 
 class Partial(NamedTuple):
     """Rank 0's state at an interrupt or failure, sent before its error (a stopped cell keeps
@@ -134,20 +94,12 @@ class Partial(NamedTuple):
 
     payload: Payload
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.PARTIAL
-
 
 class Imported(NamedTuple):
     """The modules a cell's master imported while the cell ran, that the kernel may import too
     (see preload): sent once the cell ended, whether it failed or not."""
 
     modules: tuple[str, ...]
-
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.IMPORTED
 
 
 class Groups(NamedTuple):
@@ -158,18 +110,10 @@ class Groups(NamedTuple):
 
     sequences: dict[str, int] | None
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.GROUPS
-
 
 class Pushed(NamedTuple):
     """A session rank applied a task's push and waits for ``Proceed``: the cell runs on no rank
     unless every rank could apply it."""
-
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.PUSHED
 
 
 class DeviceMemory(NamedTuple):
@@ -178,27 +122,15 @@ class DeviceMemory(NamedTuple):
     allocated_mib: float
     reserved_mib: float
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.DEVICE_MEMORY
-
 
 class Result(NamedTuple):
     """Rank 0's outcome: what the function returned (or the cell's changes)."""
 
     payload: Payload
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.RESULT
-
 
 class Done(NamedTuple):
     """The outcome of a rank other than 0 that finished."""
-
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.DONE
 
 
 class ErrorReport(NamedTuple):
@@ -213,16 +145,16 @@ class ErrorReport(NamedTuple):
     """It failed while the ranks were connecting (gloo's connectFullMesh), before any user code
     ran: the launcher starts the attempt again (see launcher.run_plan)."""
 
-    @property
-    def kind(self) -> MessageKind:
-        return MessageKind.ERROR
-
 
 FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage
 """What the kernel publishes for the ranks whose output is shown (relay.show)."""
 FencedMessage: TypeAlias = Connected | Partial | Imported | FrontEndMessage
 """What a worker fences its output for: shown between what it printed before and after."""
 WorkerMessage: TypeAlias = FencedMessage | Groups | Pushed | DeviceMemory | Result | Done | ErrorReport
+
+
+RankOutcome: TypeAlias = "Result | Done | ErrorReport"
+"""A rank's outcome: the last message it sends (for a session's rank, per task)."""
 
 
 # ----------------------------------------------------------------------------- launcher -> session worker

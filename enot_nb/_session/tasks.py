@@ -31,7 +31,7 @@ class ObjectSpec(NamedTuple):
 
 
 @dataclass
-class Mirrored:
+class RegistrySpecs:
     """The notebook's registry for a task, as specs: the master finds its own objects at the
     same indices (see _session/mirror/paths.registry_at), snapshots them, and sends what changed against them."""
 
@@ -48,12 +48,12 @@ class Mirrored:
         # that looks every object up in the registry) would visit each of its thousands of parts.
         if self.packed is None:
             self.packed = pickle.dumps((self.specs, self.objects, self.storages), protocol=5)
-        return _mirrored, (self.packed,)
+        return _registry_specs, (self.packed,)
 
 
-def _mirrored(data: bytes) -> Mirrored:
+def _registry_specs(data: bytes) -> RegistrySpecs:
     specs, objects, storages = pickle.loads(data)
-    return Mirrored(specs, objects, storages, packed=data)
+    return RegistrySpecs(specs, objects, storages, packed=data)
 
 
 @dataclass
@@ -63,7 +63,7 @@ class CellTask:
     push: collect.Changes | None
     code: str
     options: CellOptions
-    mirror: Mirrored | None
+    mirror: RegistrySpecs | None
     """None: nothing comes back (--mirror none, --no-return)."""
 
 
@@ -75,7 +75,7 @@ class CallTask:
     fn: Any
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
-    mirror: Mirrored | None = None
+    mirror: RegistrySpecs | None = None
     """The notebook's registry of what fn reaches: what fn changes comes back, as a cell's."""
 
 
@@ -86,7 +86,7 @@ class PullTask:
 
     push: collect.Changes | None
     names: list[str]
-    mirror: Mirrored
+    mirror: RegistrySpecs
 
 
 @dataclass

@@ -32,7 +32,7 @@ from enot_nb._serialize.tensors import array_owner, storage_array
 from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
-from enot_nb._state.states import ATOMS, Attributes, DictState, ItemsState, Lost, Replaced
+from enot_nb._state.states import VALUE_TYPES, Attributes, DictState, ItemsState, Lost, Replaced
 
 
 class StorageBytes(NamedTuple):
@@ -105,7 +105,7 @@ def collect(
     return changes, changed
 
 
-def everything(registry: Registry, namespace: dict[str, Any], names: list[str]) -> Changes:
+def as_whole_changes(registry: Registry, namespace: dict[str, Any], names: list[str]) -> Changes:
     """``names`` as changes against a registry of the notebook's objects at their paths (see
     paths.registry_at): every object found here sends its whole state (into the notebook's own
     object), every storage its bytes; a name the notebook does not hold in place travels by value."""
@@ -209,7 +209,7 @@ class StatePickler(ResultPickler):
         return None
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) in ATOMS:  # never registered: skip the lookups
+        if type(obj) in VALUE_TYPES:  # never registered: skip the lookups
             return None
         i = self.registry.find(obj)
         if i is not None:

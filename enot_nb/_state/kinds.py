@@ -59,8 +59,8 @@ from enot_nb._serialize.tensors import (
     tensor_hooks,
 )
 from enot_nb._state.states import (
-    ATOMS,
     KEEP,
+    VALUE_TYPES,
     Attributes,
     CacheState,
     CellState,
@@ -131,7 +131,7 @@ _ITERATORS |= {reversed, enumerate, zip, map, filter} | {
 
 # By exact type, before the rules: the same answer as the rules, without running them.
 _EXACT: dict[type, Kind | None] = {
-    **dict.fromkeys(ATOMS),
+    **dict.fromkeys(VALUE_TYPES),
     dict: Kind.DICT,
     collections.OrderedDict: Kind.DICT,  # a module's hooks: half of what a model holds
     collections.defaultdict: Kind.DICT,
@@ -270,7 +270,7 @@ ATOMS_MIN = 1000
 holds. Smaller ones are walked as any other."""
 _ATOM_CONTAINERS = frozenset({list, tuple, dict, set, frozenset, collections.deque})
 _FLAT = frozenset({tuple, frozenset})
-_ATOM_TYPES = frozenset(ATOMS)
+_ATOM_TYPES = frozenset(VALUE_TYPES)
 
 
 def holds_only_atoms(obj: Any) -> bool:
@@ -406,8 +406,8 @@ def _dict_children(obj: dict) -> Steps:
     place (``[<key 3>]``: an optimizer's state is keyed by tensors, whose repr is long and says
     nothing); a key's own step is its place too, so each step names one object (see paths)."""
     items = list(obj.items())
-    steps = [(f"[{k!r}]" if type(k) in ATOMS else f"[<key {n}>]", v) for n, (k, v) in enumerate(items)]
-    steps += [(f"<key {n}>", k) for n, (k, _) in enumerate(items) if type(k) not in ATOMS]
+    steps = [(f"[{k!r}]" if type(k) in VALUE_TYPES else f"[<key {n}>]", v) for n, (k, v) in enumerate(items)]
+    steps += [(f"<key {n}>", k) for n, (k, _) in enumerate(items) if type(k) not in VALUE_TYPES]
     factory = getattr(obj, "default_factory", None)
     if factory is not None:
         steps.append((".default_factory", factory))

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from enot_nb._serialize import picklers
 from enot_nb._state.registry import Registry, is_user_name, user_variables
-from enot_nb._state.states import ATOMS
+from enot_nb._state.states import VALUE_TYPES
 
 DYNAMIC_NAMES = frozenset({"globals", "vars", "eval", "exec", "get_ipython", "__main__", "__import__"})
 """Names whose use lets code read any of the namespace's names (with ``sys.modules``)."""
@@ -201,7 +201,7 @@ def bound_as_looked_up(found: Reach, namespace: dict[str, Any], hidden: Any = ()
     atom both times (never registered, and it reaches nothing), or no user variable still."""
     for name, then in found.looked_up.items():
         now = namespace.get(name, ABSENT) if is_user_name(name, hidden) else ABSENT
-        if now is not then and not (type(now) in ATOMS and type(then) in ATOMS):
+        if now is not then and not (type(now) in VALUE_TYPES and type(then) in VALUE_TYPES):
             return False
     return True
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.kinds import OPS, Kind, kind_of
-from enot_nb._state.states import ATOMS
+from enot_nb._state.states import VALUE_TYPES
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
 _IPYTHON_NAME = re.compile(
@@ -154,7 +154,7 @@ class Registry:
                 self._visit(child, i, step, queue)
 
     def _visit(self, obj: Any, parent: int, step: str, queue: collections.deque[int]) -> None:
-        if type(obj) in ATOMS:
+        if type(obj) in VALUE_TYPES:
             return
         found = self.find(obj)
         if found is not None:

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from enot_nb._memory.digests import StorageDigest, changed_storages, storage_digests, watch_forks
+from enot_nb._memory import written
+from enot_nb._memory.digests import StorageDigest, changed_storages, storage_digests
 from enot_nb._state.kinds import OPS
 from enot_nb._state.registry import Registry
 
@@ -28,7 +29,7 @@ class Snapshot:
     @classmethod
     def take(cls, registry: Registry, scan_large: bool = False) -> Snapshot:
         """``scan_large``: see digests.storage_digests (a long-lived process's snapshot)."""
-        watch_forks()
+        written.start_fork_watch()
         states = [_state_of(obj, kind) for obj, kind in zip(registry.objects, registry.kinds)]
         return cls(states, storage_digests(registry.storages, scan_large))
 

@@ -24,7 +24,7 @@ from enot_nb._serialize.tensors import (
     tensor_hooks,
 )
 
-ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
+VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), type(NotImplemented), slice)
 """Immutable values: never registered, compared by value."""
 
 
@@ -263,7 +263,7 @@ def same_value(a: Any, b: Any) -> bool:
         return False
     if type(a) is float or type(a) is complex:
         return _bits(a) == _bits(b)
-    if type(a) in ATOMS:
+    if type(a) in VALUE_TYPES:
         return a == b
     return type(a).__name__ in ("dtype", "device") and type(a).__module__.split(".")[0] in ("torch", "numpy") and a == b
 

@@ -7,7 +7,7 @@ Run it with that commit's package first on the path, once; the file is committed
     PYTHONPATH=/tmp/enot_old python tests/data/make_results_9af6e15.py
     git worktree remove /tmp/enot_old
 
-tests/test_units.py loads it through enot_nb.load_results and checks every value.
+tests/unit/test_result_file.py loads it through enot_nb.load_results and checks every value.
 """
 
 import sys

@@ -26,8 +26,8 @@ from typing import Any
 
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.mirror import SinceSync
-from enot_nb._session.mirror.record import Moved, Record, replaced_in_place
-from enot_nb._session.tasks import Mirrored
+from enot_nb._session.mirror.record import Record, TaskChanges, replaced_in_place
+from enot_nb._session.tasks import RegistrySpecs
 from enot_nb._state import reach
 
 
@@ -38,7 +38,7 @@ class CellReach:
     names: reach.CodeNames
     found: reach.Reach
     """The walk's result."""
-    mirror: Mirrored | None = None
+    mirror: RegistrySpecs | None = None
 
     @classmethod
     def of(
@@ -50,7 +50,7 @@ class CellReach:
             return kept
         return cls(names, reach.reach(namespace, code, hidden, found=names))
 
-    def specs(self) -> Mirrored:
+    def specs(self) -> RegistrySpecs:
         if self.mirror is None:
             self.mirror = paths.mirrored(self.found.registry)
         return self.mirror
@@ -67,7 +67,7 @@ class CellReach:
             and not any(registry.find_storage(storage) is not None for storage in since.moved.storages)
         )
 
-    def kept_after(self, moved: Moved, record: Record) -> CellReach | None:
+    def kept_after(self, moved: TaskChanges, record: Record) -> CellReach | None:
         """After the cell ended well: this reach, for the next cell, if what the cell changed of
         it (``moved``: what came back) leaves it what a walk gives (bytes written; objects
         whose new children took the old ones' places, see record.replaced_in_place), it was
@@ -90,5 +90,5 @@ class CellReach:
         if moved.objects or moved.storages:
             specs = paths.specs_of(registry)
             if self.mirror is None or specs != self.mirror.specs:
-                self.mirror = Mirrored(specs, len(registry.objects), len(registry.storages))
+                self.mirror = RegistrySpecs(specs, len(registry.objects), len(registry.storages))
         return self

@@ -24,7 +24,7 @@ from enot_nb._session.kernel.cell_reach import CellReach
 from enot_nb._session.kernel.workers import CommandOutcome
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.mirror import Mirror, PickledTask, Push, SinceSync
-from enot_nb._session.mirror.record import Moved
+from enot_nb._session.mirror.record import TaskChanges
 from enot_nb._session.tasks import CallTask, CellTask, PullTask, SyncTask
 from enot_nb._state import apply, reach
 from enot_nb._state.collect import Changes
@@ -48,7 +48,7 @@ class CellRun:
 
 
 @dataclass
-class Prepared:
+class PreparedTask:
     """A task made, with what its outcome needs."""
 
     task: Any
@@ -74,7 +74,7 @@ class NamespaceFlow:
     def _hidden(self) -> Any:
         return reach.hidden_names(self.namespace)
 
-    def pickle(self, prepared: Prepared) -> PickledTask:
+    def pickle(self, prepared: PreparedTask) -> PickledTask:
         return self.mirror.pickle(prepared.task, self.namespace)
 
     def _push(
@@ -84,7 +84,11 @@ class NamespaceFlow:
         return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since) if self.mirrored else None
 
     def after_push(
-        self, prepared: Prepared, outcome: CommandOutcome, names: list[str] | None = None, moved: Moved | None = None
+        self,
+        prepared: PreparedTask,
+        outcome: CommandOutcome,
+        names: list[str] | None = None,
+        moved: TaskChanges | None = None,
     ) -> None:
         """The ranks hold what was pushed, unless they could not apply it (or were replaced:
         new workers hold nothing). ``moved``: what the task brought back (the push is added)."""
@@ -95,10 +99,10 @@ class NamespaceFlow:
             moved = moved.plus(push.changes, self.mirror.record.baseline)  # pickled against it: the same still
         self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
 
-    def cell(self, code: str, run: CellRun) -> Prepared:
+    def cell(self, code: str, run: CellRun) -> PreparedTask:
         back = self.mirrored and not run.no_return
         options = _cell_options(run, back)
-        prepared = Prepared(task=None, options=options, code=code, run=run)
+        prepared = PreparedTask(task=None, options=options, code=code, run=run)
         mirror = None
         if self.mirrored:
             since = self.mirror.compare(self.namespace, self._hidden())
@@ -110,7 +114,7 @@ class NamespaceFlow:
         prepared.task = CellTask(prepared.push.changes if prepared.push else None, code, options, mirror)
         return prepared
 
-    def after_cell(self, prepared: Prepared, outcome: CommandOutcome) -> Any:
+    def after_cell(self, prepared: PreparedTask, outcome: CommandOutcome) -> Any:
         """The master's changes in the notebook (also after a failure: its state then); the
         cell's value."""
         state = outcome.result if outcome.result is not None else outcome.partial
@@ -137,17 +141,17 @@ class NamespaceFlow:
 
     def _record(
         self,
-        prepared: Prepared,
+        prepared: PreparedTask,
         state: _cell.CellOutcome,
         outcome: CommandOutcome,
         written: set[str],
         brought: BroughtBack,
-    ) -> Moved:
+    ) -> TaskChanges:
         """The ranks and the notebook agree on what came back; what did not is stale here. What
         came back into the notebook's objects."""
         returned, returns = set(state.changed_names), prepared.run.returns if prepared.run else None
         names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
-        moved, push = Moved.of(brought.changes, prepared.registry), prepared.push
+        moved, push = TaskChanges.of(brought.changes, prepared.registry), prepared.push
         quiet = push is not None and push.changes is None and not (moved.objects or moved.storages or returned)
         if quiet and set(names) <= set(self.mirror.record.synced) and all(n in self.namespace for n in names):
             return moved  # nothing moved either way: the last sync's record still holds (and costs nothing)
@@ -156,12 +160,12 @@ class NamespaceFlow:
 
     # ------------------------------------------------------------------------- launch, pull, push
 
-    def call(self, fn: Any, args: tuple, kwargs: dict) -> Prepared:
+    def call(self, fn: Any, args: tuple, kwargs: dict) -> PreparedTask:
         """``launch(fn)``: the function's globals are pushed, and what it changes of them comes
         back, as a cell's."""
         if not callable(fn):
             raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
-        prepared = Prepared(task=None, options=_cell.CellOptions(keep_on_error=True))
+        prepared = PreparedTask(task=None, options=_cell.CellOptions(keep_on_error=True))
         mirror = None
         if self.mirrored:
             found = reach.reach(self.namespace, "", self._hidden(), found=reach.global_names(fn))
@@ -171,7 +175,7 @@ class NamespaceFlow:
         prepared.task = CallTask(prepared.push.changes if prepared.push else None, fn, args, kwargs, mirror)
         return prepared
 
-    def after_call(self, prepared: Prepared, outcome: CommandOutcome) -> Any:
+    def after_call(self, prepared: PreparedTask, outcome: CommandOutcome) -> Any:
         """The master's changes in the notebook; fn's result on rank 0."""
         if prepared.registry is None:  # --mirror none: fn's result alone
             self.after_push(prepared, outcome)
@@ -187,14 +191,14 @@ class NamespaceFlow:
             self._record(prepared, state, outcome, written, brought)
         return value
 
-    def pull(self, names: list[str]) -> Prepared:
+    def pull(self, names: list[str]) -> PreparedTask:
         _check_names(names)
         registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
         mirror = paths.mirrored(registry)
         push = self._push([], pulling=list(names))
-        return Prepared(PullTask(push.changes if push else None, list(names), mirror), push, registry)
+        return PreparedTask(PullTask(push.changes if push else None, list(names), mirror), push, registry)
 
-    def after_pull(self, prepared: Prepared, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:
+    def after_pull(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:
         self.after_push(prepared, outcome)
         if outcome.failures or outcome.interrupted or prepared.registry is None:
             return {}
@@ -211,17 +215,17 @@ class NamespaceFlow:
             self.mirror.synced_after(self.namespace, [*self.mirror.record.synced, *came], self._hidden())
         return {n: self.namespace[n] for n in came}
 
-    def push_values(self, values: dict[str, Any]) -> Prepared:
+    def push_values(self, values: dict[str, Any]) -> PreparedTask:
         """Under --mirror all the values are bound in the notebook too (it mirrors the master)
         and pushed by value, over whatever the ranks held; else only sent."""
         if not self.mirrored:
-            return Prepared(SyncTask(Changes(bound=dict(values))))
+            return PreparedTask(SyncTask(Changes(bound=dict(values))))
         self.namespace.update(values)
         for name in values:
             self.mirror.stale.pop(name, None)
             self.mirror.record.synced.pop(name, None)
         push = self._push(list(values))
-        return Prepared(SyncTask(push.changes if push else None), push)
+        return PreparedTask(SyncTask(push.changes if push else None), push)
 
 
 def _loaded_whole(namespace: dict[str, Any], whole: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -268,7 +272,7 @@ def _cell_options(run: CellRun, back: bool) -> _cell.CellOptions:
     )
 
 
-def _written_by(prepared: Prepared) -> set[str]:
+def _written_by(prepared: PreparedTask) -> set[str]:
     """The variables a cell may have changed: those it reaches, and those it binds or deletes."""
     return set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
 

@@ -35,7 +35,7 @@ from enot_nb._launch import relay
 from enot_nb._launch.bring_back import CellInterrupted
 from enot_nb._launch.options import LaunchOptions
 from enot_nb._launch.plan import plan_launch
-from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, Prepared
+from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, PreparedTask
 from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
 from enot_nb._worker import cell as _cell
@@ -191,7 +191,9 @@ class Session:
         notebook too: it mirrors the master). A pushed value replaces what a rank held there."""
         self._task(lambda: self.flow.push_values(values), self.output, self.flow.after_push)
 
-    def _task(self, make: Callable[[], Prepared], output: str, apply: Callable[[Prepared, CommandOutcome], Any]) -> Any:
+    def _task(
+        self, make: Callable[[], PreparedTask], output: str, apply: Callable[[PreparedTask, CommandOutcome], Any]
+    ) -> Any:
         """A task made (after a restart, if ranks had died), sent, its outcome applied by
         ``apply`` (see SessionWorkers.run_task); then new workers where the old ones must be
         replaced (from the notebook, which now holds what the master reached); its failure

@@ -67,9 +67,8 @@ def status_of(workers: SessionWorkers | None, plan: LaunchPlan, mirror: str) -> 
     status = SessionStatus(backend=plan.backend, mirror=mirror)
     if workers is None:
         return status
-    assert workers.attempt is not None
     uptime = time.monotonic() - workers.started_at
-    for r in workers.attempt.ranks:
+    for r in workers.host.ranks:
         state = RankState.IDLE if r.running else RankState.DEAD
         memory = r.device_memory  # (allocated, reserved) MiB after its last task, where CUDA is used
         status.rows.append(
@@ -78,7 +77,7 @@ def status_of(workers: SessionWorkers | None, plan: LaunchPlan, mirror: str) -> 
                 pid=r.pid,
                 device=devices(plan)[r.rank],
                 state=state.value,
-                rss_mib=_rss_mib(r.pid) if state is not RankState.DEAD else None,
+                rss_mib=workers.host.resident_mib(r) if state is not RankState.DEAD else None,
                 gpu_allocated_mib=memory[0] if memory else None,
                 gpu_reserved_mib=memory[1] if memory else None,
                 cells=workers.cells,
@@ -86,17 +85,3 @@ def status_of(workers: SessionWorkers | None, plan: LaunchPlan, mirror: str) -> 
             )
         )
     return status
-
-
-def _rss_mib(pid: int | None) -> float | None:
-    """A process's resident memory, from /proc."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None

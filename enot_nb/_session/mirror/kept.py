@@ -2,7 +2,7 @@
 
 Taking a snapshot costs every object's state and every storage's digest; a cell over the same
 objects as the last one starts from the snapshot that cell ended with, taken again only for what
-it changed (``KeptSnapshot.settle``, after the answer is sent).
+it changed (``KeptSnapshot.finish_retake``, after the answer is sent).
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._memory.digests import FORKS
-from enot_nb._memory.writes import WRITES
+from enot_nb._memory import written
 from enot_nb._session.mirror.paths import ObjectSpec, found_again, has_placeholders
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
@@ -19,7 +18,7 @@ from enot_nb._state.snapshot import Snapshot
 
 @dataclass
 class PendingRetake:
-    """A kept snapshot's retake, left for after the cell's answer (see KeptSnapshot.settle)."""
+    """A kept snapshot's retake, left for after the cell's answer (see KeptSnapshot.finish_retake)."""
 
     objects: list[int]
     storages: list[int]
@@ -49,13 +48,13 @@ class KeptSnapshot:
     index): the next cell sent the same specs finds the same objects (see registry_for). None:
     it must be found again."""
     pending: PendingRetake | None = None
-    """What ``keep`` and ``found_by`` left to ``settle``."""
+    """What ``keep`` and ``found_by`` left to ``finish_retake``."""
 
     def registry_for(self, namespace: dict[str, Any], specs: bytes | None) -> Registry | None:
         """The kept registry, where finding ``specs`` again would give it: the same specs it was
         found by (see ``specs``), and each variable at its root still bound to the object it
         holds there (a push that binds names keeps the snapshot, and may have rebound one)."""
-        self.settle()
+        self.finish_retake()
         registry = self.registry
         if registry is None or specs is None or specs != self.specs or registry.objects[0] is not namespace:
             return None
@@ -66,7 +65,7 @@ class KeptSnapshot:
 
     def found_by(self, packed: bytes | None, specs: list[ObjectSpec]) -> None:
         """After the cell: the specs the kept registry was found by (``packed``: pickled), noted
-        at ``settle`` where what the cell changed is found again by them and every object had a
+        at ``finish_retake`` where what the cell changed is found again by them and every object had a
         counterpart (see ``specs``)."""
         if self.pending is not None:
             self.pending.specs, self.pending.found = packed, specs
@@ -75,14 +74,13 @@ class KeptSnapshot:
         """The snapshot of ``registry`` now: the kept one, if it is of the very same objects and
         storages, else one made from it (``carried_over``: what both registries hold keeps its
         state), or taken anew where none is kept; nothing is kept from here until ``keep``."""
-        self.settle()
+        self.finish_retake()
         kept, snapshot = self.registry, self.snapshot
         self.drop()
         if (
             snapshot is None
             or kept is None
-            or not WRITES.available()
-            or FORKS.unseen_children()  # a child we did not fork: the fork watch starts anew
+            or not written.marks_hold()  # untracked, or a child we did not fork: taken anew
         ):
             return Snapshot.take(registry, scan_large)
         return (
@@ -94,15 +92,15 @@ class KeptSnapshot:
         self.registry = self.snapshot = self.specs = self.pending = None
 
     def keep(self, registry: Registry, snapshot: Snapshot, objects: list[int], storages: list[int]) -> None:
-        """After a cell that ended well: its snapshot, to be taken again (at ``settle``) for the
+        """After a cell that ended well: its snapshot, to be taken again (at ``finish_retake``) for the
         objects and storages (indices) that it changed (none is kept where writes are not
         tracked)."""
-        if not WRITES.available():
+        if not written.kernel_tracks_writes():
             return
         self.registry, self.snapshot = registry, snapshot
         self.pending = PendingRetake(objects, storages)
 
-    def settle(self) -> None:
+    def finish_retake(self) -> None:
         """What ``keep`` and ``found_by`` left, done: after the cell's answer is sent (the notebook
         applies it meanwhile), or before the kept snapshot is used. A failure drops it (the
         answer is sent: this must not make a second one)."""

@@ -26,10 +26,10 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
+from enot_nb._memory import written
 from enot_nb._memory.digests import digested_size
-from enot_nb._memory.shadow import SHADOW
 from enot_nb._session.mirror import paths
-from enot_nb._session.mirror.record import Moved, Record
+from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb.errors import LaunchError
@@ -63,7 +63,7 @@ class SinceSync:
     every object and storage of the record that changed (see _session/kernel/cell_reach)."""
 
     changes: Changes
-    moved: Moved
+    moved: TaskChanges
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Mirror:
 
     def reset(self) -> None:
         """New workers hold nothing: every variable reaches them again when a cell uses it."""
-        SHADOW.end()
+        written.end_shadow()
         self.__init__()  # type: ignore[misc]
 
     def compare(self, namespace: dict[str, Any], hidden: Any = ()) -> SinceSync | None:
@@ -117,7 +117,7 @@ class Mirror:
             return None
         changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden)
         storages = [record.baseline.storages[new.storage] for new in changes.storages]
-        return SinceSync(changes, Moved([record.baseline.objects[i] for i in changed], storages))
+        return SinceSync(changes, TaskChanges([record.baseline.objects[i] for i in changed], storages))
 
     def push(
         self,
@@ -209,7 +209,7 @@ class Mirror:
         )
 
     def synced_after(
-        self, namespace: dict[str, Any], names: list[str], hidden: Any = (), moved: Moved | None = None
+        self, namespace: dict[str, Any], names: list[str], hidden: Any = (), moved: TaskChanges | None = None
     ) -> None:
         """The ranks now hold ``names`` as the notebook does: the baseline of the next push.
         ``moved``: all that the task changed in the notebook, where the record may be updated

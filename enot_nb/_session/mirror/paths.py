@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._serialize.tensors import tensor_storages
-from enot_nb._session.tasks import Mirrored, ObjectSpec
+from enot_nb._session.tasks import ObjectSpec, RegistrySpecs
 from enot_nb._state.kinds import OPS, Kind, kind_of
 from enot_nb._state.registry import Registry
 
@@ -272,6 +272,6 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
     return obj
 
 
-def mirrored(registry: Registry) -> Mirrored:
+def mirrored(registry: Registry) -> RegistrySpecs:
     """What the master needs to find its own objects at the notebook's registry indices."""
-    return Mirrored(specs_of(registry), len(registry.objects), len(registry.storages))
+    return RegistrySpecs(specs_of(registry), len(registry.objects), len(registry.storages))

@@ -15,14 +15,14 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from enot_nb._memory.digests import FORKS, before_long_lived_snapshot
-from enot_nb._memory.writes import WRITES
+from enot_nb._memory import written
+from enot_nb._memory.digests import before_long_lived_snapshot
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.collect import Changes
 from enot_nb._state.kinds import OPS, kind_of
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
-from enot_nb._state.states import ATOMS
+from enot_nb._state.states import VALUE_TYPES
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Record:
         scan = before_long_lived_snapshot(baseline.storages) if baseline.storages else False
         return cls(synced, baseline, Snapshot.take(baseline, scan_large=scan))
 
-    def walked_again(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> Record:
+    def walked_again(self, namespace: dict[str, Any], synced: dict[str, Any], moved: TaskChanges) -> Record:
         """The record of ``synced``, walked anew where ``update`` could not say the paths hold
         (a parameter's ``.grad`` replaced by a new tensor, every training step): what this
         record and the walk both hold keeps its state and digest unless ``moved`` holds it, as
@@ -49,7 +49,7 @@ class Record:
         ``walk``."""
         old = self.snapshot
         # Not under the shadow (writes untracked): its fork watch starts anew with each walk.
-        if old is None or not WRITES.available() or not self._still_of(namespace):
+        if old is None or not written.kernel_tracks_writes() or not self._still_of(namespace):
             return Record.walk(namespace, synced)
         baseline = Registry.of_namespace(namespace, sorted(synced))
         return Record(synced, baseline, old.carried_over(self.baseline, baseline, moved.objects, moved.storages))
@@ -58,9 +58,9 @@ class Record:
         """Whether this record's states may be kept for ``namespace``: it was taken of it, and no
         child that we did not fork shares its pages (the walk's snapshot starts the fork watch
         anew)."""
-        return self.baseline.objects[0] is namespace and not FORKS.unseen_children()
+        return self.baseline.objects[0] is namespace and written.fork_watch_holds()
 
-    def update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: Moved) -> bool:
+    def update(self, namespace: dict[str, Any], synced: dict[str, Any], moved: TaskChanges) -> bool:
         """Updated in place to hold ``synced``: the moved objects' states and storages' digests
         taken again, and what they and the new names reach that it lacks walked into it; False
         (and nothing done) where a walk could give other paths: a synced name rebound or
@@ -73,7 +73,7 @@ class Record:
         if any(baseline.find(self.synced[n]) is not None for n in rebound):
             return False  # what was walked from its old value may be unreachable now
         indices = sorted({i for i in map(baseline.find, moved.objects) if i is not None and i > 0})
-        regrowth = _regrowth(baseline, indices)
+        regrowth = _registry_growth(baseline, indices)
         if regrowth is None:
             return False
         for r in regrowth.replaced:
@@ -102,7 +102,7 @@ def replaced_in_place(registry: Registry, indices: list[int]) -> bool:
     keeps its baseline); False where they hold anything else anew, hold what they held in
     another order or a registered object by a new step (a walk would give other indices), or
     one cannot be replaced (the registry's counts may have grown: it is to be dropped)."""
-    regrowth = _regrowth(registry, indices)
+    regrowth = _registry_growth(registry, indices)
     if regrowth is None or regrowth.starts or not regrowth.in_walk_order:
         return False
     for r in regrowth.replaced:
@@ -111,7 +111,7 @@ def replaced_in_place(registry: Registry, indices: list[int]) -> bool:
 
 
 @dataclass
-class Moved:
+class TaskChanges:
     """What a task changed in the notebook (the push applied there by plain cells, the master's
     changes brought back): the objects whose state changed, and the storages written."""
 
@@ -119,15 +119,15 @@ class Moved:
     storages: list[Any] = field(default_factory=list)
 
     @classmethod
-    def of(cls, changes: Changes | None, registry: Registry | None) -> Moved:
+    def of(cls, changes: Changes | None, registry: Registry | None) -> TaskChanges:
         return cls() if registry is None else cls().plus(changes, registry)
 
-    def plus(self, changes: Changes | None, registry: Registry) -> Moved:
+    def plus(self, changes: Changes | None, registry: Registry) -> TaskChanges:
         """These, and the objects and storages ``changes`` (pickled against ``registry``) changed."""
         if changes is None:
             return self
         objects = self.objects + [registry.objects[i] for i, _ in changes.objects]
-        return Moved(objects, self.storages + [registry.storages[new.storage] for new in changes.storages])
+        return TaskChanges(objects, self.storages + [registry.storages[new.storage] for new in changes.storages])
 
 
 @dataclass
@@ -142,7 +142,7 @@ class Replacement:
 
 
 @dataclass
-class Regrowth:
+class RegistryGrowth:
     """What the moved objects hold now that the registry lacks: the starts of its walk (grow),
     and the objects replaced in place."""
 
@@ -155,14 +155,14 @@ class Regrowth:
     ``Record.update`` needs; a reach kept for the next cell must be what a walk gives.)"""
 
 
-def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
-    """What the objects at ``indices`` now hold that ``registry`` lacks (see Regrowth); None if
+def _registry_growth(registry: Registry, indices: list[int]) -> RegistryGrowth | None:
+    """What the objects at ``indices`` now hold that ``registry`` lacks (see RegistryGrowth); None if
     one no longer holds a child at the step it was registered by, except where that child may
     leave the registry and the new one take its place (``_replacement``), or a tensor is on a
     storage the registry lacks. The counts the registry keeps (edges, storage users) gain what
     the moved objects may hold anew: never undercounted, so a replacement is never wrong."""
     if not indices:
-        return Regrowth([], [])
+        return RegistryGrowth([], [])
     wanted = set(indices)
     held: dict[int, list[int]] = {}  # parent -> the children registered by a step of it
     parents = set()
@@ -220,7 +220,7 @@ def _regrowth(registry: Registry, indices: list[int]) -> Regrowth | None:
     for r in replaced:
         children = OPS[registry.kinds[r.at]].children
         starts += [(child, r.at, step) for step, child in (children(r.new) if children is not None else [])]
-    return Regrowth(starts, replaced, in_walk_order)
+    return RegistryGrowth(starts, replaced, in_walk_order)
 
 
 def _replacement(
@@ -232,7 +232,7 @@ def _replacement(
     objects or shares a storage; the new one is no object of the same kind, is held by another
     moved object too, or it or its storages are registered (or ``claimed`` by another)."""
     old, kind = registry.objects[j], registry.kinds[j]
-    if new is _NONE or type(new) in ATOMS or registry.find(new) is not None or holders[id(new)] != 1:
+    if new is _NONE or type(new) in VALUE_TYPES or registry.find(new) is not None or holders[id(new)] != 1:
         return None
     if holders[id(old)] or registry.edges.get(j) != 1 or j in parents or OPS[kind].reads_globals:
         return None

@@ -47,7 +47,7 @@ from enot_nb._processes.protocol import (
 from enot_nb._serialize import result_file, shm
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.kept import KeptSnapshot
-from enot_nb._session.tasks import CallTask, CellTask, Mirrored, PullTask, SyncTask, Task
+from enot_nb._session.tasks import CallTask, CellTask, PullTask, RegistrySpecs, SyncTask, Task
 from enot_nb._session.worker import groups
 from enot_nb._state import apply, collect
 from enot_nb._state.registry import Registry
@@ -129,7 +129,7 @@ def _answer(command: SessionCommand) -> None:
                     bootstrap.send(Done())
                 else:
                     bootstrap.send_outcome(rank, result)
-                _KEPT.settle()  # while the notebook applies the answer
+                _KEPT.finish_retake()  # while the notebook applies the answer
             case Proceed():
                 pass  # a late one (its task failed here): nothing to do
             case ReportGroups():
@@ -254,7 +254,7 @@ def _in_namespace(fn: Any, namespace: dict[str, Any]) -> Any:
     return rebound
 
 
-def _mirror_registry(namespace: dict[str, Any], mirror: Mirrored) -> Registry:
+def _mirror_registry(namespace: dict[str, Any], mirror: RegistrySpecs) -> Registry:
     return paths.registry_at(namespace, mirror.specs, mirror.objects, mirror.storages, strict=False)
 
 
@@ -271,7 +271,7 @@ def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
         raise NameError(f"pull: rank 0 has no variable {', '.join(map(repr, missing))}")
     registry = _mirror_registry(namespace, task.mirror)
     not_returned: dict[str, str] = {}
-    changes = collect.everything(registry, namespace, [n for n in task.names if n not in whole])
+    changes = collect.as_whole_changes(registry, namespace, [n for n in task.names if n not in whole])
     sharded.left_sharded(registry, namespace, [], changes)  # their objects come as values, above
     state, _ = collect.dump(changes, registry, not_returned)
     return state, not_returned, whole

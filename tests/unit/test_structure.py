@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "enot_nb"
+PACKAGE = Path(__file__).resolve().parents[2] / "enot_nb"
 
 LAYERS = [
     # bottom: what every layer may use

@@ -15,8 +15,8 @@ import select
 import pytest
 
 from tests._util import METHODS
+from tests.cells.test_state_parity import PRELUDE, _fresh, _probe_code
 from tests.kernel import running_kernel
-from tests.test_state_parity import PRELUDE, _fresh, _probe_code
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

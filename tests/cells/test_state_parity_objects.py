@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests._util import METHODS
-from tests.test_state_parity import LINEAR, MAGIC, _fresh, assert_local_parity
+from tests.cells.test_state_parity import LINEAR, MAGIC, _fresh, assert_local_parity
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -39,7 +39,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
     pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium)", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = "enot_browser.ipynb"
 # Needed on this machine (root, no GPU, no network but package registries): without them Chromium's
 # background connections are refused or hang.

@@ -14,7 +14,7 @@ import pytest
 
 from enot_nb._state.states import same_value
 from tests._util import METHODS
-from tests.test_state_parity import _fresh, assert_local_parity, under_magic
+from tests.cells.test_state_parity import _fresh, assert_local_parity, under_magic
 
 SPARSE = "dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])\n"
 

@@ -1,0 +1,76 @@
+"""Where a session's ranks run, as the kernel side sees them: one interface, written down as
+torch elastic's ``PContext`` writes its own, so that nothing above it assumes a pid, ``/proc``,
+a shared-memory file or a pipe. A session's kernel side (_session/kernel/workers) talks to its
+ranks only through it::
+
+    start(serve)            the ranks started with their environment (torchrun's variables, the
+                            rendezvous), each running ``serve`` (the session loop); back once
+                            every rank is connected, else WorkerFailedError
+    put_task(main, buffers) the task laid out where every rank reads it; its size
+    send(command, ranks)    a command to each running rank, as one step
+    poll(timeout)           what the ranks sent, received: output (shown as ``show`` says),
+                            display data, and each rank's messages and outcome, into its record
+                            (``ranks``: outcome, payload, partial, groups, pushed); deaths learnt
+    wait(seconds, until)    poll until ``until()`` holds, or for ``seconds`` at most
+    dump_stacks(ranks)      where each rank is, as text (for the stop button's report)
+    interrupt(ranks)        KeyboardInterrupt raised in each rank
+    stop(ranks)             the ranks ended: asked, then forced
+    peers()                 how a rank names its peers when it cuts its connections with them
+    meeting_point()         where the ranks meet to make their world group again (a fresh one)
+    load(payload)           a rank's result, loaded
+    resident_mib(rank)      the rank's resident memory (for the session's table), or None
+    show(output)            whose output is shown ("master", "all", "none"), prefixed by rank
+    close()                 every rank ended, everything released; it can run again
+
+``LocalRanks`` (_launch/local_ranks.py) is today's one implementation: processes of this machine
+(fork or a fork server, pidfds, pipes and socket pairs, a memfd task file, the watchdog).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from enot_nb._launch.ranks import Rank
+from enot_nb._processes.protocol import Payload, SessionCommand
+from enot_nb.errors import WorkerFailure
+
+
+class RankHost(Protocol):
+    """Where a session's ranks run (see the module's docstring)."""
+
+    @property
+    def ranks(self) -> list[Rank]:
+        """Each rank's record: what it answered, whether it runs."""
+        ...
+
+    failures: list[WorkerFailure]
+    """The failures seen since the caller last emptied it (a raised error, a death)."""
+
+    def start(self, serve: Callable[..., Any]) -> None: ...
+
+    def put_task(self, main: bytes, buffers: Sequence[Any]) -> int: ...
+
+    def send(self, command: SessionCommand, ranks: list[Rank]) -> None: ...
+
+    def poll(self, timeout: float | None) -> None: ...
+
+    def wait(self, seconds: float, until: Callable[[], bool]) -> None: ...
+
+    def dump_stacks(self, ranks: list[Rank]) -> dict[int, str]: ...
+
+    def interrupt(self, ranks: list[Rank]) -> None: ...
+
+    def stop(self, ranks: list[Rank]) -> None: ...
+
+    def peers(self) -> tuple[int, ...]: ...
+
+    def meeting_point(self) -> str: ...
+
+    def load(self, payload: Payload) -> Any: ...
+
+    def resident_mib(self, rank: Rank) -> float | None: ...
+
+    def show(self, output: str) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,89 @@
+"""FSDP2 modules in a session: sharded on the ranks, plain in the notebook, pulled whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enot_nb.errors import WorkerFailedError
+from tests.session.common import start
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook():
+    """FSDP2 (fully_shard, gloo on the CPU) in a session: the ranks keep the module sharded from
+    cell to cell, also after a failed cell (the master made it plain again there, and its peers'
+    next collective met a plain module: "mixed torch.Tensor and DTensor"); the notebook keeps
+    its own plain module as it was, stale, named once, instead of FSDP's class and hooks over
+    DTensors with no memory (which broke the notebook's record walk)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    weight, before = model[0].weight, model[0].weight.detach().clone()
+    ns = {"model": model, "torch": torch}
+    train = "for _ in range(2):\n    model(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+    with start("fork", namespace=ns) as s:
+        s.run(
+            "from torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\nfully_shard(model)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + train
+        )
+        assert type(ns["model"]) is torch.nn.Sequential and ns["model"][0].weight is weight
+        assert torch.equal(weight.detach(), before) and "model" in s.flow.mirror.stale
+        assert ns["model"](torch.ones(1, 4)).shape == (1, 2)  # a plain module that works
+        with pytest.raises(WorkerFailedError):
+            s.run(train + "raise ValueError('after training')")
+        assert s.run("type(model).__name__") == "FSDPSequential"
+        check = (
+            "import torch.distributed as dist\n" + train + "w = model[0].weight.full_tensor()\n"
+            "ws = [torch.zeros_like(w) for _ in range(2)]\ndist.all_gather(ws, w)\nsame = bool(torch.equal(*ws))"
+        )
+        s.run(check)
+        assert s.run("same") is True
+        assert type(ns["model"]) is torch.nn.Sequential and torch.equal(weight.detach(), before)
+
+
+def test_a_launched_function_that_returns_a_live_sharded_module_leaves_it_sharded():
+    """Session.launch(fn) where fn returns the ranks' live FSDP2 module: it is not made whole in
+    place, as a one-off launch's result is (that made the master's plain, its peers' sharded):
+    the call fails naming DTensor, and the ranks keep training the sharded module together."""
+    ns = {"model": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), "torch": torch}
+    with start("fork", namespace=ns) as s:
+        s.run("from torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\nfully_shard(model)\n")
+
+        def live():
+            return model  # noqa: F821 - the rank's session variable
+
+        with pytest.raises(WorkerFailedError, match="DTensor"):
+            s.launch(live)
+        s.run(
+            "import torch.distributed as dist\nmodel(torch.ones(3, 4)).sum().backward()\n"
+            "w = model[0].weight.full_tensor()\nws = [torch.zeros_like(w) for _ in range(2)]\n"
+            "dist.all_gather(ws, w)\nsame = bool(torch.equal(*ws))\nkind = type(model).__name__",
+            no_return=True,
+        )
+        assert s.pull("same", "kind") == {"same": True, "kind": "FSDPSequential"}
+
+
+@pytest.mark.parametrize("mirror", ["none", "all"])
+def test_a_pull_brings_a_module_sharded_by_fsdp2_back_whole_into_the_notebooks_own(mirror):
+    """pull of a module FSDP2 shards on the ranks: every rank gathers its full values, the
+    notebook loads them into its own plain module in place (the same parameter objects), the
+    ranks' module stays sharded (see the test below for what the pull had done to it)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    weight = model[0].weight
+    ns = {"model": model, "torch": torch}
+    with start("fork", namespace=ns, mirror=mirror) as s:
+        if mirror == "none":
+            s.push(model=model)
+        s.run(
+            "import torch\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\n"
+            "fully_shard(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor _ in range(2):\n"
+            "    model(torch.ones(3, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+            "full = [p.full_tensor().tolist() for p in model.parameters()]",
+            no_return=True,
+        )
+        got = s.pull("model", "full")
+        assert got["model"] is model and model[0].weight is weight and type(model) is torch.nn.Sequential
+        assert [p.tolist() for p in model.parameters()] == ns["full"]
+        assert model(torch.ones(1, 4)).shape == (1, 2)
+        s.run("kind = type(model).__name__", no_return=True)
+        assert s.pull("kind") == {"kind": "FSDPSequential"}  # the ranks' module is still sharded

@@ -1,0 +1,44 @@
+"""One attempt's failures and stop reports (_launch/attempt.py)."""
+
+from __future__ import annotations
+
+
+def test_a_stopped_rank_that_exited_with_a_code_may_be_the_root_cause():
+    import signal
+
+    from enot_nb._launch.ranks import Rank
+
+    r = Rank(rank=1, local_rank=1, pipes={}, sinks={})
+    assert not r.stopped_by_us(-signal.SIGTERM)  # never signalled: any death is its own
+    r.stop_signals.add(signal.SIGTERM)
+    r.stop_signals.add(signal.SIGKILL)
+    assert r.stopped_by_us(-signal.SIGTERM) and r.stopped_by_us(-signal.SIGKILL)
+    assert not r.stopped_by_us(7)  # os._exit(7) just before our SIGTERM reached it
+    r.stop_signals = {signal.SIGTERM}
+    assert not r.stopped_by_us(-signal.SIGKILL)  # killed by another before our SIGTERM
+    r.stop_signals.add(signal.SIGINT)
+    assert r.stopped_by_us(1)  # after an interrupt, whatever it did is ours
+
+
+def test_a_stack_report_shows_the_cell_first_and_leaves_helper_threads_out():
+    from enot_nb._launch.attempt import stack_report
+
+    dump = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 231 in _feed\n'
+        '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
+        "\n"
+        "Thread 0x00007f02 (most recent call first):\n"
+        '  File "/home/me/train.py", line 9 in log_every_second\n'
+        '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
+        "\n"
+        "Current thread 0x00007f03 (most recent call first):\n"
+        '  File "/env/torch/utils/data/dataloader.py", line 1292 in _get_data\n'
+        '  File "<enot_distributed cell>", line 4 in <module>\n'
+    )
+    report = stack_report(1, dump).splitlines()
+    assert report[0] == "[rank 1] where it was (most recent call first):"
+    assert "_get_data" in report[1] and "<enot_distributed cell>" in report[2]  # the cell's thread first
+    assert "log_every_second" in report[3]  # the user's own thread stays
+    assert not any("queues.py" in line for line in report)
+    assert report[-1] == "[rank 1]   (1 helper thread(s) left out: queue feeders, DataLoader's pin memory)"
