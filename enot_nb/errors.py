@@ -83,6 +83,9 @@ class WorkerFailure:
     """The last lines the worker wrote to stderr (shown when it died without a traceback)."""
     connecting: bool = False
     """It failed while the ranks connected, before any user code ran (a transient gloo error)."""
+    released: bool = False
+    """It waited in a collective with a failed rank and the session released it: no failure of
+    its own (its transport error is the release, not a cause)."""
 
     @classmethod
     def raised(cls, rank: int, report: Any, attempt: int, output_tail: str) -> WorkerFailure:
@@ -126,9 +129,26 @@ class WorkerFailure:
             output_tail=output_tail,
         )
 
+    @classmethod
+    def released_from(cls, rank: int, causes: list[int], attempt: int = 0) -> WorkerFailure:
+        """A rank the session released from a collective it waited in with ``causes``."""
+        ranks = ", ".join(map(str, causes))
+        return cls(
+            rank=rank,
+            exitcode=None,
+            signal_name=None,
+            error_type=None,
+            message=f"was waiting in a collective with rank {ranks} and was released",
+            traceback=None,
+            attempt=attempt,
+            released=True,
+        )
+
     def caused_by_a_lost_peer(self) -> bool:
-        """An error a rank raises *because* a peer died: never the root cause when another
-        exists."""
+        """An error a rank raises *because* a peer died (or a release from a collective with a
+        failed one): never the root cause when another exists."""
+        if self.released:
+            return True
         text = f"{self.message} {self.traceback or ''}"
         return self.error_type is not None and any(w in text for w in _PEER_LOSS_WORDS)
 
@@ -203,8 +223,12 @@ class WorkerFailedError(EnotNbError, RuntimeError):
     def _text(self) -> str:
         lines = [f"worker {self.failures[0].summary()}", "", "Root Cause (first observed failure):"]
         lines.append(self.failures[0].report())
-        if len(self.failures) > 1:
-            lines += ["", "Other failures:"] + ["  " + f.summary() for f in self.failures[1:]]
+        others = [f for f in self.failures[1:] if not f.released]
+        released = [f for f in self.failures[1:] if f.released]
+        if others:
+            lines += ["", "Other failures:"] + ["  " + f.summary() for f in others]
+        if released:
+            lines += ["", "Released (no failure of their own):"] + ["  " + f.summary() for f in released]
         if len(self.attempts) > 1:
             lines += ["", f"Root cause of each of the {len(self.attempts)} attempts:"]
             lines += ["  " + f.summary() for f in self.attempts]

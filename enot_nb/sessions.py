@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
@@ -79,7 +78,7 @@ def run_session_command(shell: InteractiveShell | None, args: argparse.Namespace
             print("enot_nb: no session is running")
             return None
         live.close()
-        print("enot_nb: session stopped; its workers are gone, the notebook keeps what it holds", file=sys.stderr)
+        print("enot_nb: session stopped; its workers are gone, the notebook keeps what it holds")
         return None
     if args.action == "start" and live is not None:
         raise UsageError(

@@ -403,11 +403,12 @@ print("learning rate on rank", ed.get_rank(), "is", optimizer.param_groups[0]["l
 ## Interrupt and continue
 
 The stop button (here a timer sends the kernel the same SIGINT) prints where each rank is, then
-raises `KeyboardInterrupt` inside the cell on every rank. The workers stay, with their state; the
-notebook holds the master's state at the interrupt, as a local cell would. Here the press lands
-while every rank waits outside any collective, so their process group stays as it was. A press
-that finds one rank inside a collective its peers never join releases it, and the session makes
-the group again and says so: a DDP wrapper made before must then be made again.
+raises `KeyboardInterrupt` inside the cell on every rank, here in the middle of training. The
+workers stay, with their state; the notebook holds the master's state at the interrupt, as a
+local cell would. A rank caught inside a collective its peers left is released, and the group is
+made again where it has to be; either way every rank then moves `ddp` onto the ranks' group with
+its reducer reset, and takes the master's weights and optimizer state where its own differ (a
+press between one rank's optimizer step and another's), so the same `ddp` and `optimizer` train on.
 """),
     code("""
 import os, signal, threading
@@ -416,9 +417,7 @@ threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
     code(
         """
 %%enot_distributed
-import time
-train(1)
-time.sleep(60)        # the stop button lands here, on every rank
+train(10_000, quiet=True)   # the stop button lands while the ranks train
 """,
         "raises-exception",
         LIVE_PROGRESS,  # the stacks printed at the press vary
@@ -427,7 +426,10 @@ time.sleep(60)        # the stop button lands here, on every rank
 %%enot_distributed
 start = epochs_done
 train(1, quiet=True)
-print("the same workers went on:", epochs_done == start + 1, "- the wrapper is still there:", ddp is not None)
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+dist.all_gather(both, flat)
+print("the same ddp trained on:", epochs_done == start + 1, "- the replicas are equal:", torch.equal(*both))
 """),
     code("%enot_session", LIVE_PROGRESS),  # pids, memory and uptime vary
     code("""

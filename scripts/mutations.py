@@ -320,6 +320,36 @@ MUTATIONS = [
         "            found[j] = None\n",
         ["tests/session/test_mirror.py::test_one_element_written_into_a_large_tensor_sends_a_page"],
     ),
+    Mutation(
+        "session-no-repair-after-a-fault",
+        "enot_nb/_session/kernel/workers.py",
+        "            self._repair()\n",
+        "            pass\n",
+        ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
+    ),
+    Mutation(
+        "session-replicas-left-unequal",
+        "enot_nb/_session/worker/repair.py",
+        "    taken = equalize(_replicated(namespace, ddp_type))\n",
+        "    taken = 0\n",
+        ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
+    ),
+    Mutation(
+        "session-idle-deaths-unseen",
+        "enot_nb/_session/kernel/workers.py",
+        "        self.host.poll(0)\n        ranks = self.host.ranks\n",
+        "        ranks = self.host.ranks\n",
+        [
+            "tests/session/test_work_kept.py::test_a_rank_that_died_while_idle_makes_the_next_cell_restart_the_session_first"
+        ],
+    ),
+    Mutation(
+        "session-table-misses-idle-deaths",
+        "enot_nb/_session/kernel/status.py",
+        "    workers.host.poll(0)  # a rank that died since its last task shows as dead\n",
+        "",
+        ["tests/session/test_work_kept.py::test_a_rank_that_dies_while_idle_shows_as_dead_in_the_table"],
+    ),
 ]
 
 

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -95,6 +96,32 @@ def is_fork_server_of(pid: int, owners: set[int]) -> bool:
 def alive(pid: int) -> bool:
     """Running (a zombie is dead, only not yet reaped)."""
     return process_state(pid) not in (None, "Z")
+
+
+LEAK_GRACE = 60.0
+"""Seconds a process gets to end before it counts as left behind: a leak detector's grace, not a
+speed bound (a stop's own waits take a few seconds; a loaded machine must not fail the check)."""
+
+
+def ended_within(listed: Callable[[], list[int]], grace: float) -> list[int]:
+    """The pids ``listed()`` still gives after waiting, on each one's pidfd (an event, no
+    polling), for them to end, ``grace`` seconds at most: what is left behind."""
+    import select
+    import time
+
+    deadline = time.monotonic() + grace
+    while True:
+        left = listed()
+        if not left or time.monotonic() > deadline:
+            return left
+        try:
+            fd = os.pidfd_open(left[0])
+        except ProcessLookupError:
+            continue
+        try:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
 
 
 def wait_gone(pids: list[int], reaped: bool = False) -> float:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import pytest
 
-from tests._util import descendants, is_fork_server_of
+from tests._util import LEAK_GRACE, descendants, ended_within, is_fork_server_of
 from tests.kernel import running_kernel
 
 
@@ -25,10 +24,14 @@ def kernels():
         yield local, dist
 
 
+def _fork_servers(owners: set[int]) -> set[int]:
+    return {p for p in descendants() if is_fork_server_of(p, owners)}
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
-    """Fail a test that leaves a descendant process running (checked for up to 5 s), or a
-    session of this process live (its workers would be the next test's leftovers)."""
+    """Fail a test that leaves a descendant process running (one that outlives LEAK_GRACE), or
+    a session of this process live (its workers would be the next test's leftovers)."""
     before = set(descendants())
     yield
     sessions = sys.modules.get("enot_nb.sessions")
@@ -37,12 +40,7 @@ def no_leftover_processes():
         live.close()
     assert live is None, "a session was left running: close it (or use `with Session(...)`)"
     owners = before | {os.getpid()}
-    deadline = time.monotonic() + 5
-    while True:
-        left = {p for p in set(descendants()) - before if not is_fork_server_of(p, owners)}
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    left = set(ended_within(lambda: sorted(set(descendants()) - before - _fork_servers(owners)), LEAK_GRACE))
     for pid in left:  # one failing test must not make every later one fail
         try:
             os.kill(pid, signal.SIGKILL)

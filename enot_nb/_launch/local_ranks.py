@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,7 +72,6 @@ class LocalRanks:
                     raise WorkerFailedError(again.failures) from None
                 print(
                     f"enot_nb: the ranks could not connect ({again.failures[0].summary()}); starting them again",
-                    file=sys.stderr,
                     flush=True,
                 )
 
@@ -214,6 +212,16 @@ class LocalRanks:
         except OSError:
             return None
         return None
+
+    def why_ended(self, rank: Rank) -> str:
+        """How a rank's process ended: the signal that killed it, or its exit code."""
+        exitcode = rank.exitcode
+        if exitcode is not None and exitcode < 0:
+            try:
+                return signal.Signals(-exitcode).name
+            except ValueError:
+                return f"signal {-exitcode}"
+        return f"exit code {exitcode}"
 
     def show(self, output: str) -> None:
         for r in self.ranks:

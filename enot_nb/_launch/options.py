@@ -1,8 +1,8 @@
 """The options of a launch, defined once: ``notebook_launcher``'s keywords, the magic's flags and
-``export_cell``'s keywords are these fields (tests/test_units.py checks that they agree).
+``export_cell``'s keywords are these fields (tests/unit/test_options.py checks that they agree).
 
 ``LaunchOptions`` checks everything that does not depend on the machine, once, when it is
-built; ``launcher.plan_launch`` then decides what does (GPUs, backends available, addresses).
+built; ``plan.plan_launch`` then decides what does (GPUs, backends available, addresses).
 """
 
 from __future__ import annotations

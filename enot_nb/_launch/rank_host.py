@@ -1,6 +1,6 @@
 """Where a session's ranks run, as the kernel side sees them: one interface, written down as
-torch elastic's ``PContext`` writes its own, so that nothing above it assumes a pid, ``/proc``,
-a shared-memory file or a pipe. A session's kernel side (_session/kernel/workers) talks to its
+torch elastic's ``PContext`` writes its own (see below for what stays above it). A session's
+kernel side (_session/kernel/workers) talks to its
 ranks only through it::
 
     start(serve)            the ranks started with their environment (torchrun's variables, the
@@ -19,11 +19,18 @@ ranks only through it::
     meeting_point()         where the ranks meet to make their world group again (a fresh one)
     load(payload)           a rank's result, loaded
     resident_mib(rank)      the rank's resident memory (for the session's table), or None
+    why_ended(rank)         how a dead rank ended, in words (a signal's name, an exit code)
     show(output)            whose output is shown ("master", "all", "none"), prefixed by rank
     close()                 every rank ended, everything released; it can run again
 
 ``LocalRanks`` (_launch/local_ranks.py) is today's one implementation: processes of this machine
 (fork or a fork server, pidfds, pipes and socket pairs, a memfd task file, the watchdog).
+
+Above it, nothing opens a pipe, reads ``/proc``, maps a task file or sends a signal: a rank's
+record (``ranks``) carries what it answered and whether it runs; ``pid`` is the host's name for
+it (shown in the session's table), and ``peers()`` gives those names to a rank that cuts its
+connections (it finds them locally, see _session/worker/groups). One-off launches still run on
+an ``Attempt`` directly (the local engine this implementation is built on).
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class RankHost(Protocol):
     def load(self, payload: Payload) -> Any: ...
 
     def resident_mib(self, rank: Rank) -> float | None: ...
+
+    def why_ended(self, rank: Rank) -> str: ...
 
     def show(self, output: str) -> None: ...
 

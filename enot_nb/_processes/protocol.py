@@ -15,7 +15,7 @@ worker -> launcher, on one message pipe per rank, in this order::
     then exactly one of Result(payload) (rank 0), Done(), ErrorReport(...): its outcome
 
 A session's worker (see _session/worker/loop) also reads commands from its message socket
-(RunTask, ReportGroups, AbortGroups, Regroup, StopWorker) and answers each task with an outcome;
+(RunTask, ReportGroups, AbortGroups, Regroup, Repair, StopWorker) and answers each task with an outcome;
 it may send Groups(sequence) and DeviceMemory on the way. Every message, outcomes included, is
 sent after a fence in the worker's output streams (see OUTPUT_FENCE).
 
@@ -53,6 +53,11 @@ class Inline(NamedTuple):
 
 
 Payload: TypeAlias = InMemfd | Inline
+
+
+def payload_size(payload: Payload) -> int:
+    """The bytes a payload carries, wherever it lies."""
+    return payload.size if isinstance(payload, InMemfd) else len(payload.data)
 
 
 # ----------------------------------------------------------------------------- worker -> launcher
@@ -205,11 +210,17 @@ class Regroup(NamedTuple):
     init_method: str
 
 
+class Repair(NamedTuple):
+    """After a failed or interrupted command, the group kept or made again: every DDP wrapper
+    moved onto the current world group with its reducer reset, and the replicated state made
+    the master's where it differs (every rank gets this; each answers Done, or ErrorReport)."""
+
+
 class StopWorker(NamedTuple):
     """Leave the loop: the session is closing."""
 
 
-SessionCommand: TypeAlias = RunTask | Proceed | ReportGroups | AbortGroups | Regroup | StopWorker
+SessionCommand: TypeAlias = RunTask | Proceed | ReportGroups | AbortGroups | Regroup | Repair | StopWorker
 
 
 # ----------------------------------------------------------------------------- fork server

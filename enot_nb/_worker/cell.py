@@ -163,7 +163,7 @@ def run_cell(
 
 def ignore_late_presses() -> None:
     """A session worker's task ran to its end: a stop press from here is late, and ignored
-    until the worker is idle again (session_loop.serve sets the default handler back). So the
+    until the worker is idle again (_session/worker/loop.serve sets the default handler back). So the
     master's outcome (what the cell changed) is made and sent whole, and the notebook, which
     mirrors the master, gets it (a press while it was made had lost it: the master held what
     the cell did, the notebook not); and a press cannot make a second answer. Ignored, not

@@ -91,4 +91,3 @@ def test_sync_model_mismatch_raises_on_every_rank(tmp_path):
         assert "1.weight" in r["error"] and "rank 1" in r["error"]
         assert "'1.weight:(3, 4):torch.float32:cpu:reduce'" in r["error"]  # rank 0's, decoded
         assert "'1.weight:(5, 4):torch.float32:cpu:reduce'" in r["error"]  # rank 1's
-        assert r["seconds"] < 10

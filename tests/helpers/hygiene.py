@@ -18,21 +18,18 @@ from collections.abc import Callable
 import enot_nb
 from enot_nb import distributed as ed
 from enot_nb._processes import forkserver_client, starts
-from tests._util import descendants, is_fork_server_of, press_before_line
+from tests._util import LEAK_GRACE, descendants, ended_within, is_fork_server_of, press_before_line
 
 
 def say(*words: object) -> None:
     print(*words, flush=True)
 
 
-def leftovers(seconds: float = 5.0) -> list[int]:
-    """Our descendants other than the fork server and the watchdog, after up to ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        left = [p for p in descendants() if not is_fork_server_of(p, {os.getpid()})]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
+def leftovers(grace: float = LEAK_GRACE) -> list[int]:
+    """Our descendants other than the fork server and the watchdog that outlive ``grace``
+    seconds: each one's end is waited for on its pidfd (an event), and only a process that is
+    still there after the grace, far beyond any stop's own waits, counts as left behind."""
+    return ended_within(lambda: [p for p in descendants() if not is_fork_server_of(p, {os.getpid()})], grace)
 
 
 def open_fds() -> int:

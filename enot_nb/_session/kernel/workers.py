@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -42,13 +41,14 @@ from enot_nb._processes.interrupts import PressHold
 from enot_nb._processes.protocol import (
     AbortGroups,
     ErrorReport,
-    InMemfd,
     Proceed,
     Regroup,
+    Repair,
     ReportGroups,
     Result,
     RunTask,
     SessionCommand,
+    payload_size,
 )
 from enot_nb._session.mirror.mirror import PickledTask
 from enot_nb._session.worker import loop as session_loop
@@ -92,9 +92,10 @@ class CommandOutcome:
 class SessionWorkers:
     """N live workers of a session (see the module's docstring)."""
 
-    def __init__(self, plan: LaunchPlan, on_message: Any = None) -> None:
+    def __init__(self, plan: LaunchPlan, on_message: Any = None, host: RankHost | None = None) -> None:
         self.plan = plan
-        self.host: RankHost = LocalRanks(plan, on_message)
+        self.host: RankHost = host if host is not None else LocalRanks(plan, on_message)
+        """Where the ranks run (processes of this machine unless another host is given)."""
         self.started_at = 0.0
         self.tasks = 0  # tasks sent: each one's number
         self.cells = 0  # cells run (counted by the session: pushes and pulls are tasks too)
@@ -126,8 +127,8 @@ class SessionWorkers:
             if outcome.restart is None and outcome.regrouped:
                 print(
                     "enot_nb: the ranks' process group was made again (a collective was left half done); "
-                    "objects made with the old one (DDP wrappers, subgroups, FSDP meshes) must be made again",
-                    file=sys.stderr,
+                    "DDP wrappers are moved onto it, other objects made with the old one (subgroups, FSDP "
+                    "meshes) must be made again",
                 )
             value = apply(outcome)
             hold.release(deliver=not outcome.interrupted)  # an interrupted task raises its own
@@ -136,7 +137,9 @@ class SessionWorkers:
         return value
 
     def deaths(self) -> str | None:
-        """Why the session must restart before its next task (ranks died since), or None."""
+        """Why the session must restart before its next task (ranks died since, seen without
+        waiting: their ends are taken in now), or None."""
+        self.host.poll(0)
         ranks = self.host.ranks
         dead = [r.rank for r in ranks if not r.running]
         if not dead:
@@ -153,6 +156,8 @@ class CommandRound:
     def __init__(self, host: RankHost, hold: PressHold) -> None:
         self.host, self.hold = host, hold
         self.outcome = CommandOutcome()
+        self.released: set[int] = set()
+        """The ranks released from a collective (see _release_stuck): named so, never failures."""
 
     def run(self, command: SessionCommand) -> CommandOutcome:
         host, outcome = self.host, self.outcome
@@ -177,22 +182,23 @@ class CommandRound:
         dead = [r for r in ranks if not r.running]
         if dead and outcome.restart is None:
             r = dead[0]
-            outcome.restart = f"rank {r.rank} died ({_death(r.exitcode)})"
+            outcome.restart = f"rank {r.rank} died ({host.why_ended(r)})"
         outcome.failures = list(host.failures)
         for r in dead:
             if not any(f.rank == r.rank for f in outcome.failures) and r.exitcode is not None and r.exitcode != 0:
                 outcome.failures.append(WorkerFailure.died(r.rank, r.exitcode, 0, r.err_tail()))
+        outcome.failures = _named_released(outcome.failures, self.released)
         outcome.failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
         master = next(r for r in ranks if r.rank == 0)
         if isinstance(master.outcome, Result) and master.payload is not None:
             outcome.result = host.load(master.payload)
-            outcome.result_bytes = (
-                master.payload.size if isinstance(master.payload, InMemfd) else len(master.payload.data)
-            )
+            outcome.result_bytes = payload_size(master.payload)
         elif master.partial is not None:
             outcome.partial = host.load(master.partial)
         if outcome.restart is None and (outcome.failures or outcome.interrupted):
             self._keep_or_regroup()  # a press is held (bounded by RELEASE_WAIT)
+        if outcome.restart is None and (outcome.failures or outcome.interrupted):
+            self._repair()
         return outcome
 
     def _confirm_push(self, task: int) -> None:
@@ -229,6 +235,7 @@ class CommandRound:
         collective: the idle ranks abort their groups, which releases them."""
         host, outcome = self.host, self.outcome
         idle = [r for r in host.ranks if r.running and r.outcome is not None]
+        self.released |= {r.rank for r in self._waiting()}
         host.send(AbortGroups(host.peers()), idle)
         outcome.regrouped = True  # the groups are gone: made again below
         self._wait_all(wait)
@@ -271,6 +278,14 @@ class CommandRound:
         if not answered or any(isinstance(r.outcome, ErrorReport) for r in host.ranks):
             outcome.restart = "the ranks could not make their process group again"
 
+    def _repair(self) -> None:
+        """After a failed or interrupted command, the group kept or made again: every rank
+        rebinds its DDP wrappers and takes the master's replicated state where it differs (see
+        _session/worker/repair)."""
+        answered = self._exchange(Repair())
+        if not answered or any(isinstance(r.outcome, ErrorReport) for r in self.host.ranks):
+            self.outcome.restart = "the ranks could not rebind their DDP wrappers to their process group"
+
     def _exchange(self, command: SessionCommand) -> bool:
         """A control command to every rank, answered within RELEASE_WAIT; whether all did."""
         host = self.host
@@ -289,6 +304,18 @@ class CommandRound:
         return all(r.running and (r.outcome is not None or r.groups is not None) for r in host.ranks)
 
 
+def _named_released(failures: list[WorkerFailure], released: set[int]) -> list[WorkerFailure]:
+    """The failures, each released rank's error (a transport error from its group's abort) named
+    as its release from a collective with the ranks that failed on their own."""
+    causes = sorted({f.rank for f in failures if f.rank not in released})
+    if not causes:
+        return failures
+    return [
+        WorkerFailure.released_from(f.rank, causes, f.attempt) if f.rank in released and f.error_type else f
+        for f in failures
+    ]
+
+
 def _groups_agree(reports: list[dict[str, int] | None]) -> bool:
     """Whether every member of each group began as many collectives (see protocol.Groups)."""
     if any(report is None for report in reports):
@@ -299,12 +326,3 @@ def _groups_agree(reports: list[dict[str, int] | None]) -> bool:
         for name, sequence in report.items():
             seen.setdefault(name, set()).add(sequence)
     return all(len(sequences) == 1 for sequences in seen.values())
-
-
-def _death(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"

@@ -10,6 +10,7 @@ Life of a session worker (see _session/kernel/workers for the kernel's side)::
                   then the cell / the function / the pull; outcome: Result (rank 0), Done, or
                   ErrorReport (the worker stays: a failed cell is only a failed cell)
       ReportGroups -> Groups(sequence)   AbortGroups -> every group aborted   Regroup -> a new one
+      Repair -> DDP wrappers rebound, replicas made equal (repair)
       StopWorker (or the kernel gone) -> leave, as a one-off worker does
 
 Tasks are the records of _session/tasks; the group's repair is _session/worker/groups.
@@ -39,6 +40,7 @@ from enot_nb._processes.protocol import (
     Proceed,
     Pushed,
     Regroup,
+    Repair,
     ReportGroups,
     RunTask,
     SessionCommand,
@@ -48,7 +50,7 @@ from enot_nb._serialize import result_file, shm
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.kept import KeptSnapshot
 from enot_nb._session.tasks import CallTask, CellTask, PullTask, RegistrySpecs, SyncTask, Task
-from enot_nb._session.worker import groups
+from enot_nb._session.worker import groups, repair
 from enot_nb._state import apply, collect
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap, frontend, sharded
@@ -140,6 +142,11 @@ def _answer(command: SessionCommand) -> None:
                 session = _session()
                 groups.regroup(init_method, session.backend, session.timeout)
                 bootstrap.send(Done())  # never a Result: the task's result stays in the file
+            case Repair():
+                line = repair.repair(_session().namespace)
+                if line is not None and rank == 0:
+                    print(line, flush=True)
+                bootstrap.send(Done())
             case StopWorker():
                 pass
             case _:
