@@ -130,15 +130,21 @@ class WorkerFailure:
         )
 
     @classmethod
-    def released_from(cls, rank: int, causes: list[int], attempt: int = 0) -> WorkerFailure:
-        """A rank the session released from a collective it waited in with ``causes``."""
+    def released_from(cls, rank: int, causes: list[int], attempt: int = 0, stopped: bool = False) -> WorkerFailure:
+        """A rank the session released from a collective it waited in with ``causes``, or
+        (``stopped``) the master, stopped to send its state after ``causes`` died."""
         ranks = ", ".join(map(str, causes))
+        why = (
+            f"was stopped to send its state after rank {ranks} died"
+            if stopped
+            else f"was waiting in a collective with rank {ranks} and was released"
+        )
         return cls(
             rank=rank,
             exitcode=None,
             signal_name=None,
             error_type=None,
-            message=f"was waiting in a collective with rank {ranks} and was released",
+            message=why,
             traceback=None,
             attempt=attempt,
             released=True,

@@ -350,6 +350,13 @@ MUTATIONS = [
         "",
         ["tests/session/test_work_kept.py::test_a_rank_that_dies_while_idle_shows_as_dead_in_the_table"],
     ),
+    Mutation(
+        "session-masters-state-lost-with-a-dead-peer",
+        "enot_nb/_session/kernel/workers.py",
+        "                self._save_the_masters_state()\n",
+        "",
+        ["tests/session/test_work_kept.py::test_a_peer_killed_mid_cell_keeps_the_masters_progress[fork]"],
+    ),
 ]
 
 

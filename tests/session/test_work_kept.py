@@ -167,3 +167,35 @@ def test_ddps_private_update_process_group_still_moves_a_wrapper_and_resets_it()
     done = subprocess.run([sys.executable, "-c", PIN], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "trains on 1"
+
+
+def test_a_peer_killed_mid_cell_keeps_the_masters_progress(start_method, capsys, tmp_path):
+    """Rank 1 is killed while the master sleeps in the cell: the master is stopped to send its
+    state, the notebook takes it, and the new workers start from it (the cell's writes kept)."""
+    fifo = tmp_path / "sleeping"
+    os.mkfifo(fifo)
+    ns = {"counter": 0, "w": torch.zeros(4)}
+    with start(start_method, namespace=ns) as s:
+        s.run("import os, time, torch.distributed as dist\nx = 1")
+        victim = s.status().rows[1].pid
+
+        def kill_once_sleeping() -> None:
+            with open(fifo) as said:
+                said.read(1)
+            os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_sleeping)
+        killer.start()
+        cell = (
+            "counter = 5\nw.fill_(3.0)\n"
+            f"if dist.get_rank() == 0:\n    open({str(fifo)!r}, 'w').write('x')\ntime.sleep(60)"
+        )
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run(cell)
+        killer.join()
+        assert failed.value.rank == 1 and failed.value.signal_name == "SIGKILL"
+        assert "rank 0 was stopped to send its state after rank 1 died" in str(failed.value)
+        out = capsys.readouterr().out
+        assert "session restarted (rank 1 died (SIGKILL); the notebook holds the master's state" in out
+        assert ns["counter"] == 5 and ns["w"].tolist() == [3.0] * 4  # the master's progress, kept
+        assert s.run("counter, w.tolist()") == (5, [3.0] * 4)  # and the new workers hold it

@@ -158,6 +158,10 @@ class CommandRound:
         self.outcome = CommandOutcome()
         self.released: set[int] = set()
         """The ranks released from a collective (see _release_stuck): named so, never failures."""
+        self.stopped: set[int] = set()
+        """The master, stopped to send its state after a peer died (see _save_the_masters_state)."""
+        self.saved: bool | None = None
+        """After a death mid-task: whether the master sent its state at the failure in time."""
 
     def run(self, command: SessionCommand) -> CommandOutcome:
         host, outcome = self.host, self.outcome
@@ -182,12 +186,12 @@ class CommandRound:
         dead = [r for r in ranks if not r.running]
         if dead and outcome.restart is None:
             r = dead[0]
-            outcome.restart = f"rank {r.rank} died ({host.why_ended(r)})"
+            outcome.restart = f"rank {r.rank} died ({host.why_ended(r)}){_state_kept(self.saved, r.rank)}"
         outcome.failures = list(host.failures)
         for r in dead:
             if not any(f.rank == r.rank for f in outcome.failures) and r.exitcode is not None and r.exitcode != 0:
                 outcome.failures.append(WorkerFailure.died(r.rank, r.exitcode, 0, r.err_tail()))
-        outcome.failures = _named_released(outcome.failures, self.released)
+        outcome.failures = _named_released(outcome.failures, self.released, self.stopped)
         outcome.failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
         master = next(r for r in ranks if r.rank == 0)
         if isinstance(master.outcome, Result) and master.payload is not None:
@@ -221,6 +225,7 @@ class CommandRound:
         failed_at: float | None = None
         while self._waiting():
             if any(not r.running for r in host.ranks):
+                self._save_the_masters_state()
                 return  # a rank died: the caller restarts the session
             if host.failures and failed_at is None:
                 failed_at = time.monotonic()
@@ -229,6 +234,27 @@ class CommandRound:
                 self._release_stuck(RELEASE_WAIT)
                 return
             host.poll(timeout)
+
+    def _save_the_masters_state(self) -> None:
+        """A rank died mid-task while the master lives: the master gets INTERRUPT_SAVE_WAIT
+        seconds to answer (its wait on the dead peer ends with an error), else is stopped
+        (KeyboardInterrupt) and gets as long again; either way it sends the state it reached,
+        which the notebook takes before the session restarts from it."""
+        host = self.host
+        master = next((r for r in host.ranks if r.rank == 0), None)
+        if master is None or not master.running or master.outcome is not None:
+            self.saved = None if master is None else (_sent_state(master) if master.running else False)
+            return
+
+        def answered() -> bool:
+            return master.outcome is not None or not master.running
+
+        host.wait(_attempt.INTERRUPT_SAVE_WAIT, until=answered)
+        if not answered() and master.partial is None:
+            self.stopped.add(master.rank)
+            host.interrupt([master])
+            host.wait(_attempt.INTERRUPT_SAVE_WAIT, until=answered)
+        self.saved = _sent_state(master) if answered() and master.running else False
 
     def _release_stuck(self, wait: float) -> None:
         """Ranks that do not answer after a peer failed (or was interrupted) wait in a
@@ -304,16 +330,39 @@ class CommandRound:
         return all(r.running and (r.outcome is not None or r.groups is not None) for r in host.ranks)
 
 
-def _named_released(failures: list[WorkerFailure], released: set[int]) -> list[WorkerFailure]:
+def _named_released(failures: list[WorkerFailure], released: set[int], stopped: set[int]) -> list[WorkerFailure]:
     """The failures, each released rank's error (a transport error from its group's abort) named
-    as its release from a collective with the ranks that failed on their own."""
-    causes = sorted({f.rank for f in failures if f.rank not in released})
+    as its release from a collective with the ranks that failed on their own, and a master
+    stopped to send its state named so."""
+    ours = released | stopped
+    causes = sorted({f.rank for f in failures if f.rank not in ours})
     if not causes:
         return failures
     return [
-        WorkerFailure.released_from(f.rank, causes, f.attempt) if f.rank in released and f.error_type else f
+        WorkerFailure.released_from(f.rank, causes, f.attempt, stopped=f.rank in stopped)
+        if f.rank in ours and f.error_type
+        else f
         for f in failures
     ]
+
+
+def _sent_state(master: Any) -> bool | None:
+    """Whether the master sent a state to take (None: it had none to send, as a --no-return cell)."""
+    return True if master.partial is not None or master.payload is not None else None
+
+
+def _state_kept(saved: bool | None, died: int) -> str:
+    """What a restart's line adds about the state the notebook holds after a death mid-task."""
+    if saved is None:
+        return ""
+    if saved:
+        return "; the notebook holds the master's state at the failure"
+    if died == 0:
+        return "; the master itself died: the notebook holds the state from before the cell"
+    return (
+        f"; the master could not send its state within {2 * _attempt.INTERRUPT_SAVE_WAIT:g} s (a wait Python "
+        "cannot interrupt): the notebook holds the state from before the cell"
+    )
 
 
 def _groups_agree(reports: list[dict[str, int] | None]) -> bool:
