@@ -357,6 +357,24 @@ MUTATIONS = [
         "",
         ["tests/session/test_work_kept.py::test_a_peer_killed_mid_cell_keeps_the_masters_progress[fork]"],
     ),
+    Mutation(
+        "session-pushes-its-own-session",
+        "enot_nb/_session/mirror/mirror.py",
+        "            if kept is None and stays_in_the_kernel(value):\n",
+        "            if kept is None and False:\n",
+        [
+            "tests/session/test_mirror.py::test_a_session_in_the_namespace_is_never_pushed_and_tasks_that_read_every_name_run"
+        ],
+    ),
+    Mutation(
+        "session-push-fails-on-an-unpicklable-name",
+        "enot_nb/_session/mirror/mirror.py",
+        "            if not kept:\n                raise\n",
+        "            raise\n",
+        [
+            "tests/session/test_mirror.py::test_a_variable_that_cannot_be_pickled_stays_in_the_notebook_and_the_cell_runs"
+        ],
+    ),
 ]
 
 

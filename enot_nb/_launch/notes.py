@@ -28,6 +28,14 @@ class Notes:
         """A new cell: its notes, none so far, are the last."""
         self.last = []
 
+    def once(self, note: Note) -> None:
+        """Print one note outside a cell's own (what a push left in the notebook), unless shown
+        before with the same text; it is among the last cell's notes."""
+        self.last.append(note.text)
+        if self.shown.get(note.subject) != note.text:
+            self.shown[note.subject] = note.text
+            print(f"enot_nb note: {note.text}", flush=True)
+
     def show(self, notes: list[Note]) -> None:
         """Print the notes not shown before with the same text; remember them all as the last."""
         self.last = [note.text for note in notes]

@@ -38,6 +38,16 @@ def is_user_name(name: str, hidden: Any = ()) -> bool:
     return isinstance(name, str) and name not in hidden and not _IPYTHON_NAME.match(name)
 
 
+STAYS_IN_THE_KERNEL = "_enot_nb_stays_in_the_kernel"
+"""A class attribute, True on enot_nb's own live objects (a Session, its workers): they hold
+processes and descriptors, and are never sent to a rank (see stays_in_the_kernel)."""
+
+
+def stays_in_the_kernel(value: Any) -> bool:
+    """Whether ``value`` is one of enot_nb's own live objects, which never leave this process."""
+    return getattr(type(value), STAYS_IN_THE_KERNEL, False) is True
+
+
 def user_variables(namespace: dict[str, Any], hidden: Any = ()) -> dict[str, Any]:
     """The namespace's user names and their values (IPython's own left out)."""
     return {n: v for n, v in namespace.items() if is_user_name(n, hidden)}

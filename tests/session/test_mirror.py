@@ -188,3 +188,32 @@ def test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_st
         whole = kept.untyped_storage().nbytes() == 16
         assert whole  # (checked apart: a failed assert shows the tensor, and reading an emptied one crashes)
         assert kept.tolist() == [1.0] * 4
+
+
+def test_a_session_in_the_namespace_is_never_pushed_and_tasks_that_read_every_name_run(capsys):
+    """``with Session(...) as s`` in a notebook cell binds ``s`` beside the variables: a task that
+    reads names dynamically (``eval``) pushes every name, and the Session (epoll, pipes) is named
+    once and left in the notebook, never pickled."""
+    ns: dict = {}
+    with start("fork", namespace=ns) as s:
+        ns["s"] = s
+        s.push(k=21)
+        assert s.run("k2 = k * 2\nk2") == 42
+        assert s.run("eval('k2 + 1')") == 43
+        assert s.run("eval('k2 + 2')") == 44
+        assert s.launch(lambda: __import__("os").environ["RANK"]) == "0"
+        out = capsys.readouterr().out
+        assert out.count("'s' stays in the notebook, not on the ranks: Session is enot_nb's own") == 1
+
+
+def test_a_variable_that_cannot_be_pickled_stays_in_the_notebook_and_the_cell_runs(capsys):
+    import threading
+
+    ns: dict = {"lock": threading.Lock(), "n": 1}
+    with start("fork", namespace=ns) as s:
+        assert s.run("eval('n + 1')") == 2  # reads every name: lock too
+        assert s.run("eval('n + 2')") == 3
+        out = capsys.readouterr().out
+        assert out.count("'lock' stays in the notebook, not on the ranks: lock cannot be pickled") == 1
+        ns["lock"] = [1, 2]  # a value that travels: pushed again
+        assert s.run("eval('lock')") == [1, 2]

@@ -25,6 +25,27 @@ LINEAR = "model = torch.nn.Linear(2, 2)\n"
 STEP = "loss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()\nopt.zero_grad()"
 GRAD_STEP = "opt.zero_grad()\nloss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()"  # new .grad tensors
 
+# The same batches on every rank: DDP's average of equal gradients is the plain kernel's own.
+DDP_TRAINING = (
+    "import torch.distributed as dist\n"
+    "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))\n"
+    "steps = 0\n"
+    "def wrap(m):\n"
+    "    return DDP(m) if dist.is_initialized() else m\n"
+    "def train(net, opt, n, fail_at=None):\n"
+    "    global steps\n"
+    "    g = torch.Generator().manual_seed(steps)\n"
+    "    for step in range(n):\n"
+    "        loss = net(torch.randn(16, 4, generator=g)).pow(2).mean()\n"
+    "        opt.zero_grad()\n"
+    "        loss.backward()\n"
+    "        if step == fail_at:\n"
+    "            raise RuntimeError('failed mid-epoch')\n"
+    "        opt.step()\n"
+    "        steps += 1\n"
+)
+
 # (id, set-up, [(kind, cell)], probes)
 CASES = [
     (
@@ -104,6 +125,23 @@ CASES = [
         "arr = np.arange(4.0)\n",
         [(S, "arr *= 2"), (P, "arr[0] = 100"), (S, "s = float(arr.sum())")],
         ["arr.tolist()", "s"],
+    ),
+    (
+        "cells-that-read-every-name-beside-a-value-that-cannot-travel",
+        "import threading\nlock = threading.Lock()\nk = 21\n",
+        [(S, "k2 = eval('k * 2')"), (P, "k = 5"), (S, "k3 = eval('k + k2')")],
+        ["k2", "k3", "type(lock).__name__"],
+    ),
+    (
+        "ddp-and-its-optimizer-train-on-after-a-failed-cell",
+        DDP_TRAINING,
+        [
+            (S, "ddp = wrap(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)"),
+            (S, "train(ddp, opt, 3)"),
+            (F, "train(ddp, opt, 5, fail_at=2)"),
+            (S, "train(ddp, opt, 3)"),
+        ],
+        ["[round(x, 4) for x in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()]", "steps"],
     ),
     (
         "a-cell-value-and-a-new-class",

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._launch.bring_back import BroughtBack, Bundle, bring_back
+from enot_nb._launch.notes import NOTES, Note
 from enot_nb._session.kernel.cell_reach import CellReach
 from enot_nb._session.kernel.workers import CommandOutcome
 from enot_nb._session.mirror import paths
@@ -75,7 +76,13 @@ class NamespaceFlow:
         return reach.hidden_names(self.namespace)
 
     def pickle(self, prepared: PreparedTask) -> PickledTask:
-        return self.mirror.pickle(prepared.task, self.namespace)
+        """The task pickled for the ranks; each variable its push left in the notebook (enot_nb's
+        own objects, values that cannot be pickled) named once."""
+        pickled = self.mirror.pickle(prepared.task, self.namespace)
+        kept = {**(prepared.push.kept_here if prepared.push is not None else {}), **pickled.kept_here}
+        for name, why in kept.items():
+            NOTES.once(Note(name, f"{name!r} stays in the notebook, not on the ranks: {why}"))
+        return pickled
 
     def _push(
         self, reached: list[str], pulling: list[str] | None = None, since: SinceSync | None = None

@@ -58,6 +58,8 @@ class Session:
     back (default: the notebook's; outside IPython, a dict of its own). ``output``: whose output
     ``run`` shows by default."""
 
+    _enot_nb_stays_in_the_kernel = True  # its processes are this kernel's: never sent to a rank (registry)
+
     def __init__(
         self,
         nprocs: int | None = None,

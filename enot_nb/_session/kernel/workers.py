@@ -92,6 +92,8 @@ class CommandOutcome:
 class SessionWorkers:
     """N live workers of a session (see the module's docstring)."""
 
+    _enot_nb_stays_in_the_kernel = True  # its processes are this kernel's: never sent to a rank (registry)
+
     def __init__(self, plan: LaunchPlan, on_message: Any = None, host: RankHost | None = None) -> None:
         self.plan = plan
         self.host: RankHost = host if host is not None else LocalRanks(plan, on_message)

@@ -28,10 +28,11 @@ from typing import Any
 
 from enot_nb._memory import written
 from enot_nb._memory.digests import digested_size
+from enot_nb._serialize import picklers
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
-from enot_nb._state.registry import Registry, user_variables
+from enot_nb._state.registry import Registry, stays_in_the_kernel, user_variables
 from enot_nb.errors import LaunchError
 
 
@@ -55,6 +56,8 @@ class Push:
     changes: Changes | None
     names: list[str] = field(default_factory=list)
     """The variables the ranks hold once it is applied."""
+    kept_here: dict[str, str] = field(default_factory=dict)
+    """Variables newly left in the notebook (see Mirror.kept_here), with why: named once."""
 
 
 @dataclass
@@ -77,6 +80,8 @@ class PickledTask:
     storages: int
     has_push: bool = False
     """It carries changes for the ranks to apply first (they confirm, see protocol.RunTask)."""
+    kept_here: dict[str, str] = field(default_factory=dict)
+    """Variables left out of the push because they cannot be pickled, with why: named once."""
 
 
 class _RecordingPickler(StatePickler):
@@ -102,6 +107,10 @@ class Mirror:
         self.stale: dict[str, str] = {}
         """Variables whose newest value the master alone holds, with why."""
         self.on_workers: dict[str, str] = {}
+        self.kept_here: dict[str, tuple[int, str]] = {}
+        """Variables that stay in the notebook, by the id of the value they hold and why:
+        enot_nb's own live objects (a Session) and values that cannot be pickled. Never pushed
+        while they hold that value; a new value is tried again."""
         """Variables that live only on the workers (they could not come back), with why."""
 
     def reset(self) -> None:
@@ -145,6 +154,7 @@ class Mirror:
         changes.bound = {
             n: v for n, v in now.items() if (n in synced or n in reached) and synced.get(n, _NONE) is not v
         }
+        newly_kept = self._keep_here(changes)
         changes.deleted = [n for n in synced if n not in now]
         for name in [*changes.bound, *changes.deleted]:
             if name in self.stale and name not in pulling:
@@ -153,7 +163,24 @@ class Mirror:
         changes.deleted = [n for n in changes.deleted if n not in pulling]
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
         names = [n for n in {**synced, **changes.bound} if n not in changes.deleted]
-        return Push(None if empty else changes, names)
+        return Push(None if empty else changes, names, newly_kept)
+
+    def _keep_here(self, changes: Changes) -> dict[str, str]:
+        """Drop from ``changes.bound`` the variables that stay in the notebook (``kept_here``),
+        enot_nb's own live objects among them; those newly kept, with why."""
+        newly: dict[str, str] = {}
+        for name, value in list(changes.bound.items()):
+            kept = self.kept_here.get(name)
+            if kept is not None and kept[0] != id(value):
+                del self.kept_here[name]  # a new value: it may travel
+                kept = None
+            if kept is None and stays_in_the_kernel(value):
+                why = f"{type(value).__name__} is enot_nb's own, bound to this kernel's processes"
+                self.kept_here[name] = (id(value), why)
+                newly[name] = why
+            if name in self.kept_here:
+                del changes.bound[name]
+        return newly
 
     def _refuse_stale(self, namespace: dict[str, Any], changes: Changes, pulling: list[str]) -> tuple[list, list]:
         """The changes, less those of what ``pulling`` reaches; StaleError for one made to an
@@ -185,14 +212,30 @@ class Mirror:
 
     def pickle(self, task: Any, namespace: dict[str, Any]) -> PickledTask:
         """``task`` pickled against the baseline (the ranks' objects by index, new ones by
-        value), with the specs of what it refers to."""
+        value), with the specs of what it refers to. Where it cannot be pickled, the variables
+        of its push that cannot are left in the notebook (``kept_here``) and it is pickled
+        again without them; the first error is raised where none is to blame."""
         baseline = self.record.baseline
         registry = baseline if baseline.objects[0] is namespace else Registry.of_namespace(namespace, [])
+        push = getattr(task, "push", None)
         buffers: list[Any] = []
         stream = io.BytesIO()
-        pickler = _RecordingPickler(stream, buffer_callback=buffers.append, registry=registry)
-        pickler.dump(task)
-        push = getattr(task, "push", None)
+        kept: dict[str, str] = {}
+        try:
+            pickler = _RecordingPickler(stream, buffer_callback=buffers.append, registry=registry)
+            pickler.dump(task)
+        except Exception:
+            kept = picklers.unpicklable(
+                push.bound if push is not None else {}, pickler_class=StatePickler, registry=registry
+            )
+            if not kept:
+                raise
+            assert push is not None
+            for name in kept:
+                self.kept_here[name] = (id(push.bound.pop(name)), kept[name])
+            buffers, stream = [], io.BytesIO()
+            pickler = _RecordingPickler(stream, buffer_callback=buffers.append, registry=registry)
+            pickler.dump(task)
         objects = set(pickler.objects_used)
         storages = set(pickler.storages_used)
         if push is not None:
@@ -205,7 +248,7 @@ class Mirror:
             sizes = [digested_size(d) for d in self.record.snapshot.storages]
         specs = paths.specs_of(registry, sorted(objects), sizes)
         return PickledTask(
-            stream.getvalue(), buffers, specs, len(registry.objects), len(registry.storages), push is not None
+            stream.getvalue(), buffers, specs, len(registry.objects), len(registry.storages), push is not None, kept
         )
 
     def synced_after(
@@ -216,7 +259,9 @@ class Mirror:
         in place (see Record.update) or walked again keeping the states of what did not move
         (Record.walked_again); else the names are walked and snapshotted again."""
         now = user_variables(namespace, hidden)
-        synced = {n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers}
+        synced = {
+            n: now[n] for n in dict.fromkeys(names) if n in now and n not in self.on_workers and n not in self.kept_here
+        }
         if moved is None:
             self.record = Record.walk(namespace, synced)
         elif not self.record.update(namespace, synced, moved):
