@@ -375,6 +375,16 @@ MUTATIONS = [
             "tests/session/test_mirror.py::test_a_variable_that_cannot_be_pickled_stays_in_the_notebook_and_the_cell_runs"
         ],
     ),
+    Mutation(
+        "session-rank-only-wrapper-hides-the-model",
+        "enot_nb/_session/kernel/cell_reach.py",
+        "        if through and found.whole is None and set(synced) - set(found.names):\n",
+        "        if False:\n",
+        [
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell["
+            "ddp-built-once-then-trained-and-evaluated-through-the-wrapper-alone-fork]"
+        ],
+    ),
 ]
 
 

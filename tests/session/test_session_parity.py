@@ -144,6 +144,24 @@ CASES = [
         ["[round(x, 4) for x in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()]", "steps"],
     ),
     (
+        "ddp-built-once-then-trained-and-evaluated-through-the-wrapper-alone",
+        DDP_TRAINING,
+        [
+            (S, "ddp = wrap(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)"),
+            (S, "train(ddp, opt, 3)"),
+            (S, "_ = ddp.eval()"),
+            (P, "out = [round(x, 4) for x in model(torch.ones(2, 4)).flatten().tolist()]"),
+        ],
+        [
+            "[round(x, 4) for x in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()]",
+            "[round(x, 4) for x in model[1].running_mean.tolist()]",
+            "int(model[1].num_batches_tracked)",
+            "model.training",
+            "model[1].training",
+            "'out' in dir() and out",
+        ],
+    ),
+    (
         "a-cell-value-and-a-new-class",
         "",
         [

@@ -61,10 +61,14 @@ REPLICAS_EQUAL = (
 
 
 def _notebook_matches_master(s, ns) -> bool:
-    """The notebook's parameters and optimizer state are the master's (its BatchNorm statistics,
-    reached only through the rank-only ``ddp``, are issue 34's first item)."""
-    master = s.run("[t.detach().clone() for t in [*model.parameters(), *opt.state_dict()['state'][0].values()]]")
-    mine = [t.detach() for t in [*ns["model"].parameters(), *ns["opt"].state_dict()["state"][0].values()]]
+    """The notebook's parameters, BatchNorm statistics and optimizer state are the master's (the
+    statistics reached only through the rank-only ``ddp``)."""
+    probe = (
+        "[t.detach().clone() for t in [*model.parameters(), *model.buffers(), *opt.state_dict()['state'][0].values()]]"
+    )
+    master = s.run(probe)
+    model, opt = ns["model"], ns["opt"]
+    mine = [t.detach() for t in [*model.parameters(), *model.buffers(), *opt.state_dict()["state"][0].values()]]
     return len(master) == len(mine) and all(torch.equal(a, b) for a, b in zip(master, mine))
 
 

@@ -21,6 +21,7 @@ The master keeps its registry where what the cell changed is found again by the 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,13 +43,30 @@ class CellReach:
 
     @classmethod
     def of(
-        cls, namespace: dict[str, Any], code: str, hidden: Any, since: SinceSync | None, kept: CellReach | None
+        cls,
+        namespace: dict[str, Any],
+        code: str,
+        hidden: Any,
+        since: SinceSync | None,
+        kept: CellReach | None,
+        rank_only: Collection[str] = (),
+        synced: Collection[str] = (),
     ) -> CellReach:
-        """``code``'s reach: ``kept`` (the last cell's) where it holds still, else walked."""
+        """``code``'s reach: ``kept`` (the last cell's) where it holds still, else walked. A
+        cell that reaches a variable that lives only on the ranks (``rank_only``: a DDP
+        wrapper, a Trainer) may reach through it what the notebook holds under other names
+        (``ddp.module`` is ``model``, with its buffers and ``training`` flags): its reach takes
+        in every variable the ranks hold (``synced``), so that the master compares them and
+        sends what changed under the notebook's own paths."""
         names = reach.cell_names(code)
         if kept is not None and kept.holds(namespace, names, hidden, since):
             return kept
-        return cls(names, reach.reach(namespace, code, hidden, found=names))
+        found = reach.reach(namespace, code, hidden, found=names)
+        through = [n for n, value in found.looked_up.items() if value is reach.ABSENT and n in rank_only]
+        if through and found.whole is None and set(synced) - set(found.names):
+            wider = reach.CodeNames(names.names | frozenset(synced), names.dynamic)
+            found = reach.reach(namespace, code, hidden, found=wider)
+        return cls(names, found)
 
     def specs(self) -> RegistrySpecs:
         if self.mirror is None:

@@ -113,7 +113,15 @@ class NamespaceFlow:
         mirror = None
         if self.mirrored:
             since = self.mirror.compare(self.namespace, self._hidden())
-            reached = CellReach.of(self.namespace, code, self._hidden(), since, self.kept)
+            reached = CellReach.of(
+                self.namespace,
+                code,
+                self._hidden(),
+                since,
+                self.kept,
+                rank_only=self.mirror.on_workers,
+                synced=self.mirror.record.synced,
+            )
             prepared.reached = reached.found.names
             prepared.push = self._push(reached.found.names, since=since)
             if back:
