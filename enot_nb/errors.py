@@ -43,12 +43,28 @@ class LaunchConfigError(EnotNbError, ValueError):
 
 
 _SIGNAL_HINTS = {
-    "SIGKILL": "most often the out-of-memory killer (see `dmesg`); lower the batch size or nprocs",
     "SIGSEGV": "a crash in native code (a C extension, CUDA or a bad pointer); the worker's "
     "stderr above may show where",
     "SIGABRT": "an abort in native code, e.g. a failed CUDA/NCCL/C++ assertion",
     "SIGBUS": "often a full /dev/shm (DataLoader workers; in Docker raise --shm-size)",
 }
+
+
+def sigkill_cause(before: int | None, after: int | None) -> str:
+    """Who sent a SIGKILL, in words, from the OOM kill counts before and after it."""
+    if before is None or after is None:
+        return (
+            "the out-of-memory killer if the kernel log says so (see `dmesg`), else a person, a scheduler "
+            "(SLURM, Kubernetes) or another process; lower the batch size or nprocs if it was memory"
+        )
+    if after > before:
+        return (
+            "the kernel's out-of-memory killer (it counted an OOM kill in this cgroup); lower the batch size or nprocs"
+        )
+    return (
+        "not the out-of-memory killer (the kernel counted none in this cgroup): a person, a scheduler "
+        "(SLURM, Kubernetes), a parent process or `kill -9` sends SIGKILL"
+    )
 
 
 _PEER_LOSS_WORDS = (
@@ -83,6 +99,8 @@ class WorkerFailure:
     """The last lines the worker wrote to stderr (shown when it died without a traceback)."""
     connecting: bool = False
     """It failed while the ranks connected, before any user code ran (a transient gloo error)."""
+    signal_cause: str | None = None
+    """Who sent the signal that killed it, where that can be told (a SIGKILL: see sigkill_cause)."""
     released: bool = False
     """It waited in a collective with a failed rank and the session released it: no failure of
     its own (its transport error is the release, not a cause)."""
@@ -103,7 +121,9 @@ class WorkerFailure:
         )
 
     @classmethod
-    def died(cls, rank: int, exitcode: int, attempt: int, output_tail: str) -> WorkerFailure:
+    def died(
+        cls, rank: int, exitcode: int, attempt: int, output_tail: str, signal_cause: str | None = None
+    ) -> WorkerFailure:
         """A worker ended without reporting (a signal, ``os._exit``, a crash)."""
         signal_name = None
         message = ""
@@ -127,6 +147,7 @@ class WorkerFailure:
             traceback=None,
             attempt=attempt,
             output_tail=output_tail,
+            signal_cause=signal_cause if signal_name == "SIGKILL" else None,
         )
 
     @classmethod
@@ -163,7 +184,9 @@ class WorkerFailure:
         if self.error_type:
             cause = f"raised {self.error_type}: {self.message}"
         elif self.signal_name:
-            hint = _SIGNAL_HINTS.get(self.signal_name)
+            hint = self.signal_cause or _SIGNAL_HINTS.get(self.signal_name)
+            if hint is None and self.signal_name == "SIGKILL":
+                hint = sigkill_cause(None, None)
             cause = f"was killed by {self.signal_name}" + (f" ({hint})" if hint else "")
         else:
             cause = self.message or f"exited with code {self.exitcode}"

@@ -385,6 +385,30 @@ MUTATIONS = [
             "ddp-built-once-then-trained-and-evaluated-through-the-wrapper-alone-fork]"
         ],
     ),
+    Mutation(
+        "shipped-code-named-dynamic-code",
+        "enot_nb/_serialize/picklers.py",
+        "            types.CodeType: self._reduce_code,\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_a_session_cells_traceback_names_the_notebook_cell_and_line",
+            "tests/cells/test_kernel.py::test_a_spawn_cells_traceback_names_the_notebook_cell_and_line",
+        ],
+    ),
+    Mutation(
+        "worker-traceback-by-cell-file",
+        "enot_nb/_launch/attempt.py",
+        "        info = info._replace(traceback=as_in_the_notebook(info.traceback))\n",
+        "",
+        ["tests/cells/test_kernel.py::test_a_spawn_cells_traceback_names_the_notebook_cell_and_line"],
+    ),
+    Mutation(
+        "every-sigkill-blamed-on-memory",
+        "enot_nb/_launch/attempt.py",
+        "                r.signal_cause, self.oom_kills = sigkill_cause(self.oom_kills, counted), counted\n",
+        "                pass\n",
+        ["tests/launcher/test_launcher.py::test_a_sigkill_names_the_oom_killer_only_where_the_kernel_counted_one"],
+    ),
 ]
 
 

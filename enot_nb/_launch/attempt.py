@@ -28,8 +28,9 @@ from typing_extensions import assert_never
 
 from enot_nb._launch import relay
 from enot_nb._launch.ranks import Rank, RankIO, close_pipes, make_ranks
+from enot_nb._launch.tracebacks import as_in_the_notebook
 from enot_nb._log import log
-from enot_nb._processes import forkserver_client, watchdog_client
+from enot_nb._processes import forkserver_client, oom, watchdog_client
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
@@ -38,7 +39,7 @@ from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, In
 from enot_nb._processes.starts import start_error
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap, preload, streams
-from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure
+from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure, sigkill_cause
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -213,6 +214,8 @@ class Attempt:
         self.rendezvous_dir: str | None = None
         self.multiprocessing_dir: str | None = None  # DataLoader workers' sockets; removed at close
         self.stopper = Stopper(self)
+        self.oom_kills: int | None = None
+        """The OOM kills the kernel had counted in this cgroup by the last death seen (or the start)."""
 
     def run(self) -> Outcome:
         try:
@@ -246,6 +249,7 @@ class Attempt:
     def _start_now(self) -> None:
         # A stop press may land between any two lines: each resource is made and recorded here
         # (for _close) with presses held, so none is made and then lost.
+        self.oom_kills = oom.oom_kills()
         with interrupts_deferred():
             ranks = make_ranks(self.plan.nprocs, self.plan.node_rank, self.plan.output, self.duplex)
             try:
@@ -320,14 +324,20 @@ class Attempt:
         for rank, exitcode in ended:
             r = self._rank(rank)
             r.exitcode = exitcode
+            if exitcode == -signal.SIGKILL and not r.stop_signals:
+                counted = oom.oom_kills()
+                r.signal_cause, self.oom_kills = sigkill_cause(self.oom_kills, counted), counted
             self.io.drain(r)
             if r.outcome is not None:
                 continue  # finished (a crash in teardown does not matter), or already recorded
             if exitcode != 0 and r.stopped_by_us(exitcode):
                 continue  # stopped by us after another rank failed, or interrupted
-            self.failures.append(WorkerFailure.died(r.rank, exitcode, self.attempt, r.sinks["err"].tail()))
+            self.failures.append(
+                WorkerFailure.died(r.rank, exitcode, self.attempt, r.sinks["err"].tail(), r.signal_cause)
+            )
 
     def _record_error(self, r: Rank, info: ErrorReport) -> None:
+        info = info._replace(traceback=as_in_the_notebook(info.traceback))
         self.failures.append(WorkerFailure.raised(r.rank, info, self.attempt, r.sinks["err"].tail()))
 
     # ------------------------------------------------------------------------- collect, close

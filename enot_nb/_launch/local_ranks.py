@@ -97,7 +97,7 @@ class LocalRanks:
             if attempt.failures or any(not r.running for r in attempt.ranks):
                 attempt.stopper.wait(2.0, force_show=False, until=lambda: False)  # the others' ends
                 failures = attempt.failures or [
-                    WorkerFailure.died(r.rank, r.exitcode or -9, 0, r.sinks["err"].tail())
+                    WorkerFailure.died(r.rank, r.exitcode or -9, 0, r.sinks["err"].tail(), r.signal_cause)
                     for r in attempt.ranks
                     if not r.running
                 ]

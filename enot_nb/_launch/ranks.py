@@ -62,6 +62,7 @@ class Rank:
     groups: Groups | None = None  # a session rank's answer to ReportGroups
     pushed: bool = False  # a session rank applied its task's push (Pushed)
     device_memory: DeviceMemory | None = None  # a session rank's GPU memory after its last task
+    signal_cause: str | None = None  # who killed it, where that can be told (see oom)
     stack_text: str = ""
     stop_signals: set[int] = field(default_factory=set)  # the stop signals we sent it
     connected: bool = False  # it got past init_process_group (Connected)

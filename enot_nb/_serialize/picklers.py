@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import io
+import linecache
 import os
 import pickle
 import sys
@@ -26,7 +27,7 @@ import warnings
 import weakref
 from collections import ChainMap
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import cloudpickle
 
@@ -58,6 +59,7 @@ class TensorPickler(cloudpickle.Pickler):
         self.off_cpu = 0
         """How many of the tensors met are off the CPU (a dry run reports it)."""
         self._function_cells: set[int] = set()
+        self._lines: dict[str, Any] = {}  # a cell file's lines, by file (see _cell_lines)
         self._memory = tensors.MemoryOwners(self.known_arrays)
         # pickle reads dispatch_table once, when the pickler is made: it must be set first.
         self.dispatch_table = ChainMap(self._reducers(), *cloudpickle.Pickler.dispatch_table.maps)
@@ -79,6 +81,7 @@ class TensorPickler(cloudpickle.Pickler):
             types.CellType: self._reduce_cell,
             weakref.ReferenceType: self._reduce_weakref,
             functools._lru_cache_wrapper: self._reduce_lru_cache,
+            types.CodeType: self._reduce_code,
         }
         torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
         if torch is not None:
@@ -108,6 +111,28 @@ class TensorPickler(cloudpickle.Pickler):
         if isinstance(obj, type) and "__slots__" in obj.__dict__ and type(reduced) is tuple:
             return _with_slots(obj, reduced)
         return reduced
+
+    def _reduce_code(self, code: types.CodeType) -> Reduction:
+        """cloudpickle's reduction of a code object, with the code's own file kept (cloudpickle
+        writes ``<dynamic-code>``, which no traceback can name) and, for a file only linecache
+        holds (a notebook cell), its lines, so that the receiver's tracebacks show the cell and
+        its line as the notebook's do."""
+        rebuild, args = cast(tuple, _CLOUDPICKLE_CODE(code))
+        if len(args) <= _FILENAME_ARG or args[_FILENAME_ARG] != "<dynamic-code>":
+            return rebuild, args  # a cloudpickle that lays the code out otherwise: as it does
+        args = (*args[:_FILENAME_ARG], code.co_filename, *args[_FILENAME_ARG + 1 :])
+        lines = self._cell_lines(code.co_filename)
+        return (rebuild, args) if lines is None else (_code_with_lines, (rebuild, args, code.co_filename, lines))
+
+    def _cell_lines(self, filename: str) -> list[str] | None:
+        """The lines of a file that only this process's linecache holds (IPython puts each cell
+        there), one list per file (pickled once); None for a file on disk, or unknown."""
+        lines = self._lines.get(filename, _UNKNOWN)
+        if lines is _UNKNOWN:
+            entry = linecache.cache.get(filename)
+            lines = entry[2] if entry is not None and len(entry) == 4 and not os.path.exists(filename) else None
+            self._lines[filename] = lines
+        return lines
 
     def _reduce_storage(self, storage: Any) -> Reduction:
         held = self._memory.array_holding(storage)
@@ -253,6 +278,19 @@ def _out_of_band(data: numpy.ndarray) -> pickle.PickleBuffer:
 
 
 _CLOUDPICKLE_CELL: Reducer = cloudpickle.Pickler.dispatch_table[types.CellType]
+_CLOUDPICKLE_CODE: Reducer = cloudpickle.Pickler.dispatch_table[types.CodeType]
+_FILENAME_ARG = 10
+"""co_filename's place among the code constructor's arguments (Python 3.10 to 3.13)."""
+_UNKNOWN = object()
+
+
+def _code_with_lines(rebuild: Any, args: tuple, filename: str, lines: list[str]) -> types.CodeType:
+    """A code object whose file only the sender's linecache held: its lines go into this
+    process's linecache (where it has none for that file), so that tracebacks show them."""
+    linecache.cache.setdefault(filename, (sum(map(len, lines)), None, list(lines), filename))
+    return rebuild(*args)
+
+
 """The entry ours chains to for the cells that are no function's of the notebook."""
 
 

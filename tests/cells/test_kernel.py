@@ -288,3 +288,13 @@ def test_what_a_cell_imported_stays_imported_as_after_a_local_cell(kernel, metho
     waited = kernel.ok("from enot_nb._worker import preload\npreload.PRELOADER.wait()\n" + check)
     assert waited.stdout == "True\n"
     assert kernel.ok(f"{MAGIC} --start-method {method}\n{check}").stdout == "True\n"
+
+
+def test_a_spawn_cells_traceback_names_the_notebook_cell_and_line(kernel):
+    """A notebook function shipped to spawned workers keeps its cell's file and lines: its frame
+    reads ``Cell In[N], line L`` with the line's source, as a local cell's does."""
+    kernel.ok("def boom_spawned():\n    x = 1\n    raise KeyError('spawned')")
+    run = kernel.run("%%enot_distributed -n 2 --backend gloo --start-method spawn\nboom_spawned()")
+    assert run.error is not None and run.error["ename"] == "WorkerFailedError"
+    assert re.search(r"Cell In\[\d+\], line 3, in boom_spawned\n", run.traceback), run.traceback
+    assert "raise KeyError('spawned')" in run.traceback and "<dynamic-code>" not in run.traceback

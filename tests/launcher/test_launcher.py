@@ -138,6 +138,23 @@ def test_worker_killed_by_signal(method, signum, words):
     assert words in str(err)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_sigkill_names_the_oom_killer_only_where_the_kernel_counted_one(method):
+    """The worker kills itself: no OOM kill is counted in this cgroup, so the error says who
+    else sends SIGKILL; where no cgroup counter is readable, it points at the kernel log."""
+    from enot_nb._processes.oom import oom_kills
+
+    readable = oom_kills() is not None
+    with pytest.raises(WorkerFailedError) as info:
+        launch(jobs.kill_self_on, 1, signal.SIGKILL, start_method=method)
+    text = str(info.value)
+    if readable:
+        assert "not the out-of-memory killer (the kernel counted none in this cgroup)" in text
+        assert "a person, a scheduler" in text
+    else:
+        assert "if the kernel log says so" in text
+
+
 def test_children_of_a_failed_worker_are_stopped(capfd):
     with pytest.raises(WorkerFailedError, match="failing with children"):
         launch(jobs.with_dataloader_children, output="all")

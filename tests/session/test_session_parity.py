@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 
 import pytest
@@ -342,3 +343,15 @@ def test_widgets_and_output_captures_hang_under_the_cell_that_runs(live):
         run = live.ok("%%enot_distributed\n" + body)
         assert {"msg_id": run.msg_id} in run.comm_states(), run.comm_states()
         assert "inside the widget" in run.stdout
+
+
+def test_a_session_cells_traceback_names_the_notebook_cell_and_line(live):
+    """A function defined in a plain cell and failing in a session cell: its frame is named as
+    IPython names a local cell's (``Cell In[N], line L``, the line's source below), never as
+    ``<dynamic-code>``."""
+    live.ok("def boom():\n    x = 1\n    raise ValueError('in boom')")
+    run = live.run("%%enot_distributed\nboom()")
+    assert run.error is not None and run.error["ename"] == "WorkerFailedError"
+    text = run.traceback
+    assert re.search(r"Cell In\[\d+\], line 3, in boom\n", text), text
+    assert "raise ValueError('in boom')" in text and "<dynamic-code>" not in text

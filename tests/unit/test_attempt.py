@@ -42,3 +42,16 @@ def test_a_stack_report_shows_the_cell_first_and_leaves_helper_threads_out():
     assert "log_every_second" in report[3]  # the user's own thread stays
     assert not any("queues.py" in line for line in report)
     assert report[-1] == "[rank 1]   (1 helper thread(s) left out: queue feeders, DataLoader's pin memory)"
+
+
+def test_a_sigkill_is_the_oom_killers_only_where_its_count_rose():
+    from enot_nb.errors import WorkerFailure, sigkill_cause
+
+    assert "the kernel's out-of-memory killer" in sigkill_cause(3, 4)
+    assert sigkill_cause(3, 3).startswith("not the out-of-memory killer")
+    assert "if the kernel log says so" in sigkill_cause(None, 2) and "if the kernel log says so" in sigkill_cause(
+        2, None
+    )
+    died = WorkerFailure.died(1, -9, 0, "", sigkill_cause(0, 1))
+    assert "killed by SIGKILL (the kernel's out-of-memory killer" in died.summary()
+    assert "if the kernel log says so" in WorkerFailure.died(1, -9, 0, "").summary()  # nobody counted

@@ -192,7 +192,7 @@ class CommandRound:
         outcome.failures = list(host.failures)
         for r in dead:
             if not any(f.rank == r.rank for f in outcome.failures) and r.exitcode is not None and r.exitcode != 0:
-                outcome.failures.append(WorkerFailure.died(r.rank, r.exitcode, 0, r.err_tail()))
+                outcome.failures.append(WorkerFailure.died(r.rank, r.exitcode, 0, r.err_tail(), r.signal_cause))
         outcome.failures = _named_released(outcome.failures, self.released, self.stopped)
         outcome.failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
         master = next(r for r in ranks if r.rank == 0)
