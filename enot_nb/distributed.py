@@ -127,7 +127,9 @@ def init_torch(
         cuda_optimize_for_speed: cuDNN benchmark mode and TF32 matmuls (not reproducible).
         cuda_reproducible: deterministic cuDNN, deterministic algorithms and the cuBLAS
             workspace setting they need (may be slower).
-        backend, init_method, timeout: passed to :func:`init_process_group`.
+        backend: passed to :func:`init_process_group`.
+        init_method: passed to :func:`init_process_group`.
+        timeout: passed to :func:`init_process_group`.
 
     Raises:
         RuntimeError: both CUDA flags are set (checked before anything is touched).
@@ -165,41 +167,98 @@ def _seed_everything(seed: int) -> None:
 
 
 def is_dist() -> bool:
-    """Whether torch.distributed is initialized with more than one process."""
+    """Whether torch.distributed is initialized with more than one process.
+
+    Returns:
+        False in a single process, or before the process group exists.
+
+    Example::
+
+        if is_dist():
+            torch.distributed.barrier()
+    """
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def get_world_size() -> int:
-    """Number of processes in the job (1 in a single process)."""
+    """Number of processes in the job.
+
+    Returns:
+        The process group's size; before it exists, ``WORLD_SIZE`` (1 in a single process).
+
+    Example::
+
+        batch_per_rank = global_batch // get_world_size()
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return read_layout().world_size
 
 
 def get_rank() -> int:
-    """Global rank of this process (0 in a single process)."""
+    """Global rank of this process.
+
+    Returns:
+        Its rank in the process group; before it exists, ``RANK`` (0 in a single process).
+
+    Example::
+
+        sampler = DistributedSampler(data, num_replicas=get_world_size(), rank=get_rank())
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return read_layout().rank
 
 
 def get_local_rank() -> int:
-    """Rank of this process on its node, from ``LOCAL_RANK`` (0 in a single process)."""
+    """Rank of this process on its node.
+
+    Returns:
+        ``LOCAL_RANK`` (0 in a single process): the GPU this process uses.
+
+    Example::
+
+        device = torch.device("cuda", get_local_rank())
+    """
     return read_layout().local_rank
 
 
 def is_master() -> bool:
-    """Whether this is the global master (global rank 0)."""
+    """Whether this is the global master (global rank 0).
+
+    Returns:
+        True on global rank 0 (and in a single process).
+
+    Example::
+
+        if is_master():
+            torch.save(model.state_dict(), "model.pt")
+    """
     return get_rank() == 0
 
 
 def is_local_master() -> bool:
-    """Whether this is the master of its node (local rank 0); differs from is_master on nodes > 0."""
+    """Whether this is the master of its node (local rank 0).
+
+    Returns:
+        True on local rank 0 of every node (so on one process per node, unlike is_master).
+
+    Example::
+
+        if is_local_master():
+            download_dataset_to_local_disk()
+    """
     return get_local_rank() == 0
 
 
 def master_only(fn: F) -> F:
     """Decorate ``fn`` to run on the global master only; other ranks get None.
+
+    Args:
+        fn: the function to run on global rank 0.
+
+    Returns:
+        A wrapper that calls ``fn`` on the master and returns None elsewhere.
 
     Example::
 
@@ -221,8 +280,11 @@ def master_only(fn: F) -> F:
 def master_first() -> Iterator[None]:
     """Run the block on the master first, then on every other rank (downloads, caches).
 
-    The others wait until the master leaves the block. If the master's block raises, the others
-    raise :class:`DistributedRuntimeException` instead of waiting forever.
+    The others wait until the master leaves the block.
+
+    Raises:
+        DistributedRuntimeException: on the other ranks, where the master's block raised (they
+            do not wait forever).
 
     Example::
 

@@ -117,12 +117,20 @@ def export_cell(
         namespace: the variables the cell may use (a notebook's ``globals()``); only the
             names the code mentions are saved. Names that cannot be pickled are left out and
             named in the returned object's description.
-        nprocs, nnodes: what the command line asks torchrun for; the script itself runs on
-            any number of processes, but refuses to run as one plain process when exported
-            for several.
-        backend, seed, cuda_optimize_for_speed, cuda_reproducible, timeout: as init_torch's;
-            backend None picks nccl when every process has its own GPU, else gloo.
-        output, sync, no_sync, returns, no_return: as the magic's options.
+        nprocs: processes per node the command line asks torchrun for; the script itself
+            runs on any number of processes, but refuses to run as one plain process when
+            exported for several.
+        nnodes: nodes the command line asks torchrun for.
+        backend: as init_torch's; None picks nccl when every process has its own GPU, else gloo.
+        seed: as init_torch's.
+        cuda_optimize_for_speed: as init_torch's.
+        cuda_reproducible: as init_torch's.
+        timeout: the process group's timeout, as init_torch's.
+        output: as the magic's ``--output``.
+        sync: as the magic's ``--sync``.
+        no_sync: as the magic's ``--no-sync``.
+        returns: as the magic's ``--return``.
+        no_return: as the magic's ``--no-return``.
 
     Returns:
         The paths written and the torchrun command line.
@@ -224,8 +232,25 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
-    """What the master of an exported run saved: each returned name to its value (tensors on
-    the CPU). ``path`` is the exported script's path, as given to export_cell or --export."""
+    """What the master of an exported run saved.
+
+    Args:
+        path: the exported script's path, as given to export_cell or ``--export``.
+
+    Returns:
+        Each returned name to its value (tensors on the CPU).
+
+    Raises:
+        FileNotFoundError: the script has not run (its master writes the results at the end).
+        PermissionError: the results file is another user's, anyone may write it, or it is a
+            link: unpickling runs code, so it is refused before any byte is read.
+
+    Example::
+
+        enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)
+        # torchrun --nproc-per-node 8 run/train.py, then:
+        model = enot_nb.load_results("run/train.py")["model"]
+    """
     results = _beside(Path(path).resolve(), "results.pkl")
     if not results.exists():
         raise FileNotFoundError(

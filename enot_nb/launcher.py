@@ -76,17 +76,22 @@ def notebook_launcher(
     Args:
         fn: the function to run; under spawn it is shipped with cloudpickle, so functions and
             classes defined in notebook cells work.
-        args, kwargs: its arguments.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
         nprocs: processes on this node; None means one per visible GPU.
         backend: "nccl" or "gloo"; None picks nccl when every rank has its own GPU, else gloo.
-        seed, cuda_optimize_for_speed, cuda_reproducible: passed to init_torch.
+        seed: passed to init_torch.
+        cuda_optimize_for_speed: passed to init_torch.
+        cuda_reproducible: passed to init_torch.
         start_method: "fork" (fork this process: fast, shares its memory) or "spawn" (workers
             start clean from a fork server); None forks unless CUDA is initialized here.
         output: "master" shows rank 0's output, "all" every rank's prefixed by ``[rank N]``,
             "none" nothing. Failing ranks' tracebacks are always shown.
-        master_addr, master_port: the rendezvous of rank 0; a free port is chosen when None.
-        nnodes, node_rank: run the same call on every node; global rank is
+        master_addr: the address of rank 0's rendezvous.
+        master_port: its port; a free port is chosen when None.
+        nnodes: run the same call on this many nodes; global rank is
             ``node_rank * nprocs + local_rank``. Nodes other than 0 return None.
+        node_rank: this node's rank among them.
         max_restarts: start a failed group again up to this many times.
         timeout: the process group's timeout (how long a collective may wait).
 

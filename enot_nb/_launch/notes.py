@@ -49,6 +49,13 @@ NOTES = Notes()
 
 
 def last_notes() -> list[str]:
-    """The notes of the last distributed cell of this kernel, shown or not (a note shown by an
-    earlier cell is not printed again, but is listed here)."""
+    """The notes of the last distributed cell of this kernel, shown or not.
+
+    Returns:
+        Each note's text (a note shown by an earlier cell is not printed again, but is listed).
+
+    Example::
+
+        enot_nb.last_notes()  # ["'ddp' was not brought back: DistributedDataParallel cannot be pickled ..."]
+    """
     return list(NOTES.last)

@@ -46,17 +46,51 @@ _live: list[Session] = []
 
 
 def session() -> Session | None:
-    """The live session of this process, or None."""
+    """The live session of this process.
+
+    Returns:
+        The Session started here (``%enot_session start`` or ``Session(...)``), or None.
+
+    Example::
+
+        live = enot_nb.session()
+        if live is not None:
+            print(live.status())
+    """
     return _live[0] if _live else None
 
 
 class Session:
-    """N workers that live across cells (see the module's docstring). ``nprocs`` ... ``timeout``:
-    as for ``notebook_launcher`` (one definition: LaunchOptions). ``mirror``: "all" (the
-    notebook mirrors the master; its changes reach every rank before the next task) or "none"
-    (nothing flows unless asked: pull, push). ``namespace``: what code run here sees and gets
-    back (default: the notebook's; outside IPython, a dict of its own). ``output``: whose output
-    ``run`` shows by default."""
+    """N workers that live across cells, the notebook mirroring the master.
+
+    Args:
+        nprocs: processes; None means one per visible GPU (as for ``notebook_launcher``, whose
+            options these are: one definition, LaunchOptions).
+        backend: "nccl" or "gloo"; None picks nccl when every rank has its own GPU.
+        seed: seeds every rank (init_torch).
+        cuda_optimize_for_speed: init_torch's flag.
+        cuda_reproducible: init_torch's flag.
+        start_method: "fork", "spawn", or None (fork unless CUDA is initialized here).
+        timeout: the process group's timeout.
+        mirror: "all" (the notebook mirrors the master; its changes reach every rank before
+            the next task) or "none" (nothing flows unless asked: pull, push).
+        namespace: what code run here sees and gets back (default: the notebook's; outside
+            IPython, a dict of its own).
+        output: whose output ``run`` shows by default ("master", "all", "none").
+        quiet: no line when the workers start.
+
+    Raises:
+        LaunchConfigError: a bad option, before any process starts.
+        LaunchError: a session already runs in this process.
+        WorkerFailedError: the workers could not start.
+
+    Example::
+
+        with enot_nb.Session(nprocs=2, backend="gloo") as s:
+            s.push(k=21)
+            s.run("k2 = k * 2")
+            print(s.pull("k2"))  # {'k2': 42}
+    """
 
     _enot_nb_stays_in_the_kernel = True  # its processes are this kernel's: never sent to a rank (registry)
 
