@@ -409,6 +409,20 @@ MUTATIONS = [
         "                pass\n",
         ["tests/launcher/test_launcher.py::test_a_sigkill_names_the_oom_killer_only_where_the_kernel_counted_one"],
     ),
+    Mutation(
+        "stop-report-shows-every-library-frame",
+        "enot_nb/_launch/attempt.py",
+        "        elif not reached_user and library_shown < LIBRARY_FRAMES_SHOWN:\n",
+        "        elif True:\n",
+        ["tests/unit/test_attempt.py::test_a_stop_report_keeps_the_users_frames_and_the_innermost_library_ones"],
+    ),
+    Mutation(
+        "ranks-bars-share-a-line",
+        "enot_nb/_launch/output.py",
+        "        if owner is not None and owner is not self:\n",
+        "        if False:\n",
+        ["tests/unit/test_output.py::test_two_ranks_bars_never_share_a_line"],
+    ),
 ]
 
 

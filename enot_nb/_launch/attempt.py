@@ -517,11 +517,19 @@ _HELPER_THREAD_FILES = (
 )
 
 
+LIBRARY_FRAMES_SHOWN = 3
+"""Library frames a stop report shows per thread: the innermost ones, above the user's own
+(where the rank is blocked: a backward, a collective); the whole dump goes to the debug log."""
+
+
 def stack_report(rank: int, text: str) -> str:
     """A rank's faulthandler dump, labelled with the rank: the thread running the cell first,
-    without enot_nb's own frames, idle threads or helper threads (what the user needs is where
-    their code is)."""
+    without enot_nb's own frames, idle threads or helper threads, and with the user's own frames
+    (notebook cells, their scripts) and only the innermost few library frames (what the user
+    needs is where their code is). ``ENOT_NB_DEBUG=1`` logs the whole dump."""
     from enot_nb._worker.cell import CELL_FILENAME  # here, not at the top: `import enot_nb` needs no cell
+
+    log.debug("rank %d's whole stack dump:\n%s", rank, text)
 
     threads: list[list[str]] = []
     other = []
@@ -539,13 +547,44 @@ def stack_report(rank: int, text: str) -> str:
     shown = [thread for thread in threads if thread and not _is_helper_thread(thread)]
     helpers = sum(1 for thread in threads if thread and _is_helper_thread(thread))
     shown.sort(key=lambda thread: not any(f'"{CELL_FILENAME}"' in line for line in thread))  # stable
-    frames = [line for thread in shown for line in thread]
+    trimmed = [_users_frames_first(thread) for thread in shown]
+    frames = [line for thread, _ in trimmed for line in thread]
+    left_out = sum(count for _, count in trimmed)
     label = f"[rank {rank}]"
     lines = [f"{label} where it was (most recent call first):"]
     lines += [f"{label} {line}" for line in frames] or [f"{label}   (no Python frame: in native code)"]
+    if left_out:
+        lines.append(f"{label}   ({left_out} library frame(s) left out; ENOT_NB_DEBUG=1 logs the whole dump)")
     if helpers:
         lines.append(f"{label}   ({helpers} helper thread(s) left out: queue feeders, DataLoader's pin memory)")
     return "\n".join(other + lines)
+
+
+def _users_frames_first(frames: list[str]) -> tuple[list[str], int]:
+    """A thread's frames (most recent first) with every one of the user's own and the innermost
+    LIBRARY_FRAMES_SHOWN library frames above them; and how many library frames were left out."""
+    kept, left_out, library_shown, reached_user = [], 0, 0, False
+    for line in frames:
+        if _users(line.split('"')[1]):
+            reached_user = True
+            kept.append(line)
+        elif not reached_user and library_shown < LIBRARY_FRAMES_SHOWN:
+            library_shown += 1
+            kept.append(line)
+        else:
+            left_out += 1
+    return kept, left_out
+
+
+_LIBRARY_ROOTS = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+
+
+def _users(path: str) -> bool:
+    """A frame of the user's own code: a notebook cell, a script of theirs; not the standard
+    library's or an installed package's."""
+    if path.startswith("<"):
+        return not path.startswith("<frozen")  # the cell, "<stdin>", "<string>"
+    return "/site-packages/" not in path and "/dist-packages/" not in path and not path.startswith(_LIBRARY_ROOTS)
 
 
 def _is_helper_thread(frames: list[str]) -> bool:

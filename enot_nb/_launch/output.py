@@ -17,7 +17,8 @@ class StreamSink:
     ``prefix`` (``"[rank N] "``) is put at the start of every line when several ranks share
     the screen. Alone on the screen (no prefix), ``\\r`` progress bars pass through intact;
     with several ranks, one rank's ``\\r`` would draw over another's line, so each redraw starts
-    a fresh line of its own rank instead.
+    a fresh line of its own rank instead, and a line one rank left open (a bar, drawn without a
+    newline) is ended before another rank writes (``_OPEN``): each rank's lines stay whole.
     """
 
     def __init__(self, target: str, show: bool, prefix: str = "") -> None:
@@ -36,8 +37,23 @@ class StreamSink:
         self._remember(text)
         if self.show or force_show:
             stream = getattr(sys, self.target)
-            stream.write(self._prefixed(text) if self.prefix else text)
+            stream.write(self._shared(text) if self.prefix else text)
             stream.flush()
+
+    def _shared(self, text: str) -> str:
+        """``text`` prefixed, on a line of its own where another rank left the line open."""
+        lead = ""
+        owner = _OPEN.get(self.target)
+        if owner is not None and owner is not self:
+            lead, owner._at_line_start = "\n", True
+            del _OPEN[self.target]
+        out = lead + self._prefixed(text)
+        if self._at_line_start:
+            if _OPEN.get(self.target) is self:
+                del _OPEN[self.target]
+        elif out:
+            _OPEN[self.target] = self
+        return out
 
     def _prefixed(self, text: str) -> str:
         pieces = []
@@ -63,6 +79,10 @@ class StreamSink:
 
     def tail(self) -> str:
         return "".join(self._tail)[-TAIL_CHARS:]
+
+
+_OPEN: dict[str, StreamSink] = {}
+"""The prefixed sink whose line is open (written without its newline yet), per target stream."""
 
 
 class Fenced:

@@ -90,7 +90,7 @@ def test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training(start_me
         assert _notebook_matches_master(s, ns)
 
 
-def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, start_method):
+def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, start_method, capfd):
     """The stop button pressed while the ranks train (the master says so through a FIFO): the
     next cell trains on with the same ``ddp`` and ``opt``, the replicas equal."""
     ns: dict = {}
@@ -112,6 +112,12 @@ def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, star
                 f"    if epoch == 2 and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
             )
         press.join()
+        report = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[rank ")]
+        assert 0 < len(report) < 40, report  # each rank's own frames, a few of torch's
+        assert sum('"<enot_distributed cell>", line 2 in <module>' in line for line in report) == 2, report
+        assert all(
+            sum("/site-packages/" in line for line in report if line.startswith(f"[rank {r}]")) <= 3 for r in (0, 1)
+        )
         assert s.run(REPLICAS_EQUAL) is True
         s.run("train_epoch(ddp, opt, 3)")  # the same wrapper and optimizer train on
         assert s.run(REPLICAS_EQUAL) is True

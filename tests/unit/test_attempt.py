@@ -55,3 +55,30 @@ def test_a_sigkill_is_the_oom_killers_only_where_its_count_rose():
     died = WorkerFailure.died(1, -9, 0, "", sigkill_cause(0, 1))
     assert "killed by SIGKILL (the kernel's out-of-memory killer" in died.summary()
     assert "if the kernel log says so" in WorkerFailure.died(1, -9, 0, "").summary()  # nobody counted
+
+
+def test_a_stop_report_keeps_the_users_frames_and_the_innermost_library_ones():
+    from enot_nb._launch.attempt import stack_report
+
+    dump = "\n".join(
+        [
+            "Current thread 0x00007f (most recent call first):",
+            '  File "/env/lib/python3.11/site-packages/torch/autograd/graph.py", line 1 in _engine_run_backward',
+            '  File "/env/lib/python3.11/site-packages/torch/autograd/__init__.py", line 2 in backward',
+            '  File "/env/lib/python3.11/site-packages/torch/_tensor.py", line 3 in backward',
+            '  File "/env/lib/python3.11/site-packages/torch/_tensor.py", line 4 in deeper',
+            '  File "/tmp/ipykernel_1/2.py", line 9 in train_epoch',
+            '  File "/env/lib/python3.11/site-packages/lightning/loop.py", line 5 in run',
+            '  File "<enot_distributed cell>", line 2 in <module>',
+        ]
+    )
+    report = stack_report(1, dump).splitlines()
+    assert report[0] == "[rank 1] where it was (most recent call first):"
+    assert [line.split('"')[1].rsplit("/", 1)[-1] for line in report[1:-1]] == [
+        "graph.py",
+        "__init__.py",
+        "_tensor.py",
+        "2.py",
+        "<enot_distributed cell>",
+    ]
+    assert report[-1] == "[rank 1]   (2 library frame(s) left out; ENOT_NB_DEBUG=1 logs the whole dump)"

@@ -19,6 +19,21 @@ def test_prefixing_gives_each_redraw_a_line_of_its_rank(capsys):
     assert "\r100%" in sink.tail()
 
 
+def test_two_ranks_bars_never_share_a_line(capsys):
+    """tqdm draws a bar without a newline; another rank's bar then starts a line of its own
+    instead of running on after it ("[rank 1] bar[rank 0] bar")."""
+    one = StreamSink("stdout", show=True, prefix="[rank 1] ")
+    zero = StreamSink("stdout", show=True, prefix="[rank 0] ")
+    one.feed(b"\rbar 0/3")
+    zero.feed(b"\rbar 0/3")
+    one.feed(b"\rbar 1/3")
+    zero.feed(b"\rbar 1/3\n")
+    one.feed(b"done\n")
+    assert capsys.readouterr().out == (
+        "[rank 1] bar 0/3\n[rank 0] bar 0/3\n[rank 1] bar 1/3\n[rank 0] bar 1/3\n[rank 1] done\n"
+    )
+
+
 def test_alone_on_the_screen_carriage_returns_pass_through(capsys):
     sink = StreamSink("stdout", show=True)
     sink.feed(b"\rstep 0\rstep 1\n", final=True)
