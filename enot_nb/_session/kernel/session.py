@@ -1,20 +1,5 @@
 """A persistent session: N supervised torchrun workers that live across cells, the notebook
-mirroring the master.
-
-Example::
-
-    %load_ext enot_nb
-    %enot_session start -n 2 --backend gloo
-
-    %%enot_distributed
-    ddp = DDP(model)                  # built once; lives on every rank
-    train(ddp, steps=50)              # `model` is updated in the notebook, in place
-
-    lr = 0.01                         # a plain cell: reaches every rank before the next cell
-
-    %enot_session stop
-
-Or from code: ``with enot_nb.Session(nprocs=2, backend="gloo") as s: s.run("x = 1")``.
+mirroring the master (the magics' use of it, and an example: enot_nb/sessions.py).
 
 The workers are a ``SessionWorkers`` (_session/kernel/workers: start, commands, failures); what
 the ranks hold of the notebook and what changed since is a ``Mirror`` (_session/mirror/mirror); the
