@@ -423,6 +423,13 @@ MUTATIONS = [
         "        if False:\n",
         ["tests/unit/test_output.py::test_two_ranks_bars_never_share_a_line"],
     ),
+    Mutation(
+        "session-subgroups-lost-after-a-regroup",
+        "enot_nb/_session/worker/repair.py",
+        "    remade = _remade(lost, namespace)\n",
+        "    remade = _Remade({}, [])\n",
+        ["tests/session/test_faults.py::test_a_half_done_collective_on_a_subgroup_makes_the_groups_again"],
+    ),
 ]
 
 

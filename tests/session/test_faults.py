@@ -141,5 +141,8 @@ def test_a_half_done_collective_on_a_subgroup_makes_the_groups_again(capfd):
                 "t = torch.ones(1)\nif dist.get_rank() == 1:\n    raise ValueError('x')\n"
                 "work = dist.all_reduce(t, group=sub, async_op=True)"
             )
-        assert "process group was made again" in capfd.readouterr().out
+        out = capfd.readouterr().out
+        assert "process group was made again" in out and "subgroup(s) sub made again" in out
         assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)") == 2.0
+        # the user's subgroup, made again from its ranks and bound where the old one was
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t, group=sub)\nfloat(t)") == 2.0

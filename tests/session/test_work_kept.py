@@ -114,7 +114,8 @@ def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, star
         press.join()
         report = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[rank ")]
         assert 0 < len(report) < 40, report  # each rank's own frames, a few of torch's
-        assert sum('"<enot_distributed cell>", line 2 in <module>' in line for line in report) == 2, report
+        for r in (0, 1):  # each rank's cell frame is there
+            assert any(line.startswith(f"[rank {r}]") and "<enot_distributed cell>" in line for line in report), report
         assert all(
             sum("/site-packages/" in line for line in report if line.startswith(f"[rank {r}]")) <= 3 for r in (0, 1)
         )

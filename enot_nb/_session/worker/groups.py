@@ -6,7 +6,36 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Subgroup(NamedTuple):
+    """A process group the user made (``dist.new_group``), as it can be made again."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    backend: str
+
+
+def subgroups() -> list[Subgroup]:
+    """Every group but the world group, in the order they were made (the same on every rank:
+    the same cells made them), with its global ranks and backend."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return []
+    world = dist.distributed_c10d._world
+    default = dist.distributed_c10d._get_default_group()
+    made = []
+    for group, ranks in list(world.pg_group_ranks.items()):
+        if group is default:
+            continue
+        try:
+            backend = str(dist.get_backend(group))
+        except (RuntimeError, ValueError):
+            backend = str(dist.get_backend())
+        made.append(Subgroup(group, tuple(sorted(ranks)), backend))
+    return made
 
 
 def sequences() -> dict[str, int] | None:

@@ -25,7 +25,7 @@ import socket
 import sys
 import traceback
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from typing_extensions import assert_never
@@ -69,6 +69,9 @@ class WorkerSession:
     timeout: Any
     sock: socket.socket
     reader: framing.MessageReader[SessionCommand]
+    lost_subgroups: list[groups.Subgroup] = field(default_factory=list)
+    """The subgroups the user made, recorded before an abort or a regroup destroyed them: the
+    next Repair makes them again and puts them back (see repair)."""
 
 
 _SESSION: WorkerSession | None = None
@@ -137,13 +140,17 @@ def _answer(command: SessionCommand) -> None:
             case ReportGroups():
                 bootstrap.send(Groups(groups.sequences()))
             case AbortGroups(peers=peers):  # no answer: the rank has answered its task already
+                _record_subgroups(_session())
                 groups.abort_groups(set(peers) - {os.getpid()})
             case Regroup(init_method=init_method):
                 session = _session()
+                _record_subgroups(session)
                 groups.regroup(init_method, session.backend, session.timeout)
                 bootstrap.send(Done())  # never a Result: the task's result stays in the file
             case Repair():
-                line = repair.repair(_session().namespace)
+                session = _session()
+                lost, session.lost_subgroups = session.lost_subgroups, []
+                line = repair.repair(session.namespace, lost)
                 if line is not None and rank == 0:
                     print(line, flush=True)
                 bootstrap.send(Done())
@@ -157,6 +164,13 @@ def _answer(command: SessionCommand) -> None:
         if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
             traceback.print_exc()
         bootstrap.report_failure(exc)
+
+
+def _record_subgroups(session: WorkerSession) -> None:
+    """Before an abort or a regroup destroys every group: the user's subgroups, to be made again
+    at the next Repair (the first destruction since the last repair saw them alive)."""
+    if not session.lost_subgroups:
+        session.lost_subgroups = groups.subgroups()
 
 
 class PushRefused(RuntimeError):

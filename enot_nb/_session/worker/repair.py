@@ -19,32 +19,36 @@ from __future__ import annotations
 import gc
 import sys
 import types
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from enot_nb._memory.digests import device_checksum
+from enot_nb._session.worker.groups import Subgroup
 
 
-def repair(namespace: dict[str, Any]) -> str | None:
-    """Rebind and equalize (see the module's docstring); a line for the notebook saying what was
-    done, or None where nothing was."""
+def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = ()) -> str | None:
+    """Make the user's subgroups that an abort or a regroup destroyed (``lost``) again, put
+    them back where the namespace held the old ones, rebind and equalize (see the module's
+    docstring); a line for the notebook saying what was done, or None where nothing was."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return None
+    remade = _remade(lost, namespace)
+    parts = [f"subgroup(s) {', '.join(names)} made again" for names in [remade.names] if names]
     ddp_type = _ddp_type()
     if ddp_type is None:
-        return None
+        return "enot_nb: " + "; ".join(parts) if parts else None
     world = dist.distributed_c10d._get_default_group()
     rebound, left = [], []
     for ddp in [o for o in gc.get_objects() if isinstance(o, ddp_type)]:
-        group = _group_to_rebind(ddp.process_group, world)
+        group = remade.new.get(id(ddp.process_group)) or _group_to_rebind(ddp.process_group, world)
         if group is None:
             left.append(_name_of(ddp, namespace))
             continue
         ddp._update_process_group(group)  # the reducer reset too
         rebound.append(_name_of(ddp, namespace))
     taken = equalize(_replicated(namespace, ddp_type))
-    parts = []
     if rebound:
         parts.append(f"DDP wrapper(s) {', '.join(sorted(rebound))} rebound to the ranks' group (reducer reset)")
     if left:
@@ -55,6 +59,46 @@ def repair(namespace: dict[str, Any]) -> str | None:
     if taken:
         parts.append(f"{taken} replicated tensor storage(s) differed from the master's and were made equal to it")
     return "enot_nb: " + "; ".join(parts) if parts else None
+
+
+class _Remade(NamedTuple):
+    new: dict[int, Any]
+    """Each lost group's new one, by the old one's id."""
+    names: list[str]
+    """Where the namespace held them (``sub``, ``trainer.group``), or what they are."""
+
+
+def _remade(lost: Sequence[Subgroup], namespace: dict[str, Any]) -> _Remade:
+    """Each lost subgroup made again from its recorded ranks, on every rank in the order they
+    were first made (``new_group`` is a collective of the world group), and put where the
+    namespace, or an object it holds, held the old one."""
+    import torch.distributed as dist
+
+    new: dict[int, Any] = {}
+    names: list[str] = []
+    for old in lost:
+        if old.group in dist.distributed_c10d._world.pg_map:
+            continue  # still alive: the group was kept
+        group = dist.new_group(list(old.ranks), backend=old.backend)
+        new[id(old.group)] = group
+        found = _put_back(old.group, group, namespace)
+        names += found or [f"a group of ranks {list(old.ranks)}"]
+    return _Remade(new, names)
+
+
+def _put_back(old: Any, new: Any, namespace: dict[str, Any]) -> list[str]:
+    """Bind ``new`` wherever the namespace, or an object it holds, bound ``old``; where."""
+    where = []
+    for name, value in sorted(namespace.items()):
+        if value is old:
+            namespace[name] = new
+            where.append(name)
+            continue
+        for attribute, held in _attributes(value):
+            if held is old:
+                setattr(value, attribute, new)
+                where.append(f"{name}.{attribute}")
+    return where
 
 
 def _ddp_type() -> Any:
