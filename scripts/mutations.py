@@ -430,6 +430,15 @@ MUTATIONS = [
         "    remade = _Remade({}, [])\n",
         ["tests/session/test_faults.py::test_a_half_done_collective_on_a_subgroup_makes_the_groups_again"],
     ),
+    Mutation(
+        "session-fsdp-after-a-regroup-unguarded",
+        "enot_nb/_session/worker/repair.py",
+        "    guarded = _guard_sharded(namespace) if destroyed else []\n",
+        "    guarded = []\n",
+        [
+            "tests/session/test_sharded.py::test_an_fsdp2_module_after_the_groups_were_made_again_says_how_to_shard_it_again"
+        ],
+    ),
 ]
 
 

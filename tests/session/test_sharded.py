@@ -87,3 +87,21 @@ def test_a_pull_brings_a_module_sharded_by_fsdp2_back_whole_into_the_notebooks_o
         assert model(torch.ones(1, 4)).shape == (1, 2)
         s.run("kind = type(model).__name__", no_return=True)
         assert s.pull("kind") == {"kind": "FSDPSequential"}  # the ranks' module is still sharded
+
+
+def test_an_fsdp2_module_after_the_groups_were_made_again_says_how_to_shard_it_again():
+    """A failure that leaves a collective half done makes every group again; FSDP2 cannot move
+    onto new groups, so the module's next use is our error naming the variable and the line
+    that shards it again, never gloo's transport error blaming a healthy rank."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ns = {"model": model, "torch": torch}
+    with start("fork", namespace=ns) as s:
+        s.run("import torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(model)")
+        with pytest.raises(WorkerFailedError):
+            s.run("if dist.get_rank() == 1:\n    raise ValueError('x')\nout = model(torch.ones(3, 4))")
+        with pytest.raises(WorkerFailedError) as used:
+            s.run("out = model(torch.ones(3, 4))")
+        text = str(used.value)
+        assert "model is sharded (FSDP) over the ranks' process groups that were made again" in text
+        assert "model = fully_shard(build_model())" in text and "Connection closed" not in text
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)") == 2.0  # the rest goes on

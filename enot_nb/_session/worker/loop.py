@@ -72,6 +72,8 @@ class WorkerSession:
     lost_subgroups: list[groups.Subgroup] = field(default_factory=list)
     """The subgroups the user made, recorded before an abort or a regroup destroyed them: the
     next Repair makes them again and puts them back (see repair)."""
+    groups_destroyed: bool = False
+    """An abort or a regroup destroyed every group since the last Repair."""
 
 
 _SESSION: WorkerSession | None = None
@@ -149,8 +151,9 @@ def _answer(command: SessionCommand) -> None:
                 bootstrap.send(Done())  # never a Result: the task's result stays in the file
             case Repair():
                 session = _session()
-                lost, session.lost_subgroups = session.lost_subgroups, []
-                line = repair.repair(session.namespace, lost)
+                lost, destroyed = session.lost_subgroups, session.groups_destroyed
+                session.lost_subgroups, session.groups_destroyed = [], False
+                line = repair.repair(session.namespace, lost, destroyed)
                 if line is not None and rank == 0:
                     print(line, flush=True)
                 bootstrap.send(Done())
@@ -169,8 +172,8 @@ def _answer(command: SessionCommand) -> None:
 def _record_subgroups(session: WorkerSession) -> None:
     """Before an abort or a regroup destroys every group: the user's subgroups, to be made again
     at the next Repair (the first destruction since the last repair saw them alive)."""
-    if not session.lost_subgroups:
-        session.lost_subgroups = groups.subgroups()
+    if not session.groups_destroyed:
+        session.lost_subgroups, session.groups_destroyed = groups.subgroups(), True
 
 
 class PushRefused(RuntimeError):

@@ -24,18 +24,26 @@ from typing import Any, NamedTuple
 
 from enot_nb._memory.digests import device_checksum
 from enot_nb._session.worker.groups import Subgroup
+from enot_nb.errors import DistributedRuntimeException
 
 
-def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = ()) -> str | None:
+def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: bool = False) -> str | None:
     """Make the user's subgroups that an abort or a regroup destroyed (``lost``) again, put
-    them back where the namespace held the old ones, rebind and equalize (see the module's
-    docstring); a line for the notebook saying what was done, or None where nothing was."""
+    them back where the namespace held the old ones, guard the FSDP modules that cannot move
+    (``destroyed``: every group was), rebind and equalize (see the module's docstring); a line
+    for the notebook saying what was done, or None where nothing was."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return None
     remade = _remade(lost, namespace)
     parts = [f"subgroup(s) {', '.join(names)} made again" for names in [remade.names] if names]
+    guarded = _guard_sharded(namespace) if destroyed else []
+    if guarded:
+        parts.append(
+            f"FSDP module(s) {', '.join(guarded)} were sharded over the groups that are gone: using one "
+            "raises an error that says how to shard it again"
+        )
     ddp_type = _ddp_type()
     if ddp_type is None:
         return "enot_nb: " + "; ".join(parts) if parts else None
@@ -99,6 +107,35 @@ def _put_back(old: Any, new: Any, namespace: dict[str, Any]) -> list[str]:
                 setattr(value, attribute, new)
                 where.append(f"{name}.{attribute}")
     return where
+
+
+def _guard_sharded(namespace: dict[str, Any]) -> list[str]:
+    """Each FSDP2 module the namespace holds, after every group was made again: FSDP cannot move
+    onto a new group (its mesh holds the old ones), so its next forward raises an error naming
+    the variable and the line that shards it again, before FSDP's own hook meets a dead group
+    (a transport error blaming a healthy rank). The names guarded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    sharded_type = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if sharded_type is None:
+        return []
+    guarded = []
+    for name, value in sorted(namespace.items()):
+        if isinstance(value, sharded_type):
+            value.register_forward_pre_hook(_unusable(name), prepend=True)
+            guarded.append(name)
+    return guarded
+
+
+def _unusable(name: str) -> Any:
+    def refuse(module: Any, args: Any) -> None:
+        raise DistributedRuntimeException(
+            f"{name} is sharded (FSDP) over the ranks' process groups that were made again after a failed "
+            f"or interrupted cell, and FSDP cannot move onto new groups: make it again and shard it, e.g. "
+            f"`{name} = fully_shard(build_model())` (the notebook holds its last whole values: "
+            f"`%enot_pull {name}` before, then load them)"
+        )
+
+    return refuse
 
 
 def _ddp_type() -> Any:
