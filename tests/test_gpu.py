@@ -374,3 +374,46 @@ def test_two_gloo_ranks_on_one_gpu_keep_a_cuda_model_across_cells():
         s.run("model(torch.ones(2, 8, device='cuda')).sum().backward()\nopt.step()")
         assert ns["model"].weight.device.type == "cpu"  # mirrored as CPU copies
         assert s.run("next(model.parameters()).device.type") == "cuda"  # still on the GPU there
+
+
+def test_a_restarted_session_puts_a_cuda_model_back_on_each_ranks_gpu():
+    """A rank dies while the session's model and optimizer live on the GPU: the restart restores
+    them from the notebook's CPU copies onto each rank's GPU, where they lived, and says so."""
+    import signal
+
+    ns = {"model": torch.nn.Linear(8, 8)}
+    with enot_nb.Session(nprocs=2, backend="gloo", namespace=ns, quiet=True) as s:
+        s.run("import torch\nmodel.cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)")
+        s.run("model(torch.ones(2, 8, device='cuda')).sum().backward()\nopt.step()")
+        os.kill(s.status().rows[1].pid, signal.SIGKILL)
+        where = s.run("(next(model.parameters()).device.type, opt.state[model.weight]['momentum_buffer'].device.type)")
+        assert where == ("cuda", "cuda")
+        s.run("model(torch.ones(2, 8, device='cuda')).sum().backward()\nopt.step()")  # trains on, on the GPU
+
+
+def test_a_cuda_out_of_memory_on_one_rank_fails_the_cell_and_the_session_goes_on():
+    ns: dict = {}
+    with enot_nb.Session(nprocs=2, backend="gloo", namespace=ns, quiet=True) as s:
+        s.run("import torch, torch.distributed as dist\nx = torch.ones(4, device='cuda')")
+        with pytest.raises(enot_nb.WorkerFailedError) as failed:
+            s.run("if dist.get_rank() == 1:\n    big = torch.empty(1 << 50, device='cuda')\ny = x * 2")
+        assert failed.value.rank == 1 and "OutOfMemoryError" in str(failed.value)
+        assert s.run("float((x * 3).sum())") == 12.0
+
+
+def test_a_nccl_session_trains_on_with_the_same_ddp_after_a_failed_cell():
+    """nccl: a cell fails on the last rank mid-epoch; the repair moves ``ddp`` onto the ranks'
+    group (made again where a collective was left half done) and the same wrapper trains on."""
+    ns = {"model": torch.nn.Linear(8, 8)}
+    with enot_nb.Session(nprocs=GPUS, backend="nccl", namespace=ns, quiet=True) as s:
+        s.run(
+            "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "model.cuda()\nddp = DDP(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
+            "def step():\n    opt.zero_grad()\n"
+            "    ddp(torch.ones(2, 8, device='cuda')).sum().backward()\n    opt.step()\n"
+        )
+        s.run("step()")
+        with pytest.raises(enot_nb.WorkerFailedError):
+            s.run(f"step()\nif dist.get_rank() == {GPUS - 1}:\n    raise ValueError('mid-epoch')\nstep()")
+        s.run("step()")  # the same ddp, on the group as it is now
+        assert s.run("next(model.parameters()).device.type") == "cuda"

@@ -91,9 +91,12 @@ class PullTask:
 
 @dataclass
 class SyncTask:
-    """Only the push (``Session.push``, or a sync before a pull)."""
+    """Only the push (``Session.push``, a sync before a pull, a restart's restore)."""
 
     push: collect.Changes | None
+    to_device: list[str] = field(default_factory=list)
+    """Variables that lived on the ranks' GPUs: after the push (CPU copies) each rank moves them
+    onto its own device (a restart's restore)."""
 
 
 Task = CellTask | CallTask | PullTask | SyncTask

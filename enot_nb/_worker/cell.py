@@ -75,6 +75,9 @@ class CellOutcome:
     """Names given to --return that the cell neither bound nor changed."""
     detached: list[str] = field(default_factory=list)
     """Names bound to tensors with an autograd graph: they come back without it."""
+    on_device: list[str] = field(default_factory=list)
+    """A session master's variables that hold tensors on its GPU (a module, a tensor, an
+    optimizer's state): a restart puts them back on each rank's GPU (see _session/worker)."""
 
 
 # ----------------------------------------------------------------------------- analysis

@@ -136,6 +136,7 @@ class NamespaceFlow:
         if not isinstance(state, _cell.CellOutcome):
             self.after_push(prepared, outcome)
             return None
+        self.mirror.on_device = set(state.on_device)  # the master's whole namespace, as of now
         assert prepared.options is not None and prepared.run is not None
         if prepared.registry is None:
             self.after_push(prepared, outcome)
@@ -230,17 +231,18 @@ class NamespaceFlow:
             self.mirror.synced_after(self.namespace, [*self.mirror.record.synced, *came], self._hidden())
         return {n: self.namespace[n] for n in came}
 
-    def push_values(self, values: dict[str, Any]) -> PreparedTask:
+    def push_values(self, values: dict[str, Any], to_device: list[str] | None = None) -> PreparedTask:
         """Under --mirror all the values are bound in the notebook too (it mirrors the master)
-        and pushed by value, over whatever the ranks held; else only sent."""
+        and pushed by value, over whatever the ranks held; else only sent. ``to_device``: names
+        each rank then moves onto its GPU (a restart's restore)."""
         if not self.mirrored:
-            return PreparedTask(SyncTask(Changes(bound=dict(values))))
+            return PreparedTask(SyncTask(Changes(bound=dict(values)), list(to_device or [])))
         self.namespace.update(values)
         for name in values:
             self.mirror.stale.pop(name, None)
             self.mirror.record.synced.pop(name, None)
         push = self._push(list(values))
-        return PreparedTask(SyncTask(push.changes if push else None), push)
+        return PreparedTask(SyncTask(push.changes if push else None, list(to_device or [])), push)
 
 
 def _loaded_whole(namespace: dict[str, Any], whole: dict[str, dict[str, Any]]) -> dict[str, str]:

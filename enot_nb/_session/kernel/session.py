@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from enot_nb._defaults import DEFAULT_TIMEOUT
@@ -129,26 +129,29 @@ class Session:
         self.flow.mirror.reset()  # its shadow fork too
 
     def restart(self, why: str | None = None) -> None:
-        """New workers, given what the old ones held of the notebook's state (by value, on the
-        CPU); one line says what was restored, from an older copy, and what is gone."""
+        """New workers, given what the old ones held of the notebook's state (by value; what lived
+        on the ranks' GPUs put back there); one line says what was restored, from an older copy,
+        and what is gone."""
         if self.workers is None and self not in _live:
             raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
         mirror = self.flow.mirror
         lost = sorted(mirror.on_workers) if self.flow.mirrored else ["everything (--mirror none)"]
         older = sorted(mirror.stale) if self.flow.mirrored else []
         held = [n for n in mirror.record.synced if n in self.namespace] if self.flow.mirrored else []
+        on_device = [n for n in held if n in mirror.on_device]
         if self.workers is not None:
             self.workers.close()
             self.workers = None
         mirror.reset()
         self._start(quiet=True)
-        restored = self._restore(held) if held else []
-        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older, restored))
+        restored = self._restore(held, on_device) if held else []
+        print(restart_line(self.plan.nprocs, self.flow.mirrored, why, lost, older, restored, on_device))
 
-    def _restore(self, names: list[str]) -> list[str]:
-        """The variables the old workers held, pushed to the new ones; those restored."""
+    def _restore(self, names: list[str], on_device: list[str]) -> list[str]:
+        """The variables the old workers held, pushed to the new ones (``on_device``: then moved
+        onto each rank's GPU, where they lived); those restored."""
         assert self.workers is not None
-        prepared = self.flow.push_values({n: self.namespace[n] for n in names})
+        prepared = self.flow.push_values({n: self.namespace[n] for n in names}, to_device=on_device)
         workers = self.workers
         workers.run_task(self.flow.pickle(prepared), "none", lambda done: self.flow.after_push(prepared, done))
         outcome = workers.last  # refused: the next cell pushes what it uses
@@ -266,7 +269,13 @@ def start_workers(plan: Any, mirror: str | None) -> SessionWorkers:
 
 
 def restart_line(
-    nprocs: int, mirrored: bool, why: str | None, lost: list[str], older: list[str], restored: list[str]
+    nprocs: int,
+    mirrored: bool,
+    why: str | None,
+    lost: list[str],
+    older: list[str],
+    restored: list[str],
+    on_device: Sequence[str] = (),
 ) -> str:
     """What a restart restored (the notebook's state), from an older copy (the stale variables),
     and what is gone (what lived only on the workers)."""
@@ -274,7 +283,11 @@ def restart_line(
     if not mirrored:
         restored_line = "they hold nothing"
     elif restored:
-        restored_line = f"restored from the notebook (on the CPU): {', '.join(restored)}"
+        on_cpu = [n for n in restored if n not in on_device]
+        parts = [f"restored from the notebook (on the CPU): {', '.join(on_cpu)}"] if on_cpu else []
+        gpu = [n for n in restored if n in on_device]
+        parts += [f"restored onto each rank's GPU, where it lived: {', '.join(gpu)}"] if gpu else []
+        restored_line = "; ".join(parts)
     else:
         restored_line = "the notebook's state reaches them as the next cells use it"
     older_line = (

@@ -107,6 +107,9 @@ class Mirror:
         self.stale: dict[str, str] = {}
         """Variables whose newest value the master alone holds, with why."""
         self.on_workers: dict[str, str] = {}
+        self.on_device: set[str] = set()
+        """The master's variables that live on its GPU (as its last cell reported): a restart
+        puts them back on each rank's GPU."""
         self.kept_here: dict[str, tuple[int, str]] = {}
         """Variables that stay in the notebook, by the id of the value they hold and why:
         enot_nb's own live objects (a Session) and values that cannot be pickled. Never pushed

@@ -50,7 +50,7 @@ from enot_nb._serialize import result_file, shm
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.kept import KeptSnapshot
 from enot_nb._session.tasks import CallTask, CellTask, PullTask, RegistrySpecs, SyncTask, Task
-from enot_nb._session.worker import groups, repair
+from enot_nb._session.worker import devices, groups, repair
 from enot_nb._state import apply, collect
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap, frontend, sharded
@@ -222,6 +222,7 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
         case PullTask():
             return _pull(namespace, task)
         case SyncTask():
+            devices.to_rank_device(namespace, task.to_device)
             return None
         case _:
             assert_never(task)
@@ -242,6 +243,8 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
     )
     if kept is not None and task.mirror is not None:
         kept.found_by(task.mirror.packed, task.mirror.specs)
+    if isinstance(outcome, _cell.CellOutcome):  # the master's: what lives on its GPU
+        outcome.on_device = devices.names_on_device(namespace)
     return outcome
 
 
