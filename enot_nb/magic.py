@@ -250,9 +250,12 @@ def check_session_cell_options(args: argparse.Namespace, given: dict[str, str], 
 
 
 def _wait_for_imports(info: Any = None) -> None:
-    """Before any cell: the imports a distributed cell's master left (see preload) are done, so
-    that the cell never imports beside them."""
-    preload.PRELOADER.wait()
+    """Before a cell that imports what a distributed cell's master left to import (see preload):
+    those imports are done first, so that the cell never imports the same packages beside them;
+    any other cell runs at once."""
+    code = getattr(info, "raw_cell", None)
+    if code is None or preload.PRELOADER.must_wait_for(code):
+        preload.PRELOADER.wait()
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:

@@ -439,6 +439,13 @@ MUTATIONS = [
             "tests/session/test_sharded.py::test_an_fsdp2_module_after_the_groups_were_made_again_says_how_to_shard_it_again"
         ],
     ),
+    Mutation(
+        "every-plain-cell-waits-for-the-background-import",
+        "enot_nb/_worker/preload.py",
+        "        return tops is None or bool(tops & self.importing)\n",
+        "        return True\n",
+        ["tests/cells/test_preload.py::test_only_a_cell_that_imports_what_is_being_imported_waits_for_it"],
+    ),
 ]
 
 

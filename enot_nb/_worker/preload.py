@@ -14,11 +14,14 @@ and the kernel, and the fork server for spawned workers, import the same modules
 
 Three rules keep it safe:
 
-* Nothing else imports meanwhile: two threads importing at once can deadlock (importlib raises
-  ``_DeadlockError`` on a cycle of torch's circular imports) and a rollback would remove what the
-  other imported. So the kernel starts the import once the cell is done with (its result loaded,
-  its changes applied), and the next cell waits for it first (an IPython ``pre_run_cell``
-  event); the fork server only forks and reads its socket between launches.
+* Nothing else imports the same packages meanwhile: two threads importing them at once can
+  deadlock (importlib raises ``_DeadlockError`` on a cycle of torch's circular imports) and a
+  rollback would remove what the other imported. So the kernel starts the import once the cell
+  is done with (its result loaded, its changes applied), and a later cell that imports one of
+  the packages being imported (or may: it reads names dynamically, or calls ``__import__``)
+  waits for it first (``must_wait_for``, at IPython's ``pre_run_cell``, before the cell holds
+  any import lock); other cells run at once. The fork server only forks and reads its socket
+  between launches.
 * Every fork waits for the helper thread first (``os.register_at_fork(before=...)``): the
   launcher's forks and the user's own. A fork halfway through an import would leave the child a
   half-made module and the import lock held.
@@ -155,6 +158,8 @@ class Preloader:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.pending: dict[str, None] = {}
+        self.importing: set[str] = set()
+        """The top-level packages of what the helper thread imports (or was last given)."""
 
     def add_pending(self, names: list[str]) -> None:
         """Import ``names`` at the next ``start_pending``."""
@@ -173,6 +178,8 @@ class Preloader:
             return
         with self.lock:
             previous = self.thread
+            running = previous is not None and previous.is_alive()
+            self.importing = (self.importing if running else set()) | {n.split(".", 1)[0] for n in missing}
 
             def run() -> None:
                 if previous is not None:
@@ -182,11 +189,50 @@ class Preloader:
             self.thread = threading.Thread(target=run, name="enot_nb-preload", daemon=True)
             self.thread.start()
 
+    def must_wait_for(self, code: str) -> bool:
+        """Whether a cell of ``code`` must wait for the background import before it runs: it
+        imports one of the packages being imported, or may (see ``imported_by``)."""
+        thread = self.thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return False
+        tops = imported_by(code)
+        return tops is None or bool(tops & self.importing)
+
     def wait(self) -> None:
         """Block until the imports are done (a fork must not copy half an import)."""
         thread = self.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+_DYNAMIC_IMPORTS = frozenset({"__import__", "importlib", "import_module", "exec", "eval", "run_line_magic"})
+
+
+def imported_by(code: str) -> set[str] | None:
+    """The top-level packages a cell imports by statement; None where it may import otherwise
+    (it reads names dynamically, calls ``__import__`` or ``importlib``, runs a cell magic) or does
+    not parse. Line magics and shell escapes count as no import (their lines are left out)."""
+    import ast
+
+    if code.lstrip().startswith("%%"):
+        return None
+    lines = [line if not line.lstrip().startswith(("%", "!")) else "" for line in code.splitlines()]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+    tops: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            tops.update(alias.name.split(".", 1)[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops.add(node.module.split(".", 1)[0])
+        elif (
+            isinstance(node, ast.Name | ast.Attribute)
+            and (getattr(node, "id", None) or getattr(node, "attr", None)) in _DYNAMIC_IMPORTS
+        ):
+            return None
+    return tops
 
 
 PRELOADER = Preloader()

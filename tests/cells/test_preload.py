@@ -111,3 +111,31 @@ def test_a_fork_waits_for_the_background_import(on_path):
     go.set()
     del preload._test_events  # type: ignore[attr-defined]
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_only_a_cell_that_imports_what_is_being_imported_waits_for_it(on_path):
+    """A plain cell after a distributed one waits for the background import only where it
+    imports one of the packages being imported, or may (dynamic imports, a cell magic)."""
+    started, go = threading.Event(), threading.Event()
+    preload._test_events = (started, go)  # type: ignore[attr-defined]
+    _module(
+        on_path,
+        "enot_test_waited",
+        "from enot_nb._worker import preload\ns, g = preload._test_events\ns.set()\ng.wait(30)\n",
+    )
+    preloader = preload.Preloader()
+    preloader.start(["enot_test_waited"])
+    assert started.wait(30)
+    try:
+        assert not preloader.must_wait_for("x = 1\nprint(x)")
+        assert not preloader.must_wait_for("import json\n%time y = 2\n!ls")
+        assert preloader.must_wait_for("import enot_test_waited")
+        assert preloader.must_wait_for("from enot_test_waited import thing")
+        assert preloader.must_wait_for("m = __import__('enot_test_waited')")
+        assert preloader.must_wait_for("import importlib\nimportlib.import_module('json')")
+        assert preloader.must_wait_for("%%timeit\nx = 1")
+    finally:
+        go.set()
+        preloader.wait()
+        del preload._test_events  # type: ignore[attr-defined]
+    assert not preloader.must_wait_for("import enot_test_waited")  # done: nothing to wait for
