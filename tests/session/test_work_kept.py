@@ -210,3 +210,39 @@ def test_a_peer_killed_mid_cell_keeps_the_masters_progress(start_method, capsys,
         assert "session restarted (rank 1 died (SIGKILL); the notebook holds the master's state" in out
         assert ns["counter"] == 5 and ns["w"].tolist() == [3.0] * 4  # the master's progress, kept
         assert s.run("counter, w.tolist()") == (5, [3.0] * 4)  # and the new workers hold it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_twenty_stop_presses_at_random_moments_of_training_leave_the_same_ddp_training(tmp_path):
+    """Twenty presses, each after a random number of steps (the master says when through a
+    FIFO, the press lands wherever the ranks then are): after each, the replicas equal each other
+    and the notebook the master; then the same ``ddp`` and ``opt`` train on."""
+    import random
+
+    rng = random.Random(20261205)
+    ns: dict = {}
+
+    def press_once(fifo) -> None:
+        with open(fifo) as said:
+            said.read(1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with start("fork", namespace=ns) as s:
+        s.run(BN_MODEL + EPOCH)
+        for press in range(20):
+            fifo = tmp_path / f"training-{press}"
+            os.mkfifo(fifo)
+            after = rng.randint(0, 12)
+            presser = threading.Thread(target=press_once, args=(fifo,))
+            presser.start()
+            with pytest.raises(KeyboardInterrupt):
+                s.run(
+                    "for n in range(100000):\n    train_epoch(ddp, opt, 1)\n"
+                    f"    if n == {after} and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
+                )
+            presser.join()
+            assert s.run(REPLICAS_EQUAL) is True, f"press {press}"
+            assert _notebook_matches_master(s, ns), f"press {press}"
+        s.run("train_epoch(ddp, opt, 3)")
+        assert s.run(REPLICAS_EQUAL) is True
