@@ -446,6 +446,13 @@ MUTATIONS = [
         "        return True\n",
         ["tests/cells/test_preload.py::test_only_a_cell_that_imports_what_is_being_imported_waits_for_it"],
     ),
+    Mutation(
+        "session-graph-going-out-unnamed",
+        "enot_nb/_session/mirror/mirror.py",
+        "        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))\n",
+        "        return Push(None if empty else changes, names, newly_kept, [])\n",
+        ["tests/session/test_mirror.py::test_a_tensor_with_a_graph_going_out_is_named_as_one_coming_back_is"],
+    ),
 ]
 
 

@@ -217,3 +217,17 @@ def test_a_variable_that_cannot_be_pickled_stays_in_the_notebook_and_the_cell_ru
         assert out.count("'lock' stays in the notebook, not on the ranks: lock cannot be pickled") == 1
         ns["lock"] = [1, 2]  # a value that travels: pushed again
         assert s.run("eval('lock')") == [1, 2]
+
+
+def test_a_tensor_with_a_graph_going_out_is_named_as_one_coming_back_is(capsys):
+    """``out = model(x)`` in a plain cell, then ``out.sum().backward()`` in a session cell: the
+    ranks get ``out`` without its graph, so the backward reaches no parameter; a note says so,
+    once, instead of leaving the no-op silent."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    ns = {"model": model, "out": model(torch.ones(1, 2))}
+    with start("fork", namespace=ns) as s:
+        s.run("loss = out.sum() * 2")
+        s.run("loss = out.sum() * 3")
+        out = capsys.readouterr().out
+        assert out.count("out: reached the ranks without its autograd graph") == 1, out

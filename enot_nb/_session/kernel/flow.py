@@ -82,6 +82,14 @@ class NamespaceFlow:
         kept = {**(prepared.push.kept_here if prepared.push is not None else {}), **pickled.kept_here}
         for name, why in kept.items():
             NOTES.once(Note(name, f"{name!r} stays in the notebook, not on the ranks: {why}"))
+        for name in prepared.push.detached if prepared.push is not None else []:
+            NOTES.once(
+                Note(
+                    f"detached going out {name}",
+                    f"{name}: reached the ranks without its autograd graph, which stays in the notebook "
+                    "(a backward() through it there reaches no parameter); compute it inside the session cell",
+                )
+            )
         return pickled
 
     def _push(

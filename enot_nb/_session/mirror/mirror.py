@@ -23,6 +23,7 @@ newer value, so a plain cell that changed it is refused at the next push, by nam
 from __future__ import annotations
 
 import io
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,8 @@ class Push:
     """The variables the ranks hold once it is applied."""
     kept_here: dict[str, str] = field(default_factory=dict)
     """Variables newly left in the notebook (see Mirror.kept_here), with why: named once."""
+    detached: list[str] = field(default_factory=list)
+    """Variables bound to tensors with an autograd graph: they reach the ranks without it."""
 
 
 @dataclass
@@ -97,6 +100,14 @@ class _RecordingPickler(StatePickler):
         if pid is not None:
             (self.objects_used if pid[0] == "o" else self.storages_used).add(pid[1])
         return pid
+
+
+def _with_a_graph(bound: dict[str, Any]) -> list[str]:
+    """The names bound to tensors that carry an autograd graph (torch looked up, not imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    return sorted(n for n, v in bound.items() if isinstance(v, torch.Tensor) and v.grad_fn is not None)
 
 
 class Mirror:
@@ -166,7 +177,7 @@ class Mirror:
         changes.deleted = [n for n in changes.deleted if n not in pulling]
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
         names = [n for n in {**synced, **changes.bound} if n not in changes.deleted]
-        return Push(None if empty else changes, names, newly_kept)
+        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))
 
     def _keep_here(self, changes: Changes) -> dict[str, str]:
         """Drop from ``changes.bound`` the variables that stay in the notebook (``kept_here``),
