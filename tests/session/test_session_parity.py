@@ -163,6 +163,28 @@ CASES = [
         ],
     ),
     (
+        "storages-rebound-in-plain-cells-reach-the-ranks",
+        LINEAR + "w = model.weight\nbuf = torch.arange(4.0)\n",
+        [
+            (S, "opt = torch.optim.SGD(model.parameters(), lr=0.1)"),
+            (S, STEP),
+            (P, "model.weight.data = torch.zeros(2, 2)"),
+            (S, STEP),
+            (P, "model.double()"),
+            (S, "y = [round(v, 4) for v in model(torch.ones(1, 2, dtype=torch.float64)).flatten().tolist()]"),
+            (S, "b2 = (buf * 2).tolist()"),
+            (P, "buf.set_(torch.ones(6))"),
+            (S, "n = buf.numel()\nb3 = buf.tolist()"),
+        ],
+        [
+            "[round(v, 4) for v in model.weight.flatten().tolist()]",
+            "model.weight is w",
+            "str(model.weight.dtype)",
+            "'y' in dir() and y",
+            "'n' in dir() and (n, b3)",
+        ],
+    ),
+    (
         "a-cell-value-and-a-new-class",
         "",
         [

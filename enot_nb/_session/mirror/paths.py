@@ -267,7 +267,9 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
         raise fail(f"a {spec.type_name} in the notebook, a {type_name(obj)} on this rank")
     if spec.sizes:
         here = tuple(s.nbytes() for s in tensor_storages(obj))
-        if here != spec.sizes:
+        # -1: a storage the notebook made since the last sync (``p.data = ...``, ``.set_()``,
+        # ``.double()``): the push brings it whole, in place of the rank's, whatever its size
+        if len(here) != len(spec.sizes) or any(n >= 0 and n != m for n, m in zip(spec.sizes, here)):
             raise fail(f"its storage holds {spec.sizes} bytes in the notebook, {here} on this rank")
     return obj
 
