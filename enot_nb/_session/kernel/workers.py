@@ -188,7 +188,11 @@ class CommandRound:
         dead = [r for r in ranks if not r.running]
         if dead and outcome.restart is None:
             r = dead[0]
-            outcome.restart = f"rank {r.rank} died ({host.why_ended(r)}){_state_kept(self.saved, r.rank)}"
+            master = next(m for m in ranks if m.rank == 0)
+            # The master may have answered before the death was seen (its wait on the dead peer
+            # ended at once): what it sent is the state at the failure all the same.
+            saved = self.saved if self.saved is not None else (_sent_state(master) if master.running else False)
+            outcome.restart = f"rank {r.rank} died ({host.why_ended(r)}){_state_kept(saved, r.rank)}"
         outcome.failures = list(host.failures)
         for r in dead:
             if not any(f.rank == r.rank for f in outcome.failures) and r.exitcode is not None and r.exitcode != 0:
