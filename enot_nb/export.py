@@ -135,6 +135,11 @@ def export_cell(
     Returns:
         The paths written and the torchrun command line.
 
+    Raises:
+        LaunchConfigError: a bad option (a ValueError).
+        SyntaxError: the code does not parse.
+        ValueError: ``path`` is a link planted where the script goes.
+
     Example::
 
         exported = enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)

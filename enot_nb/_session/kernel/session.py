@@ -119,7 +119,12 @@ class Session:
             atexit.register(self.close)
 
     def close(self) -> None:
-        """Stop every worker (and their children); the notebook keeps what it holds."""
+        """Stop every worker (and their children); the notebook keeps what it holds.
+
+        Example::
+
+            session.close()  # or leave the ``with Session(...)`` block
+        """
         workers, self.workers = self.workers, None
         if self in _live:
             _live.remove(self)
@@ -131,7 +136,18 @@ class Session:
     def restart(self, why: str | None = None) -> None:
         """New workers, given what the old ones held of the notebook's state (by value; what lived
         on the ranks' GPUs put back there); one line says what was restored, from an older copy,
-        and what is gone."""
+        and what is gone.
+
+        Args:
+            why: said in that line ("asked for", "rank 1 died (SIGKILL)").
+
+        Raises:
+            LaunchError: the session is closed.
+
+        Example::
+
+            session.restart("asked for")
+        """
         if self.workers is None and self not in _live:
             raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
         mirror = self.flow.mirror
@@ -174,7 +190,16 @@ class Session:
         return self.workers
 
     def status(self) -> SessionStatus:
-        """A row per rank: pid, device, state, host memory, GPU memory, cells run, uptime."""
+        """The session's table.
+
+        Returns:
+            A row per rank: pid, device, state (a rank that died since its last task shows as
+            dead), host memory, GPU memory, cells run, uptime; HTML in a notebook.
+
+        Example::
+
+            session.status()
+        """
         return status_of(self.workers, self.plan, self.mirror_mode)
 
     def run(
@@ -187,7 +212,27 @@ class Session:
         sync: list[str] | None = None,
     ) -> Any:
         """Run ``code`` on every rank, in each rank's namespace; the notebook mirrors the master
-        (--mirror all) and the value of a last expression comes back as a cell's Out."""
+        (--mirror all).
+
+        Args:
+            code: a cell's Python code.
+            output: whose output to show ("master", "all", "none"); default: the session's.
+            returns: bring back only these names (in-place changes always come back).
+            no_return: bring nothing back.
+            sync: models to broadcast from the master first (default: none).
+
+        Returns:
+            The value of the cell's last expression, as a cell's Out.
+
+        Raises:
+            WorkerFailedError: a rank raised or died (the notebook keeps the master's state at
+                the failure; the ranks stay, or the session restarts, saying so).
+            SyntaxError: the code does not parse (nothing is sent).
+
+        Example::
+
+            session.run("x = dist.get_rank()\nx")  # 0, the master's
+        """
         return self.run_cell(code, CellRun(output or self.output, returns, no_return, sync))
 
     def run_cell(self, code: str, run: CellRun) -> Any:
@@ -198,12 +243,42 @@ class Session:
 
     def launch(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on every rank, with the rank's session namespace as its
-        globals (``fn`` travels by value); rank 0's result, as ``notebook_launcher``'s."""
+        globals (``fn`` travels by value, with what it reaches).
+
+        Args:
+            fn: the function; what it changes of the notebook's objects comes back, as a cell's.
+            *args: its positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            Rank 0's result, as ``notebook_launcher``'s.
+
+        Raises:
+            WorkerFailedError: a rank raised or died.
+
+        Example::
+
+            session.launch(lambda: __import__("os").environ["RANK"])  # "0"
+        """
         return self._task(lambda: self.flow.call(fn, args, kwargs), self.output, self.flow.after_call)
 
     def pull(self, *names: str) -> dict[str, Any]:
-        """The master's values of ``names``: returned, and bound in the namespace, in place
-        where an object of the same type sits at the same path."""
+        """The master's values of ``names``, bound in the namespace too (in place where an object
+        of the same type sits at the same path; a module sharded by FSDP comes whole).
+
+        Args:
+            *names: the variables.
+
+        Returns:
+            Each name to its value.
+
+        Raises:
+            WorkerFailedError: the master has no such variable, or a rank failed.
+
+        Example::
+
+            session.pull("model")["model"]
+        """
         wanted = list(names)
         return self._task(
             lambda: self.flow.pull(wanted), "master", lambda made, done: self.flow.after_pull(made, done, wanted)
@@ -211,7 +286,18 @@ class Session:
 
     def push(self, **values: Any) -> None:
         """Send ``values`` to every rank, bound under their names (under --mirror all, in the
-        notebook too: it mirrors the master). A pushed value replaces what a rank held there."""
+        notebook too: it mirrors the master). A pushed value replaces what a rank held there.
+
+        Args:
+            **values: the variables, by name.
+
+        Raises:
+            WorkerFailedError: a rank could not take them.
+
+        Example::
+
+            session.push(lr=0.01)
+        """
         self._task(lambda: self.flow.push_values(values), self.output, self.flow.after_push)
 
     def _task(
