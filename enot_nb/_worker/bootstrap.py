@@ -39,7 +39,7 @@ from enot_nb._processes.protocol import (
     WorkerMessage,
 )
 from enot_nb._serialize import result_file, shm
-from enot_nb._worker import streams
+from enot_nb._worker import stacks, streams
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
 _PR_SET_PDEATHSIG = 1
@@ -123,8 +123,9 @@ def become_worker(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # A crash prints the Python stack into this rank's stderr, which the failure report shows.
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    # On interrupt the launcher asks every rank where it is: a hang is diagnosable.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    # On interrupt the launcher asks every rank where it is: a hang is diagnosable (see stacks:
+    # not faulthandler.register, whose dump of all threads could crash a rank).
+    stacks.install()
     os.environ.clear()
     os.environ.update(spec.env)
     os.environ[WORKER_MARKER] = "1"
