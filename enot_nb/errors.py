@@ -67,6 +67,16 @@ def sigkill_cause(before: int | None, after: int | None) -> str:
     )
 
 
+def signal_name_of(exitcode: int) -> str:
+    """The name of the signal a negative exit code stands for (``-9``: ``"SIGKILL"``)."""
+    import signal
+
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
 _PEER_LOSS_WORDS = (
     "Connection closed by peer",
     "Connection reset",
@@ -128,12 +138,7 @@ class WorkerFailure:
         signal_name = None
         message = ""
         if exitcode < 0:
-            import signal
-
-            try:
-                signal_name = signal.Signals(-exitcode).name
-            except ValueError:
-                signal_name = f"signal {-exitcode}"
+            signal_name = signal_name_of(exitcode)
         elif exitcode == 0:
             message = "exited with code 0 before its function returned (os._exit?)"
         else:

@@ -26,7 +26,7 @@ from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._processes.protocol import Payload, SessionCommand, StopWorker
 from enot_nb._serialize import picklers, result_file
 from enot_nb._worker import bootstrap
-from enot_nb.errors import LaunchError, WorkerFailedError, WorkerFailure
+from enot_nb.errors import LaunchError, WorkerFailedError, WorkerFailure, signal_name_of
 
 WRITE_WAIT = 30.0
 """Seconds an idle rank gets to take in a command (it reads it at once: it is idle)."""
@@ -216,12 +216,7 @@ class LocalRanks:
     def why_ended(self, rank: Rank) -> str:
         """How a rank's process ended: the signal that killed it, or its exit code."""
         exitcode = rank.exitcode
-        if exitcode is not None and exitcode < 0:
-            try:
-                return signal.Signals(-exitcode).name
-            except ValueError:
-                return f"signal {-exitcode}"
-        return f"exit code {exitcode}"
+        return signal_name_of(exitcode) if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
 
     def show(self, output: str) -> None:
         for r in self.ranks:

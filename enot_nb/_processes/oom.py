@@ -5,6 +5,7 @@ the count rose; elsewhere a person, a scheduler or another process sent it."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -23,9 +24,11 @@ def oom_kills() -> int | None:
     return None
 
 
+@functools.cache
 def _counter_files() -> list[str]:
     """Where the counter may be: cgroup v2's memory.events (the unified hierarchy, mounted at
-    /sys/fs/cgroup or /sys/fs/cgroup/unified), then v1's memory.oom_control."""
+    /sys/fs/cgroup or /sys/fs/cgroup/unified), then v1's memory.oom_control. Found once: a
+    process keeps its cgroup (a launch reads the counter at every start)."""
     try:
         with open("/proc/self/cgroup") as lines:
             entries = [line.rstrip("\n").split(":", 2) for line in lines]

@@ -163,7 +163,8 @@ class CommandRound:
         self.stopped: set[int] = set()
         """The master, stopped to send its state after a peer died (see _save_the_masters_state)."""
         self.saved: bool | None = None
-        """After a death mid-task: whether the master sent its state at the failure in time."""
+        """After a wait for the master's state (see _save_the_masters_state): whether it came in
+        time; None where there was no wait (run() then reads what the master sent)."""
 
     def run(self, command: SessionCommand) -> CommandOutcome:
         host, outcome = self.host, self.outcome
@@ -186,9 +187,9 @@ class CommandRound:
                 outcome.restart = "the stop button was pressed again while the ranks were being stopped"
                 self.hold.start()
         dead = [r for r in ranks if not r.running]
+        master = next(r for r in ranks if r.rank == 0)
         if dead and outcome.restart is None:
             r = dead[0]
-            master = next(m for m in ranks if m.rank == 0)
             # The master may have answered before the death was seen (its wait on the dead peer
             # ended at once): what it sent is the state at the failure all the same.
             saved = self.saved if self.saved is not None else (_sent_state(master) if master.running else False)
@@ -199,7 +200,6 @@ class CommandRound:
                 outcome.failures.append(WorkerFailure.died(r.rank, r.exitcode, 0, r.err_tail(), r.signal_cause))
         outcome.failures = _named_released(outcome.failures, self.released, self.stopped)
         outcome.failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
-        master = next(r for r in ranks if r.rank == 0)
         if isinstance(master.outcome, Result) and master.payload is not None:
             outcome.result = host.load(master.payload)
             outcome.result_bytes = payload_size(master.payload)
@@ -207,8 +207,8 @@ class CommandRound:
             outcome.partial = host.load(master.partial)
         if outcome.restart is None and (outcome.failures or outcome.interrupted):
             self._keep_or_regroup()  # a press is held (bounded by RELEASE_WAIT)
-        if outcome.restart is None and (outcome.failures or outcome.interrupted):
-            self._repair()
+            if outcome.restart is None:
+                self._repair()
         return outcome
 
     def _confirm_push(self, task: int) -> None:
@@ -249,8 +249,7 @@ class CommandRound:
         host = self.host
         master = next((r for r in host.ranks if r.rank == 0), None)
         if master is None or not master.running or master.outcome is not None:
-            self.saved = None if master is None else (_sent_state(master) if master.running else False)
-            return
+            return  # nothing to wait for: run() reads what the master sent, or that it died
 
         def answered() -> bool:
             return master.outcome is not None or not master.running

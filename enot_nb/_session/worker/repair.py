@@ -37,7 +37,9 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
     if not dist.is_initialized():
         return None
     remade = _remade(lost, namespace)
-    parts = [f"subgroup(s) {', '.join(names)} made again" for names in [remade.names] if names]
+    parts = []
+    if remade.names:
+        parts.append(f"subgroup(s) {', '.join(remade.names)} made again")
     guarded = _guard_sharded(namespace) if destroyed else []
     if guarded:
         parts.append(
@@ -45,8 +47,16 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
             "raises an error that says how to shard it again"
         )
     ddp_type = _ddp_type()
-    if ddp_type is None:
-        return "enot_nb: " + "; ".join(parts) if parts else None
+    if ddp_type is not None:
+        parts += _rebind_and_equalize(namespace, ddp_type, remade)
+    return "enot_nb: " + "; ".join(parts) if parts else None
+
+
+def _rebind_and_equalize(namespace: dict[str, Any], ddp_type: Any, remade: _Remade) -> list[str]:
+    """Every DDP wrapper onto the group it now belongs on, its reducer reset; the replicas made
+    the master's where they differ; what was done, a part of the line each."""
+    import torch.distributed as dist
+
     world = dist.distributed_c10d._get_default_group()
     rebound, left = [], []
     for ddp in [o for o in gc.get_objects() if isinstance(o, ddp_type)]:
@@ -57,6 +67,7 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
         ddp._update_process_group(group)  # the reducer reset too
         rebound.append(_name_of(ddp, namespace))
     taken = equalize(_replicated(namespace, ddp_type))
+    parts = []
     if rebound:
         parts.append(f"DDP wrapper(s) {', '.join(sorted(rebound))} rebound to the ranks' group (reducer reset)")
     if left:
@@ -66,7 +77,7 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
         )
     if taken:
         parts.append(f"{taken} replicated tensor storage(s) differed from the master's and were made equal to it")
-    return "enot_nb: " + "; ".join(parts) if parts else None
+    return parts
 
 
 class _Remade(NamedTuple):
