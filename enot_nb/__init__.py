@@ -21,6 +21,7 @@ from enot_nb.errors import (
     EnotNbError,
     IncompatibleFrameworkError,
     LaunchError,
+    StaleError,
     WorkerFailedError,
     WorkerFailure,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "EnotNbError",
     "IncompatibleFrameworkError",
     "LaunchError",
+    "StaleError",
     "WorkerFailedError",
     "WorkerFailure",
     "distributed",

@@ -271,3 +271,18 @@ class WorkerFailedError(EnotNbError, RuntimeError):
     def _render_traceback_(self) -> list[str]:
         """IPython shows the worker's frames instead of the launcher's."""
         return [f"WorkerFailedError: {line}" if i == 0 else line for i, line in enumerate(self._text().splitlines())]
+
+
+class StaleError(LaunchError):
+    """A plain cell changed a variable whose newest value lives on the master only: the two
+    sides conflict, and the user says which wins."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name = name
+        super().__init__(
+            f"{name!r} (or an object it holds) was changed in the notebook, but rank 0 changed it too and "
+            f"its value did not come back ({why}). Say which side wins: `%enot_pull {name} --overwrite` "
+            f"(session.pull({name!r}, overwrite=True)) takes rank 0's value and drops the notebook's change; "
+            f"`%enot_pull {name} --keep-notebook` (session.pull({name!r}, keep_notebook=True)) sends the "
+            "notebook's value to every rank and drops rank 0's"
+        )

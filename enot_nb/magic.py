@@ -26,7 +26,7 @@ from enot_nb._launch.options import LaunchOptions, in_magic_words
 from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._worker import preload
 from enot_nb.cells import check_cell_syntax, launch_options, option_names, run_distributed_cell
-from enot_nb.errors import LaunchConfigError
+from enot_nb.errors import LaunchConfigError, StaleError
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 # The options that decide the workers, defined once: a one-off cell's (%%enot_distributed) and a
 # session's (%enot_session start / restart). A session cell refuses them (WORKER_FLAGS).
+PULL_SIDES = {"--overwrite": "overwrite", "--keep-notebook": "keep_notebook"}
+"""%enot_pull's options: which side wins where a plain cell changed a stale variable."""
+
 _WORKER_ARGUMENTS = (
     argument("-n", "--nprocs", type=int, default=None, help="processes to start (default: one per visible GPU)"),
     argument("--backend", default=None, help="nccl or gloo (default: nccl when each rank has a GPU)"),
@@ -164,17 +167,26 @@ class EnotMagics(Magics):
 
     @line_magic
     def enot_pull(self, line: str) -> None:
-        """``%enot_pull NAME[,NAME]``: bind the session master's values in the notebook."""
+        """``%enot_pull NAME[,NAME] [--overwrite | --keep-notebook]``: bind the session master's
+        values in the notebook. Where a plain cell changed a stale name (the master changed it
+        too, and it did not come back), say which side wins: ``--overwrite`` takes rank 0's
+        value, ``--keep-notebook`` sends the notebook's to every rank."""
         live = sessions.session()
         if live is None:
             raise UsageError("%enot_pull: no session is running; start one with `%enot_session start -n N`")
-        names = [n for n in line.replace(",", " ").split() if n]
-        bad = [n for n in names if not n.isidentifier()]
-        if bad or not names:
+        words = line.replace(",", " ").split()
+        flags = {w for w in words if w.startswith("-")}
+        names = [w for w in words if not w.startswith("-")]
+        bad = [n for n in names if not n.isidentifier()] + sorted(flags - set(PULL_SIDES))
+        if bad or not names or len(flags) > 1:
             raise UsageError(
-                f"%enot_pull NAME[,NAME]: name the variables to bring back, e.g. %enot_pull model (got {line!r})"
+                "%enot_pull NAME[,NAME] [--overwrite | --keep-notebook]: name the variables to bring back, "
+                f"e.g. %enot_pull model (got {line!r})"
             )
-        live.pull(*names)
+        try:
+            live.pull(*names, **{PULL_SIDES[f]: True for f in flags})
+        except StaleError as err:
+            raise UsageError(f"%enot_pull: {err}") from None
 
 
 def check_cell_options(args: argparse.Namespace) -> None:

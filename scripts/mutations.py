@@ -463,6 +463,63 @@ MUTATIONS = [
             "storages-rebound-in-plain-cells-reach-the-ranks-fork]"
         ],
     ),
+    Mutation(
+        "no-return-marks-every-read-name-stale",
+        "enot_nb/_worker/cell.py",
+        "            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})\n",
+        "            outcome.left_out = sorted(set(self.names_before) | set(changes.bound))\n",
+        ["tests/session/test_mirror.py::test_reads_never_make_a_name_stale"],
+    ),
+    Mutation(
+        "return-marks-in-place-changes-stale",
+        "enot_nb/_worker/cell.py",
+        "            outcome.left_out = sorted({*changes.bound, *changes.deleted} - set(options.returns))\n",
+        "            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted} - set(options.returns))\n",
+        ["tests/session/test_mirror.py::test_reads_never_make_a_name_stale"],
+    ),
+    Mutation(
+        "a-pull-drops-a-stale-change-silently",
+        "enot_nb/_session/mirror/mirror.py",
+        "            if name in pulling and not overwrite:\n",
+        "            if name in pulling and not overwrite and False:\n",
+        ["tests/session/test_mirror.py::test_a_stale_variable_changed_here_asks_which_side_wins"],
+    ),
+    Mutation(
+        "a-conflict-refuses-pulls-of-other-names",
+        "enot_nb/_session/mirror/mirror.py",
+        "            if not pulling:\n                raise StaleError",
+        "            if True:\n                raise StaleError",
+        [
+            "tests/session/test_mirror.py::test_a_pull_of_another_name_is_never_refused_by_a_stale_one_and_the_conflict_stays"
+        ],
+    ),
+    Mutation(
+        "a-conflict-forgotten-after-a-pull",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changed_stale |= self.conflicts & set(self.stale)\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_pull_of_another_name_is_never_refused_by_a_stale_one_and_the_conflict_stays"
+        ],
+    ),
+    Mutation(
+        "keep-notebook-sends-nothing-whole",
+        "enot_nb/_session/kernel/flow.py",
+        "        changes.objects = list({**dict(changes.objects), **dict(whole.objects)}.items())\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_pull_of_another_name_is_never_refused_by_a_stale_one_and_the_conflict_stays"
+        ],
+    ),
+    Mutation(
+        "a-refused-push-is-retried-forever",
+        "enot_nb/_session/kernel/flow.py",
+        "        if outcome.refused:\n            self._push_refused(push, outcome)\n",
+        "        if outcome.refused:\n",
+        [
+            "tests/session/test_mirror.py::test_a_push_a_rank_refuses_marks_the_variable_stale_once_and_the_next_cell_runs"
+        ],
+    ),
 ]
 
 

@@ -110,18 +110,27 @@ def as_whole_changes(registry: Registry, namespace: dict[str, Any], names: list[
     paths.registry_at): every object found here sends its whole state (into the notebook's own
     object), every storage its bytes; a name the notebook does not hold in place travels by value."""
     changes = Changes()
-    found = {registry.parents[i][1] for i in range(1, len(registry.objects)) if registry.parents[i][0] == 0}
-    changes.bound = {n: namespace[n] for n in names if n not in found or registry.find(namespace[n]) is None}
-    for i in range(1, len(registry.objects)):
-        obj = registry.objects[i]
-        if registry.find(obj) == i and OPS[registry.kinds[i]].snapshot is not None:
-            state = OPS[registry.kinds[i]].new_state(obj)
-            if not isinstance(state, Replaced):
-                changes.objects.append((i, state))
+    at_top = {registry.parents[i][1] for i in range(1, len(registry.objects)) if registry.parents[i][0] == 0}
+    changes.bound = {n: namespace[n] for n in names if n not in at_top or registry.find(namespace[n]) is None}
+    found = [i for i in range(1, len(registry.objects)) if registry.find(registry.objects[i]) == i]
     # Only the storages found here: one with no counterpart on this rank stands as an empty
     # placeholder (see paths.registry_at), which would empty the notebook's.
     found_here = [j for j, s in enumerate(registry.storages) if s is not None and registry.find_storage(s) == j]
-    changes.storages = [_new_bytes(j, registry.storages[j], None) for j in found_here]
+    whole = whole_states(registry, found, found_here)
+    changes.objects, changes.storages = whole.objects, whole.storages
+    return changes
+
+
+def whole_states(registry: Registry, objects: list[int], storages: list[int]) -> Changes:
+    """The whole states of ``objects`` and the bytes of ``storages`` (indices into
+    ``registry``), as changes: what makes the receiver's copies these, whatever they hold."""
+    changes = Changes()
+    for i in objects:
+        if OPS[registry.kinds[i]].snapshot is not None:
+            state = OPS[registry.kinds[i]].new_state(registry.objects[i])
+            if not isinstance(state, Replaced):
+                changes.objects.append((i, state))
+    changes.storages = [_new_bytes(j, registry.storages[j], None) for j in storages]
     return changes
 
 

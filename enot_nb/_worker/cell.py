@@ -41,6 +41,10 @@ class CellOptions:
     returns: list[str] | None = None
     """Names to bring back; None means everything the cell bound or changed."""
     no_return: bool = False
+    names_only: bool = False
+    """A session's --no-return cell: the master snapshots what it reaches, as a returning cell
+    does, and sends back only the names of what it changed (the notebook marks those stale;
+    what the cell only read stays current)."""
     first_line: int = 2
     """Line number of the cell's first line in the notebook (after the %%magic line)."""
     source_header: str = ""
@@ -73,6 +77,9 @@ class CellOutcome:
     """The names bound by the cell or whose objects it changed (an exported run saves them)."""
     unbound_returns: list[str] = field(default_factory=list)
     """Names given to --return that the cell neither bound nor changed."""
+    left_out: list[str] = field(default_factory=list)
+    """Names the cell bound or deleted that --return (or --no-return) kept from coming back:
+    the master's value differs from the notebook's (in-place changes come back regardless)."""
     detached: list[str] = field(default_factory=list)
     """Names bound to tensors with an autograd graph: they come back without it."""
     on_device: list[str] = field(default_factory=list)
@@ -281,7 +288,12 @@ class Tracker:
         outcome.changed_names = sorted(
             set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
         )
+        if options.names_only:  # a session's --no-return cell: the names of what changed, no state
+            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})
+            outcome.value_bundle = _bundle(value, shell) if has_value else None
+            return outcome
         if options.returns is not None:
+            outcome.left_out = sorted({*changes.bound, *changes.deleted} - set(options.returns))
             written = set(outcome.changed_names) | set(changes.deleted) | names_written(body, last)
             outcome.unbound_returns = [n for n in options.returns if n not in written]
             changes.bound = {n: v for n, v in changes.bound.items() if n in options.returns}

@@ -151,29 +151,94 @@ def test_a_push_one_rank_cannot_apply_runs_the_cell_nowhere_and_keeps_the_record
             s.run("ran = True")
         assert failed.value.rank == 1 and "d['k']" in str(failed.value) and "PathError" in str(failed.value)
         assert "ran" not in ns  # the master did not run the cell either
-        ns["d"]["k"] = [1, 2]  # rebound: every rank takes it by value
+        ns["d"]["k"] = [1, 2]  # rebound: now stale (the push was refused), so which side wins is asked
+        with pytest.raises(LaunchError, match="'d'"):
+            s.run("ran = True")
+        s.pull("d", keep_notebook=True)  # d sent whole: every rank takes the new list by value
         assert s.run("(d['k'], held[0] is m)") == ([1, 2], True)  # the ranks' own objects kept
 
 
-def test_a_tensor_of_another_size_on_a_rank_refuses_the_push():
-    ns = {"w": torch.zeros(2)}
+def test_a_push_a_rank_refuses_marks_the_variable_stale_once_and_the_next_cell_runs(capsys):
+    """A change that truly cannot be applied on a rank refuses that task, by name; the variable
+    is then stale (named once), never pushed again, and the session takes the next cell."""
+    ns = {"w": torch.zeros(2), "k": 1}
     with start("fork", namespace=ns) as s:
         s.run("import torch, torch.distributed as dist\nif dist.get_rank() == 1:\n    w.resize_(5).zero_()")
         ns["w"].add_(1)
         with pytest.raises(WorkerFailedError) as failed:
             s.run("pass")
         assert failed.value.rank == 1 and "w: its storage holds (8,) bytes in the notebook, (20,)" in str(failed.value)
+        assert "w: the ranks keep their own value" in capsys.readouterr().err
+        assert "w" in s.flow.mirror.stale
+        ns["k"] = 2
+        assert s.run("k * 10") == 20  # the next cell runs, the refused change is not sent again
+        assert "the ranks keep their own value" not in capsys.readouterr().err  # named once
+        ns["w"].add_(1)  # a change to a stale variable: which side wins is asked
+        with pytest.raises(LaunchError, match="--keep-notebook"):
+            s.run("pass")
+        assert s.pull("w", overwrite=True)["w"].tolist() == [1.0, 1.0]  # rank 0 had applied the push
+        assert s.run("len(w)") == 2
 
 
-def test_a_stale_variable_can_be_pulled_after_a_change_here():
-    ns = {"x": [1]}
+def test_a_stale_variable_changed_here_asks_which_side_wins():
+    ns = {"x": [1], "y": 0}
     with start("fork", namespace=ns) as s:
         s.run("x.append(2)", no_return=True)
         ns["x"].append(3)
-        with pytest.raises(LaunchError, match="'x'"):
+        with pytest.raises(LaunchError, match="'x'.*--overwrite.*--keep-notebook"):
             s.run("pass")
-        assert s.pull("x") == {"x": [1, 2]} and ns["x"] == [1, 2]
+        with pytest.raises(enot_nb.StaleError, match="'x'"):
+            s.pull("x")  # neither option: the notebook's change is never dropped silently
+        with pytest.raises(enot_nb.errors.LaunchConfigError):
+            s.pull("x", overwrite=True, keep_notebook=True)
+        assert ns["x"] == [1, 3]
+        assert s.pull("x", overwrite=True) == {"x": [1, 2]} and ns["x"] == [1, 2]
         assert s.run("len(x)") == 2
+
+
+def test_keep_notebook_sends_the_notebooks_value_in_place_to_every_rank():
+    ns = {"x": [1]}
+    with start("fork", namespace=ns) as s:
+        s.run("held = x")
+        s.run("x.append(2)", no_return=True)
+        ns["x"].append(3)
+        assert s.pull("x", keep_notebook=True) == {"x": [1, 3]}
+        assert s.launch(lambda: (x, held is x)) == ([1, 3], True)  # noqa: F821 - the rank's globals
+        assert s.run("import torch.distributed as dist\nout = [None, None]\ndist.all_gather_object(out, x)\nout") == [
+            [1, 3],
+            [1, 3],
+        ]
+        assert "x" not in s.flow.mirror.stale
+
+
+def test_a_pull_of_another_name_is_never_refused_by_a_stale_one_and_the_conflict_stays():
+    ns = {"x": [1], "y": 0}
+    with start("fork", namespace=ns) as s:
+        s.run("x.append(2)\ny = 5", no_return=True)
+        ns["x"].append(3)
+        assert s.pull("y") == {"y": 5}  # x's conflict refuses nothing of y
+        assert ns["x"] == [1, 3]  # the notebook's change kept, not pushed
+        with pytest.raises(LaunchError, match="'x'"):
+            s.run("pass")  # still asked, though the pull walked the record again
+        assert s.pull("x", keep_notebook=True) == {"x": [1, 3]}
+        assert s.run("list(x)") == [1, 3]  # (a bare name would show the notebook's own object)
+
+
+def test_reads_never_make_a_name_stale():
+    """A --no-return cell that only reads ``log`` and a --return cell that only reads ``a`` (or
+    changed it in place: that comes back) leave them current: a plain change then reaches the ranks."""
+    ns = {"log": [1], "a": [0], "d": {"k": 1}}
+    with start("fork", namespace=ns) as s:
+        s.run("n = len(log) + d['k']", no_return=True)
+        s.run("a.append(1)\nb = len(a) + d['k']", returns=["b"])
+        assert ns["a"] == [0, 1] and ns["b"] == 3
+        assert not s.flow.mirror.stale
+        ns["log"].append(2)
+        ns["a"].append(2)
+        ns["d"]["k"] = 7
+        assert s.run("(len(log), len(a), d['k'])") == (2, 3, 7)
+        s.run("log.append(3)\nnew = 1", no_return=True)  # a change: only that name is stale
+        assert set(s.flow.mirror.stale) == {"log"} and "new" in s.flow.mirror.on_workers
 
 
 def test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole():

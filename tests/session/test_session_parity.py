@@ -22,6 +22,7 @@ from tests.kernel import running_kernel
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 S, P, F = "session", "plain", "fails"  # F: a session cell that raises (in both kernels)
+# A session cell with options: S + " --no-return" runs `%%enot_distributed --no-return` there.
 LINEAR = "model = torch.nn.Linear(2, 2)\n"
 STEP = "loss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()\nopt.zero_grad()"
 GRAD_STEP = "opt.zero_grad()\nloss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()"  # new .grad tensors
@@ -185,6 +186,19 @@ CASES = [
         ],
     ),
     (
+        "cells-that-only-read-leave-names-current-for-plain-changes",
+        "log = [1]\nd = {'k': 1}\na = [0]\n",
+        [
+            (S + " --no-return", "print(len(log) + d['k'])"),
+            (P, "log.append(2)\nd['k'] = 2"),
+            (S, "m = len(log) + d['k']"),
+            (S + " --return b", "a.append(1)\nb = len(a) + d['k']"),
+            (P, "a.append(2)\nd['k'] = 5"),
+            (S, "m2 = len(a) + d['k']"),
+        ],
+        ["log", "d", "a", "'m' in dir() and m", "'b' in dir() and b", "'m2' in dir() and m2"],
+    ),
+    (
         "a-cell-value-and-a-new-class",
         "",
         [
@@ -209,7 +223,8 @@ def _run_case(kernels, method, steps, setup, probes):
         for kind, cell in steps:
             results = []
             for kernel in (local, dist):
-                code = cell if kind == P or kernel is local else "%%enot_distributed\n" + cell
+                options = kind[len(S) :] if kind.startswith(S) else ""
+                code = cell if kind == P or kernel is local else f"%%enot_distributed{options}\n" + cell
                 run = kernel.run(code)
                 if kind == F:
                     assert run.error is not None, f"{cell!r} should fail in both kernels"
@@ -307,10 +322,17 @@ def test_a_variable_left_out_by_no_return_is_stale_until_pulled(live):
     live.ok("xs.append(3)")  # a plain cell changes the stale copy
     run = live.run("%%enot_distributed\nprint(len(xs))")
     assert _usage_error(run, "'xs'") and "%enot_pull xs" in run.stderr, run.stderr
-    live.ok("xs.pop()")  # back as it was: nothing to push
-    live.ok("%enot_pull xs")
+    run = live.run("%enot_pull xs")  # both sides changed it: which wins is asked, nothing dropped
+    assert _usage_error(run, "--overwrite") and "--keep-notebook" in run.stderr, run.stderr
+    assert live.ok("print(xs)").stdout.strip() == "[1, 3]"
+    assert _usage_error(live.run("%enot_pull xs --overwrite --keep-notebook"), "%enot_pull NAME")
+    live.ok("%enot_pull xs --overwrite")
     assert live.ok("print(xs)").stdout.strip() == "[1, 2]"
     assert live.ok("%%enot_distributed\nprint(len(xs))").stdout.strip() == "2"
+    live.ok("%%enot_distributed --no-return\nxs.append(5)")
+    live.ok("xs.append(7)")
+    live.ok("%enot_pull xs --keep-notebook")  # the notebook's goes to every rank
+    assert live.ok("%%enot_distributed --output all\nprint(xs)").stdout.count("[1, 2, 7]") == 2
 
 
 def test_mirror_none_refuses_export_and_pulls_on_request(kernel):

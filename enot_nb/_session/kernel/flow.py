@@ -14,7 +14,6 @@ Under ``--mirror none`` nothing flows but what ``push`` and ``pull`` carry.
 
 from __future__ import annotations
 
-import dis
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,10 +92,16 @@ class NamespaceFlow:
         return pickled
 
     def _push(
-        self, reached: list[str], pulling: list[str] | None = None, since: SinceSync | None = None
+        self,
+        reached: list[str],
+        pulling: list[str] | None = None,
+        since: SinceSync | None = None,
+        overwrite: bool = False,
     ) -> Push | None:
         self.kept = None  # the task may change what it was made from
-        return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since) if self.mirrored else None
+        if not self.mirrored:
+            return None
+        return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since, overwrite)
 
     def after_push(
         self,
@@ -108,15 +113,37 @@ class NamespaceFlow:
         """The ranks hold what was pushed, unless they could not apply it (or were replaced:
         new workers hold nothing). ``moved``: what the task brought back (the push is added)."""
         push = prepared.push
-        if push is None or outcome.restart is not None or outcome.refused:
-            return  # refused: the record stays as it was, and the next task pushes it all again
+        if push is None or outcome.restart is not None:
+            return
+        if outcome.refused:
+            self._push_refused(push, outcome)
+            return
         if moved is not None:
             moved = moved.plus(push.changes, self.mirror.record.baseline)  # pickled against it: the same still
         self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
 
+    def _push_refused(self, push: Push, outcome: CommandOutcome) -> None:
+        """A rank could not apply the push (the task ran nowhere): the variables it changed are
+        stale, named once, and the record takes the notebook's values as they are, so the next
+        task runs instead of retrying it (``%enot_pull NAME --keep-notebook`` tries again,
+        ``--overwrite`` takes rank 0's)."""
+        if push.changes is None:
+            return
+        failure = outcome.failures[0].summary() if outcome.failures else "the push was refused"
+        why = f"its change here could not be applied on every rank: {failure}"
+        names = [n for n in self.mirror.names_changed(push.changes) if n in self.namespace]
+        self.mirror.left_on_master(self.namespace, dict.fromkeys(names, why))
+        if names:
+            print(
+                f"enot_nb: {', '.join(names)}: the ranks keep their own value (the notebook's change could not "
+                f"be applied); stale here until `%enot_pull NAME --overwrite` or `--keep-notebook`",
+                file=sys.stderr,
+            )
+        self.mirror.synced_after(self.namespace, push.names, self._hidden())
+
     def cell(self, code: str, run: CellRun) -> PreparedTask:
         back = self.mirrored and not run.no_return
-        options = _cell_options(run, back)
+        options = _cell_options(run, back, names_only=self.mirrored and run.no_return)
         prepared = PreparedTask(task=None, options=options, code=code, run=run)
         mirror = None
         if self.mirrored:
@@ -132,8 +159,9 @@ class NamespaceFlow:
             )
             prepared.reached = reached.found.names
             prepared.push = self._push(reached.found.names, since=since)
-            if back:
-                prepared.registry, prepared.reach, mirror = reached.found.registry, reached, reached.specs()
+            # --no-return too: the master snapshots what the cell reaches, to name what it changed
+            prepared.registry, mirror = reached.found.registry, reached.specs()
+            prepared.reach = reached if back else None
         prepared.task = CellTask(prepared.push.changes if prepared.push else None, code, options, mirror)
         return prepared
 
@@ -146,11 +174,10 @@ class NamespaceFlow:
             return None
         self.mirror.on_device = set(state.on_device)  # the master's whole namespace, as of now
         assert prepared.options is not None and prepared.run is not None
-        if prepared.registry is None:
+        if prepared.registry is None or prepared.options.names_only:
             self.after_push(prepared, outcome)
-            if self.mirrored and outcome.restart is None:  # --no-return: what it wrote stays there
-                stale = [n for n in _written_by(prepared) if n in self.namespace]
-                self.mirror.mark_stale(dict.fromkeys(stale, "left out by --no-return"))
+            if prepared.options.names_only and outcome.restart is None:  # what it changed stays there
+                self.mirror.left_on_master(self.namespace, dict.fromkeys(state.left_out, "left out by --no-return"))
             if outcome.result is not None and state.has_value and state.value_bundle:
                 return Bundle(*state.value_bundle)
             return None
@@ -158,7 +185,7 @@ class NamespaceFlow:
             self.namespace, prepared.registry, state, prepared.options, show_value=outcome.result is not None
         )
         if outcome.restart is None:  # new workers hold nothing yet
-            moved = self._record(prepared, state, outcome, _written_by(prepared), brought)
+            moved = self._record(prepared, state, outcome, brought)
             if prepared.reach is not None and outcome.result is not None:  # the cell ended well
                 self.kept = prepared.reach.kept_after(moved, self.mirror.record)
         return brought.value
@@ -168,13 +195,13 @@ class NamespaceFlow:
         prepared: PreparedTask,
         state: _cell.CellOutcome,
         outcome: CommandOutcome,
-        written: set[str],
         brought: BroughtBack,
     ) -> TaskChanges:
         """The ranks and the notebook agree on what came back; what did not is stale here. What
         came back into the notebook's objects."""
-        returned, returns = set(state.changed_names), prepared.run.returns if prepared.run else None
-        names = self.mirror.came_back(self.namespace, state.not_returned, returned, written, returns, prepared.reached)
+        returned = set(state.changed_names)
+        left_out = dict.fromkeys(state.left_out, "left out by --return")
+        names = self.mirror.came_back(self.namespace, {**state.not_returned, **left_out}, returned, prepared.reached)
         moved, push = TaskChanges.of(brought.changes, prepared.registry), prepared.push
         quiet = push is not None and push.changes is None and not (moved.objects or moved.storages or returned)
         if quiet and set(names) <= set(self.mirror.record.synced) and all(n in self.namespace for n in names):
@@ -211,16 +238,36 @@ class NamespaceFlow:
         assert prepared.options is not None
         brought = bring_back(self.namespace, prepared.registry, state, prepared.options, show_value=False)
         if outcome.restart is None:
-            written = set(prepared.reached) & _stored_globals(prepared.task.fn)
-            self._record(prepared, state, outcome, written, brought)
+            self._record(prepared, state, outcome, brought)
         return value
 
-    def pull(self, names: list[str]) -> PreparedTask:
+    def pull(self, names: list[str], overwrite: bool = False) -> PreparedTask:
+        """``pull(names)``; ``overwrite``: the master's values win over changes a plain cell made
+        to stale ones (else those refuse it, see StaleError)."""
         _check_names(names)
         registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
         mirror = paths.mirrored(registry)
-        push = self._push([], pulling=list(names))
+        push = self._push([], pulling=list(names), overwrite=overwrite)
         return PreparedTask(PullTask(push.changes if push else None, list(names), mirror), push, registry)
+
+    def keep_notebook(self, names: list[str]) -> PreparedTask:
+        """``pull(names, keep_notebook=True)``: the notebook's values of ``names`` sent to every
+        rank in place of the master's (whole, in place: a conflict settled the notebook's way)."""
+        _check_names(names)
+        missing = [n for n in names if n not in self.namespace]
+        if missing:
+            raise LaunchConfigError(f"keep_notebook: the notebook has no variable {missing[0]!r} to send")
+        if not self.mirrored:
+            return self.push_values({n: self.namespace[n] for n in names})
+        whole = self.mirror.notebook_wins(self.namespace, names)
+        push = self._push(list(names))
+        assert push is not None
+        changes = push.changes or Changes()
+        changes.objects = list({**dict(changes.objects), **dict(whole.objects)}.items())
+        changes.storages = list({new.storage: new for new in [*changes.storages, *whole.storages]}.values())
+        if changes.objects or changes.storages or changes.bound or changes.deleted:
+            push.changes = changes
+        return PreparedTask(SyncTask(push.changes, []), push)
 
     def after_pull(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:
         self.after_push(prepared, outcome)
@@ -282,37 +329,18 @@ def _check_names(names: list[str]) -> None:
             raise LaunchConfigError(f"pull({name!r}): expected variable names")
 
 
-def _cell_options(run: CellRun, back: bool) -> _cell.CellOptions:
-    """How a session cell runs on the ranks (``back``: the master's changes come back)."""
+def _cell_options(run: CellRun, back: bool, names_only: bool) -> _cell.CellOptions:
+    """How a session cell runs on the ranks (``back``: the master's changes come back;
+    ``names_only``: only the names of what it changed, see CellOptions)."""
     return _cell.CellOptions(
         sync=run.sync,
         no_sync=run.sync is None,  # the ranks' models are in sync already
         returns=run.returns,
-        no_return=not back,
+        no_return=not back and not names_only,
+        names_only=names_only,
         first_line=run.first_line,
         source_header=run.source_header,
         shown=run.output != "none",
         keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
         gather_sharded=False,  # the ranks' FSDP modules live on, sharded
     )
-
-
-def _written_by(prepared: PreparedTask) -> set[str]:
-    """The variables a cell may have changed: those it reaches, and those it binds or deletes."""
-    return set(prepared.reached) | _cell.names_written(*_parsed(prepared.code))
-
-
-def _parsed(code: str) -> tuple[Any, Any]:
-    try:
-        body, last, _ = _cell.split_cell(code, 1)
-    except SyntaxError:
-        return None, None
-    return body, last
-
-
-def _stored_globals(fn: Any) -> set[str]:
-    """The globals a function's own code stores or deletes (they change on the workers)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return set()
-    return {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}

@@ -262,26 +262,45 @@ class Session:
         """
         return self._task(lambda: self.flow.call(fn, args, kwargs), self.output, self.flow.after_call)
 
-    def pull(self, *names: str) -> dict[str, Any]:
+    def pull(self, *names: str, overwrite: bool = False, keep_notebook: bool = False) -> dict[str, Any]:
         """The master's values of ``names``, bound in the namespace too (in place where an object
         of the same type sits at the same path; a module sharded by FSDP comes whole).
 
+        A name is stale when the master changed it and its value did not come back
+        (``--no-return``, ``--return``); if a plain cell changed it here too, the two sides
+        conflict and the pull asks which wins.
+
         Args:
             *names: the variables.
+            overwrite: for such a conflict, rank 0's value wins: the notebook's change is dropped.
+            keep_notebook: for such a conflict, the notebook's value wins: it is sent to every
+                rank (in place, as a plain cell's change) and rank 0's is dropped; nothing is
+                pulled.
 
         Returns:
-            Each name to its value.
+            Each name to its value (the notebook's, under ``keep_notebook``).
 
         Raises:
             WorkerFailedError: the master has no such variable, or a rank failed.
+            StaleError: a stale name was changed here too, and neither option says which
+                side wins (a LaunchError).
+            LaunchConfigError: both options given.
 
         Example::
 
             session.pull("model")["model"]
+            session.pull("log", keep_notebook=True)  # the notebook's log goes to the ranks
         """
+        if overwrite and keep_notebook:
+            raise LaunchConfigError("pull: overwrite and keep_notebook exclude each other; say which side wins")
         wanted = list(names)
+        if keep_notebook:
+            self._task(lambda: self.flow.keep_notebook(wanted), self.output, self.flow.after_push)
+            return {n: self.namespace[n] for n in wanted}
         return self._task(
-            lambda: self.flow.pull(wanted), "master", lambda made, done: self.flow.after_pull(made, done, wanted)
+            lambda: self.flow.pull(wanted, overwrite),
+            "master",
+            lambda made, done: self.flow.after_pull(made, done, wanted),
         )
 
     def push(self, **values: Any) -> None:

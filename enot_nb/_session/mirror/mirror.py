@@ -32,22 +32,9 @@ from enot_nb._memory.digests import digested_size
 from enot_nb._serialize import picklers
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
-from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect
+from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect, whole_states
 from enot_nb._state.registry import Registry, stays_in_the_kernel, user_variables
-from enot_nb.errors import LaunchError
-
-
-class StaleError(LaunchError):
-    """A plain cell changed a variable whose newest value lives on the master only."""
-
-    def __init__(self, name: str, why: str) -> None:
-        self.name = name
-        super().__init__(
-            f"{name!r} (or an object it holds) was changed in the notebook, but the notebook's copy is "
-            f"stale ({why}): pushing it "
-            f"would overwrite rank 0's newer value. Run `%enot_pull {name}` (or session.pull({name!r})) "
-            "before changing it here, or set it inside a session cell"
-        )
+from enot_nb.errors import StaleError
 
 
 @dataclass
@@ -118,6 +105,7 @@ class Mirror:
         self.stale: dict[str, str] = {}
         """Variables whose newest value the master alone holds, with why."""
         self.on_workers: dict[str, str] = {}
+        """Variables that live only on the workers (they could not come back), with why."""
         self.on_device: set[str] = set()
         """The master's variables that live on its GPU (as its last cell reported): a restart
         puts them back on each rank's GPU."""
@@ -125,7 +113,10 @@ class Mirror:
         """Variables that stay in the notebook, by the id of the value they hold and why:
         enot_nb's own live objects (a Session) and values that cannot be pickled. Never pushed
         while they hold that value; a new value is tried again."""
-        """Variables that live only on the workers (they could not come back), with why."""
+        self.conflicts: set[str] = set()
+        """Stale variables a plain cell changed too, found by a push that left the change out (a
+        pull of other names): every later task but their own pull is refused until the user
+        says which side wins (see StaleError)."""
 
     def reset(self) -> None:
         """New workers hold nothing: every variable reaches them again when a cell uses it."""
@@ -149,32 +140,42 @@ class Mirror:
         hidden: Any = (),
         pulling: list[str] | None = None,
         since: SinceSync | None = None,
+        overwrite: bool = False,
     ) -> Push:
         """What changed since the last sync, and the reached variables the ranks lack.
         ``pulling``: variables about to be pulled: their changes here are not pushed (the
-        master's values replace them), and their being stale refuses nothing. ``since``:
-        ``compare``'s answer, where the caller needed it first (a cell: its walk depends on it);
-        else compared here."""
+        master's values replace them; a stale one changed here refuses the pull unless
+        ``overwrite``), and a stale variable changed here refuses nothing (its change is left
+        out, a conflict kept for later). Else such a variable refuses the task (StaleError).
+        ``since``: ``compare``'s answer, where the caller needed it first (a cell: its walk
+        depends on it); else compared here."""
         pulling, synced = pulling or [], self.record.synced
         now = user_variables(namespace, hidden)
         since = since or self.compare(namespace, hidden)
         changes = Changes()
+        changed_stale: set[str] = set()
         if since is not None:
             changes = since.changes
             held = sorted(n for n in now if n in synced or n in reached)
             _only_reachable(self.record, namespace, changes, held)
-            changes.objects, changes.storages = self._refuse_stale(namespace, changes, pulling)
+            changes.objects, changes.storages, changed_stale = self._stale_apart(namespace, changes, pulling)
         # collect's rule for names, kept to those the ranks hold and those the task uses
         changes.bound = {
             n: v for n, v in now.items() if (n in synced or n in reached) and synced.get(n, _NONE) is not v
         }
         newly_kept = self._keep_here(changes)
         changes.deleted = [n for n in synced if n not in now]
-        for name in [*changes.bound, *changes.deleted]:
-            if name in self.stale and name not in pulling:
+        changed_stale |= {n for n in [*changes.bound, *changes.deleted] if n in self.stale}
+        changed_stale |= self.conflicts & set(self.stale)
+        for name in sorted(changed_stale):
+            if name in pulling and not overwrite:
                 raise StaleError(name, self.stale[name])
-        changes.bound = {n: v for n, v in changes.bound.items() if n not in pulling}
-        changes.deleted = [n for n in changes.deleted if n not in pulling]
+            if not pulling:
+                raise StaleError(name, self.stale[name])
+        self.conflicts |= changed_stale - set(pulling)
+        left_out = set(pulling) | changed_stale
+        changes.bound = {n: v for n, v in changes.bound.items() if n not in left_out}
+        changes.deleted = [n for n in changes.deleted if n not in left_out]
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
         names = [n for n in {**synced, **changes.bound} if n not in changes.deleted]
         return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))
@@ -196,12 +197,14 @@ class Mirror:
                 del changes.bound[name]
         return newly
 
-    def _refuse_stale(self, namespace: dict[str, Any], changes: Changes, pulling: list[str]) -> tuple[list, list]:
-        """The changes, less those of what ``pulling`` reaches; StaleError for one made to an
-        object a stale variable reaches (through any alias: found by walking the stale ones)."""
+    def _stale_apart(
+        self, namespace: dict[str, Any], changes: Changes, pulling: list[str]
+    ) -> tuple[list, list, set[str]]:
+        """The changes, less those of what a stale or a pulled variable reaches (through any
+        alias: found by walking them); the stale variables whose objects changed here."""
         held: dict[int, str] = {}
         if not changes.objects and not changes.storages:
-            return [], []
+            return [], [], set()
         for name in sorted(({*self.stale} | set(pulling)) & set(namespace)):
             walked = Registry.of_namespace(namespace, [name])
             for obj in walked.objects[1:]:
@@ -210,19 +213,46 @@ class Mirror:
                 held.setdefault(id(storage), name)
         kept_objects: list[tuple[int, Any]] = []
         kept_storages: list[StorageBytes] = []
+        changed_stale: set[str] = set()
         for i, state in changes.objects:
             holder = held.get(id(self.record.baseline.objects[i]))
             if holder is None:
                 kept_objects.append((i, state))
-            elif holder not in pulling:
-                raise StaleError(holder, self.stale[holder])
+            elif holder in self.stale:
+                changed_stale.add(holder)
         for new in changes.storages:
             holder = held.get(id(self.record.baseline.storages[new.storage]))
             if holder is None:
                 kept_storages.append(new)
-            elif holder not in pulling:
-                raise StaleError(holder, self.stale[holder])
-        return kept_objects, kept_storages
+            elif holder in self.stale:
+                changed_stale.add(holder)
+        return kept_objects, kept_storages, changed_stale
+
+    def names_changed(self, changes: Changes) -> list[str]:
+        """The variables whose objects or storages ``changes`` (pickled against the record)
+        changes, bound or deletes."""
+        baseline = self.record.baseline
+        at = [i for i, _ in changes.objects]
+        at += paths.storage_holders(baseline, {new.storage for new in changes.storages})
+        roots = {baseline.root_name(i) for i in at}
+        return sorted({n for n in roots if n is not None} | set(changes.bound) | set(changes.deleted))
+
+    def notebook_wins(self, namespace: dict[str, Any], names: list[str]) -> Changes:
+        """``names`` taken as the notebook holds them (``--keep-notebook``): no longer stale, and
+        every object of the record they reach sent whole (its state and bytes, in place on the
+        ranks), whether or not the record saw it change."""
+        baseline = self.record.baseline
+        objects: set[int] = set()
+        storages: set[int] = set()
+        for name in names:
+            self.stale.pop(name, None)
+            self.conflicts.discard(name)
+            if name not in namespace or baseline.objects[0] is not namespace:
+                continue
+            walked = Registry.of_namespace(namespace, [name])
+            objects |= {i for i in map(baseline.find, walked.objects[1:]) if i is not None and i > 0}
+            storages |= {j for j in map(baseline.find_storage, walked.storages) if j is not None}
+        return whole_states(baseline, sorted(objects), sorted(storages))
 
     def pickle(self, task: Any, namespace: dict[str, Any]) -> PickledTask:
         """``task`` pickled against the baseline (the ranks' objects by index, new ones by
@@ -282,26 +312,21 @@ class Mirror:
             self.record = self.record.walked_again(namespace, synced, moved)
 
     def came_back(
-        self,
-        namespace: dict[str, Any],
-        not_returned: dict[str, str],
-        returned: set[str],
-        written: set[str],
-        returns: list[str] | None,
-        reached: list[str],
+        self, namespace: dict[str, Any], not_returned: dict[str, str], returned: set[str], reached: list[str]
     ) -> list[str]:
-        """After a task the master answered: what did not come back is stale here (or lives on
+        """After a task the master answered: what it changed that did not come back
+        (``not_returned``: what could not, what --return left out) is stale here (or lives on
         the workers only), what did is current; the variables the ranks now hold."""
         not_back = {n: why for n, why in not_returned.items() if n.isidentifier()}
-        if returns is not None:
-            not_back |= {n: "left out by --return" for n in written - set(returns) if n in namespace}
-        self.on_workers.update({n: why for n, why in not_back.items() if n not in namespace})
-        self.mark_stale({n: why for n, why in not_back.items() if n in namespace})
+        self.left_on_master(namespace, not_back)
         self.refreshed(sorted(returned - set(not_back)))
         return list(self.record.synced) + [n for n in reached + sorted(returned) if n in namespace]
 
-    def mark_stale(self, names: dict[str, str]) -> None:
-        self.stale.update(names)
+    def left_on_master(self, namespace: dict[str, Any], changed: dict[str, str]) -> None:
+        """Variables the master changed that did not come back, with why: stale where the
+        notebook has them (only a change makes a name stale, never a read), else on the workers."""
+        self.on_workers.update({n: why for n, why in changed.items() if n not in namespace})
+        self.stale.update({n: why for n, why in changed.items() if n in namespace})
 
     def refreshed(self, names: list[str]) -> None:
         """The notebook holds the master's values of ``names`` again (a pull, a cell that
@@ -309,6 +334,7 @@ class Mirror:
         for name in names:
             self.stale.pop(name, None)
             self.on_workers.pop(name, None)
+            self.conflicts.discard(name)
 
 
 def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, held: list[str]) -> None:
