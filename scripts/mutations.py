@@ -520,6 +520,15 @@ MUTATIONS = [
             "tests/session/test_mirror.py::test_a_push_a_rank_refuses_marks_the_variable_stale_once_and_the_next_cell_runs"
         ],
     ),
+    Mutation(
+        "an-array-over-a-ranks-storage-travels-as-a-copy",
+        "enot_nb/_state/collect.py",
+        "        return list(self.registry.storages)\n",
+        "        return []\n",
+        [
+            "tests/session/test_mirror.py::test_an_array_and_a_tensor_sharing_memory_share_it_on_the_ranks_whichever_reaches_them_first"
+        ],
+    ),
 ]
 
 

@@ -60,7 +60,7 @@ class TensorPickler(cloudpickle.Pickler):
         """How many of the tensors met are off the CPU (a dry run reports it)."""
         self._function_cells: set[int] = set()
         self._lines: dict[str, Any] = {}  # a cell file's lines, by file (see _cell_lines)
-        self._memory = tensors.MemoryOwners(self.known_arrays)
+        self._memory = tensors.MemoryOwners(self.known_arrays, self.known_storages)
         # pickle reads dispatch_table once, when the pickler is made: it must be set first.
         self.dispatch_table = ChainMap(self._reducers(), *cloudpickle.Pickler.dispatch_table.maps)
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
@@ -72,6 +72,10 @@ class TensorPickler(cloudpickle.Pickler):
 
     def known_arrays(self) -> list[Any]:
         """The NumPy arrays the receiver already holds (they travel as references)."""
+        return []
+
+    def known_storages(self) -> list[Any]:
+        """The torch storages the receiver already holds (they travel as references)."""
         return []
 
     def _reducers(self) -> dict[type, Reducer]:

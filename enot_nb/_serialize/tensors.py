@@ -433,12 +433,16 @@ class MemoryOwners:
     array and a storage that are one memory is met first travels, the other is rebuilt over it.
 
     ``known_arrays``: the arrays the receiver already holds (they travel as references, and a
-    storage over one of them is rebuilt over the receiver's), asked for when first needed."""
+    storage over one of them is rebuilt over the receiver's); ``known_storages``: the storages
+    it holds (an array over one is rebuilt over the receiver's: ``torch.from_numpy(array)``
+    sent in one cell, ``array`` in a later one). Both asked for when first needed."""
 
-    def __init__(self, known_arrays: Callable[[], list[Any]]) -> None:
-        self._known_arrays = known_arrays
+    def __init__(
+        self, known_arrays: Callable[[], list[Any]], known_storages: Callable[[], list[Any]] = lambda: []
+    ) -> None:
+        self._known_arrays, self._known_storages = known_arrays, known_storages
         self._arrays: MemoryMap | None = None
-        self._storages = MemoryMap()
+        self._storages_map: MemoryMap | None = None
 
     def array_holding(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
         """The NumPy array (and offset) whose memory a storage made by ``torch.from_numpy`` is,
@@ -448,12 +452,21 @@ class MemoryOwners:
             return None
         held = self._array_map().holding(storage.data_ptr(), storage.nbytes())
         if held is None:
-            self._storages.add(storage.data_ptr(), storage.nbytes(), storage)
+            self._storage_map().add(storage.data_ptr(), storage.nbytes(), storage)
         return held
 
     def storage_holding(self, memory: tuple[int, int]) -> tuple[Any, int] | None:
-        """The storage met before whose memory holds an array's (``torch.from_numpy(array)``)."""
-        return self._storages.holding(*memory)
+        """The storage met before, or held by the receiver, whose memory holds an array's
+        (``torch.from_numpy(array)``)."""
+        return self._storage_map().holding(*memory)
+
+    def _storage_map(self) -> MemoryMap:
+        if self._storages_map is None:
+            self._storages_map = MemoryMap()
+            for storage in self._known_storages():
+                if storage is not None and storage.device.type == "cpu" and storage.nbytes():
+                    self._storages_map.add(storage.data_ptr(), storage.nbytes(), storage)
+        return self._storages_map
 
     def add_array(self, memory: tuple[int, int], array: numpy.ndarray) -> None:
         self._array_map().add(*memory, array)

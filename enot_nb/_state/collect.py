@@ -204,6 +204,9 @@ class StatePickler(ResultPickler):
     def known_arrays(self) -> list[Any]:
         return [obj for obj, kind in zip(self.registry.objects, self.registry.kinds) if kind is Kind.NDARRAY]
 
+    def known_storages(self) -> list[Any]:
+        return list(self.registry.storages)
+
     def is_known(self, array: Any, root: Any) -> Any:
         if self._arrays is None:
             self._arrays = {}

@@ -296,3 +296,15 @@ def test_a_tensor_with_a_graph_going_out_is_named_as_one_coming_back_is(capsys):
         s.run("loss = out.sum() * 3")
         out = capsys.readouterr().out
         assert out.count("out: reached the ranks without its autograd graph") == 1, out
+
+
+def test_an_array_and_a_tensor_sharing_memory_share_it_on_the_ranks_whichever_reaches_them_first():
+    import numpy as np
+
+    arr = np.zeros(4)
+    ns = {"arr": arr, "u": torch.from_numpy(arr)}
+    with start("fork", namespace=ns) as s:
+        s.run("u.add_(1)")  # u's storage reaches the ranks first
+        assert s.run("arr[1] = 5\nfloat(u[1])") == 5.0  # arr, later, is rebuilt over the ranks' own
+        arr[2] = 8
+        assert s.run("float(u[2])") == 8.0 and arr.tolist() == [1.0, 5.0, 8.0, 1.0]

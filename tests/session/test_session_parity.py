@@ -129,6 +129,26 @@ CASES = [
         ["arr.tolist()", "s"],
     ),
     (
+        "numpy-and-tensors-sharing-memory-reach-the-ranks-in-different-cells",
+        "arr = np.zeros(4)\nu = torch.from_numpy(arr)\nt = torch.zeros(3)\na = t.numpy()\n",
+        [
+            (S, "u.add_(1)\nt.add_(2)"),
+            (S, "arr[1] = 5\na[0] = 7\nr = (float(u[1]), float(t[0]))"),
+            (P, "arr[2] = 8\nt[1] = 9"),
+            (S, "r2 = (float(u[2]), float(a[1]))\nu[3] = 4"),
+        ],
+        [
+            "arr.tolist()",
+            "u.tolist()",
+            "t.tolist()",
+            "a.tolist()",
+            "'r' in dir() and r",
+            "'r2' in dir() and r2",
+            "bool(np.shares_memory(arr, u.numpy()))",
+            "bool(np.shares_memory(a, t.numpy()))",
+        ],
+    ),
+    (
         "cells-that-read-every-name-beside-a-value-that-cannot-travel",
         "import threading\nlock = threading.Lock()\nk = 21\n",
         [(S, "k2 = eval('k * 2')"), (P, "k = 5"), (S, "k3 = eval('k + k2')")],
