@@ -529,6 +529,30 @@ MUTATIONS = [
             "tests/session/test_mirror.py::test_an_array_and_a_tensor_sharing_memory_share_it_on_the_ranks_whichever_reaches_them_first"
         ],
     ),
+    Mutation(
+        "set-items-registered-before-their-own-paths",
+        "enot_nb/_state/registry.py",
+        "                if step.startswith(SET_ITEM):\n",
+        "                if False:\n",
+        [
+            "tests/unit/test_changes.py::"
+            "test_a_sets_item_is_registered_by_its_path_elsewhere_and_steps_follow_what_items_hold"
+        ],
+    ),
+    Mutation(
+        "set-items-matched-by-iteration-order",
+        "enot_nb/_state/kinds.py",
+        "    return [(_item_step(v), v) for v in list(obj)] + _attribute_steps(obj)\n",
+        '    return [(f"{SET_ITEM} {i}>", v) for i, v in enumerate(list(obj))] + _attribute_steps(obj)\n',
+        ["tests/session/test_mirror.py::test_set_items_are_never_matched_by_iteration_order"],
+    ),
+    Mutation(
+        "frozensets-walked-as-tuples",
+        "enot_nb/_state/kinds.py",
+        "    return _set_children(obj) if isinstance(obj, frozenset) else _indexed_children(obj)\n",
+        "    return _indexed_children(obj)\n",
+        ["tests/session/test_mirror.py::test_set_items_are_never_matched_by_iteration_order"],
+    ),
 ]
 
 

@@ -45,6 +45,7 @@ import sys
 import types
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -460,8 +461,36 @@ def _sequence_children(obj: Any) -> Steps:
     return _indexed_children(obj) + _attribute_steps(obj)
 
 
-def _set_children(obj: set) -> Steps:
-    return [("<item>", v) for v in list(obj)] + _attribute_steps(obj)
+SET_ITEM = "<item"
+"""How a set's (or frozenset's) item steps begin: the walk reaches them last (see
+Registry.grow), so an item that has a path elsewhere is registered by that path."""
+
+
+def _set_children(obj: set | frozenset) -> Steps:
+    """A set's items, each by a step made of what it holds, never of its place in the
+    iteration (which follows ids, so differs between processes): a rank finds its own item by
+    the same step. Atoms are never registered: their step does not matter."""
+    return [(_item_step(v), v) for v in list(obj)] + _attribute_steps(obj)
+
+
+def _item_step(item: Any) -> str:
+    if type(item) in VALUE_TYPES:
+        return f"{SET_ITEM}>"
+    held: Any = ()
+    if isinstance(item, (tuple, frozenset)):
+        held = sorted(repr(x) for x in item if type(x) in VALUE_TYPES)
+    elif hasattr(item, "shape") and hasattr(item, "dtype"):  # a tensor, an array: never its data
+        held = (tuple(item.shape), str(item.dtype))
+    else:
+        attributes = getattr(item, "__dict__", None)
+        if isinstance(attributes, dict):
+            held = sorted((k, repr(v)) for k, v in attributes.items() if isinstance(k, str) and type(v) in VALUE_TYPES)
+    key = zlib.crc32(repr(held).encode())
+    return f"{SET_ITEM} {type(item).__qualname__} {key:08x}>"
+
+
+def _tuple_children(obj: tuple | frozenset) -> Steps:
+    return _set_children(obj) if isinstance(obj, frozenset) else _indexed_children(obj)
 
 
 def _items_state(obj: Any) -> ItemsState:
@@ -1029,7 +1058,7 @@ OPS: dict[Kind, KindOps] = {
     Kind.LIST: KindOps(_sequence_children, _items_state, _same_sequence, apply=_apply_list),
     Kind.DEQUE: KindOps(_sequence_children, _items_state, _same_sequence, apply=_apply_deque),
     Kind.SET: KindOps(_set_children, _items_state, _same_set, apply=_apply_set),
-    Kind.TUPLE: KindOps(_indexed_children),
+    Kind.TUPLE: KindOps(_tuple_children),
     Kind.BYTEARRAY: KindOps(snapshot=digest, travels=bytes, apply=_apply_bytearray),
     Kind.ARRAY: KindOps(snapshot=digest, travels=lambda obj: obj.tobytes(), apply=_apply_array),
     Kind.PARTIAL: KindOps(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._serialize.tensors import tensor_storages
-from enot_nb._state.kinds import OPS, Kind, kind_of
+from enot_nb._state.kinds import OPS, SET_ITEM, Kind, kind_of
 from enot_nb._state.states import VALUE_TYPES
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
@@ -151,7 +151,13 @@ class Registry:
         queue: collections.deque[int] = collections.deque()
         for obj, parent, step in starts:
             self._visit(obj, parent, step, queue)
-        while queue:
+        set_items: list[tuple[Any, int, str]] = []  # reached last: by their path elsewhere if any
+        while queue or set_items:
+            if not queue:
+                for child, i, step in set_items:
+                    self._visit(child, i, step, queue)
+                set_items = []
+                continue
             i = queue.popleft()
             children = OPS[self.kinds[i]].children
             if children is None:  # never queued (see _visit)
@@ -161,7 +167,10 @@ class Registry:
             except Exception:  # noqa: BLE001 - an object that resists inspection is left opaque
                 continue
             for step, child in steps:
-                self._visit(child, i, step, queue)
+                if step.startswith(SET_ITEM):
+                    set_items.append((child, i, step))
+                else:
+                    self._visit(child, i, step, queue)
 
     def _visit(self, obj: Any, parent: int, step: str, queue: collections.deque[int]) -> None:
         if type(obj) in VALUE_TYPES:

@@ -308,3 +308,75 @@ def test_an_array_and_a_tensor_sharing_memory_share_it_on_the_ranks_whichever_re
         assert s.run("arr[1] = 5\nfloat(u[1])") == 5.0  # arr, later, is rebuilt over the ranks' own
         arr[2] = 8
         assert s.run("float(u[2])") == 8.0 and arr.tolist() == [1.0, 5.0, 8.0, 1.0]
+
+
+class Box:
+    """A set's item: hashed by identity, as a user's class is."""
+
+    def __init__(self, v):
+        self.v = v
+
+
+def test_a_set_of_parameters_does_not_stop_their_changes():
+    """Two parameters alike (shape, dtype): the set's items are found by their paths in the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False))
+    ns = {"model": model}
+    with start("fork", namespace=ns) as s:
+        s.run("import torch\nparams = set(model.parameters())")
+        s.run(
+            "opt = torch.optim.SGD(params, lr=0.1)\n"
+            "model(torch.ones(3, 2)).sum().backward()\nopt.step()\nw = [p.tolist() for p in model.parameters()]"
+        )
+        assert [p.tolist() for p in model.parameters()] == ns["w"] and all(
+            p in ns["params"] for p in model.parameters()
+        )
+        with torch.no_grad():
+            model[0].weight.fill_(1.0)  # a plain cell's change to the first one only
+        assert s.run("[p.sum().item() for p in model.parameters()]")[0] == 4.0
+
+
+def test_items_of_sets_and_frozensets_correspond_through_what_they_hold():
+    """A change inside a set's item comes back; a plain cell's change to an item reaches the
+    ranks, into the rank's own item (never one matched by iteration order or an ambiguous step)."""
+    ns = {"boxes": {Box(1), Box(2), Box(3)}, "fz": frozenset({Box(10), Box(20)})}
+    with start("fork", namespace=ns) as s:
+        s.run("for b in boxes:\n    b.v += 100")
+        assert sorted(b.v for b in ns["boxes"]) == [101, 102, 103]
+        next(b for b in ns["boxes"] if b.v == 102).v = 7  # a plain cell's change to one item
+        assert s.run("sorted(b.v for b in boxes)") == [7, 101, 103]
+        next(b for b in ns["fz"] if b.v == 10).v = 11
+        assert s.run("sorted(b.v for b in fz)") == [11, 20]
+        s.run("for b in fz:\n    b.v *= 2")
+        assert sorted(b.v for b in ns["fz"]) == [22, 40]
+        assert s.run("x = 1\nx") == 1
+
+
+class Keyed:
+    """Hashed so that a set iterates its items in one order in this process and in the opposite
+    order on the ranks: matching items by iteration order would pair the wrong ones."""
+
+    def __init__(self, k, w=0):
+        self.k, self.w = k, w
+
+    def __hash__(self):
+        import os
+
+        return -self.k if "RANK" in os.environ else self.k
+
+
+def test_set_items_are_never_matched_by_iteration_order():
+    ns = {"keyed": {Keyed(1), Keyed(2), Keyed(3)}, "fkeyed": frozenset({Keyed(4), Keyed(5), Keyed(6)})}
+    with start("fork", namespace=ns) as s:
+        assert s.run("[k.k for k in keyed]") != [k.k for k in ns["keyed"]]  # the orders differ
+        assert s.run("[k.k for k in fkeyed]") != [k.k for k in ns["fkeyed"]]  # the ranks hold both now
+        next(k for k in ns["keyed"] if k.k == 1).w = 100
+        next(k for k in ns["fkeyed"] if k.k == 4).w = 400
+        assert s.run("sorted((k.k, k.w) for k in [*keyed, *fkeyed])") == [
+            (1, 100),
+            (2, 0),
+            (3, 0),
+            (4, 400),
+            (5, 0),
+            (6, 0),
+        ]

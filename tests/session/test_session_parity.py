@@ -149,6 +149,27 @@ CASES = [
         ],
     ),
     (
+        "sets-of-parameters-and-of-objects-changed-on-both-sides",
+        LINEAR
+        + "class Box:\n    def __init__(self, v):\n        self.v = v\n"
+        + "boxes = {Box(1), Box(2)}\nfz = frozenset({Box(10), Box(20)})\n",
+        [
+            (S, "params = set(model.parameters())\nopt = torch.optim.SGD(params, lr=0.1)"),
+            (S, STEP),
+            (S, "for b in boxes:\n    b.v += 100"),
+            (P, "next(b for b in boxes if b.v == 101).v = 7\nnext(b for b in fz if b.v == 10).v = 11"),
+            (S, "vs = sorted(b.v for b in boxes)\nfs = sorted(b.v for b in fz)"),
+            (S, "for b in fz:\n    b.v *= 2"),
+        ],
+        [
+            "model.weight.tolist()",
+            "sorted(b.v for b in boxes)",
+            "sorted(b.v for b in fz)",
+            "'vs' in dir() and (vs, fs)",
+            "'params' in dir() and all(p in params for p in model.parameters())",
+        ],
+    ),
+    (
         "cells-that-read-every-name-beside-a-value-that-cannot-travel",
         "import threading\nlock = threading.Lock()\nk = 21\n",
         [(S, "k2 = eval('k * 2')"), (P, "k = 5"), (S, "k3 = eval('k + k2')")],

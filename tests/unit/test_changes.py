@@ -107,3 +107,23 @@ def test_a_tensor_compared_in_place_is_compared_as_its_state(name, tensor, chang
     assert kinds._tensor_changed(tensor, before) is changed, name
     assert kinds._same_tensor(before, tensor_state(tensor)) is not changed, name
     assert kinds._tensor_changed(tensor, tensor_state(tensor)) is False, name
+
+
+def test_a_sets_item_is_registered_by_its_path_elsewhere_and_steps_follow_what_items_hold():
+    """Set items are reached last, so an item reached elsewhere (a model's parameter) is found
+    by that path; an item with no other path gets a step made of what it holds, the same in
+    every process, never its place in an iteration."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False))
+    ns = {"a_set": set(model.parameters()), "model": model, "fz": frozenset({Box(1), Box(2)})}
+    registry = Registry.of_namespace(ns, ["a_set", "fz", "model"])
+    for p in model.parameters():
+        assert registry.path(registry.find(p)).startswith("model")
+    steps = sorted(registry.parents[registry.find(b)][1] for b in ns["fz"])
+    assert len(set(steps)) == 2 and all(s.startswith("<item Box ") for s in steps)
+    twin = Registry.of_namespace({"fz": frozenset({Box(2), Box(1)})}, ["fz"])  # as a rank would hold it
+    assert sorted(twin.parents[i][1] for i in range(2, len(twin.objects))) == steps
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v

@@ -25,7 +25,7 @@ from typing import Any
 
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._session.tasks import ObjectSpec, RegistrySpecs
-from enot_nb._state.kinds import OPS, Kind, kind_of
+from enot_nb._state.kinds import OPS, SET_ITEM, Kind, kind_of
 from enot_nb._state.registry import Registry
 
 
@@ -260,9 +260,12 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
             except Exception as err:  # noqa: BLE001 - an object that resists inspection
                 raise fail(f"its holder cannot be inspected here ({err})") from err
         found = steps.get(spec.step, [])
-        if len(found) != 1:
-            raise fail("nothing there on this rank" if not found else "the step is ambiguous (a set's items)")
-        obj = found[0]
+        if not found:
+            raise fail("nothing there on this rank")
+        if len(found) > 1 and not spec.step.startswith(SET_ITEM):
+            raise fail("the step is ambiguous")
+        # A set's items with one step hold the same values: each spec takes one of them.
+        obj = found.pop(0)
     if type_name(obj) != spec.type_name:
         raise fail(f"a {spec.type_name} in the notebook, a {type_name(obj)} on this rank")
     if spec.sizes:
