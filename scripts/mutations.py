@@ -553,6 +553,37 @@ MUTATIONS = [
         "    return _indexed_children(obj)\n",
         ["tests/session/test_mirror.py::test_set_items_are_never_matched_by_iteration_order"],
     ),
+    Mutation(
+        "plain-changes-to-a-pulled-sharded-module-pushed-as-any",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changes.sharded = self._sharded_loads(namespace, changes, left_out)\n",
+        "",
+        ["tests/session/test_sharded.py::test_a_pulled_fsdp2_module_takes_plain_changes_onto_the_ranks_sharded_one"],
+    ),
+    Mutation(
+        "fsdp-subclass-is-another-type-at-its-path",
+        "enot_nb/_session/mirror/paths.py",
+        "    if type_name(obj) != spec.type_name and not _sharded_of(obj, spec.type_name):\n",
+        "    if type_name(obj) != spec.type_name:\n",
+        ["tests/session/test_sharded.py::test_a_pulled_fsdp2_module_takes_plain_changes_onto_the_ranks_sharded_one"],
+    ),
+    Mutation(
+        "a-sharded-module-loads-no-values",
+        "enot_nb/_worker/sharded.py",
+        "        set_model_state_dict(module, values, options=StateDictOptions(full_state_dict=True))\n",
+        "        pass\n",
+        ["tests/session/test_sharded.py::test_a_pulled_fsdp2_module_takes_plain_changes_onto_the_ranks_sharded_one"],
+    ),
+    Mutation(
+        "a-cell-apart-from-a-sharded-module-marks-it-stale",
+        "enot_nb/_worker/sharded.py",
+        "    return dict.fromkeys(sorted(moved), SHARDED_ON_THE_RANKS)",
+        "    return dict.fromkeys(sorted(names), SHARDED_ON_THE_RANKS)",
+        [
+            "tests/session/test_sharded.py::"
+            "test_a_cell_that_leaves_a_sharded_module_alone_leaves_the_pulled_copy_current"
+        ],
+    ),
 ]
 
 

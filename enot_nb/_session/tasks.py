@@ -57,6 +57,18 @@ def _registry_specs(data: bytes) -> RegistrySpecs:
 
 
 @dataclass
+class ShardedLoad:
+    """A plain cell's change to a module the ranks hold sharded (FSDP), whose notebook copy is
+    plain (a pull made it whole): each submodule's training flag, and, where its values changed,
+    its full state dict, loaded into the ranks' sharded module by every rank together, once
+    every rank confirmed the push."""
+
+    name: str
+    training: dict[str, bool]
+    values: dict[str, Any] | None = None
+
+
+@dataclass
 class CellTask:
     """Run a cell (the magic's options as the worker needs them)."""
 

@@ -62,6 +62,9 @@ class Changes:
     unloaded: list[str] = field(default_factory=list)
     """Set by the notebook (see salvage): what could not be rebuilt there, a line each; the
     notebook keeps its own."""
+    sharded: list[Any] = field(default_factory=list)
+    """A session's push: the notebook's changes to modules the ranks hold sharded, loaded into
+    theirs by every rank together (_session/tasks.ShardedLoad)."""
 
 
 @dataclass

@@ -100,22 +100,28 @@ def left_sharded(registry: Any, namespace: dict[str, Any], changed: list[int], c
     names = sharded_names(namespace, list(namespace))
     if not names:
         return {}
-    under = {i for i in map(registry.find, (namespace[n] for n in names)) if i is not None}
+    root = {i: n for n in names if (i := registry.find(namespace[n])) is not None}
+    under = dict(root)  # each object under a sharded module, to its name
     for i in range(1, len(registry.objects)):  # a parent is registered before its children
-        if registry.parents[i][0] in under:
-            under.add(i)
+        parent = registry.parents[i][0]
+        if parent in under and i not in under:
+            under[i] = under[parent]
     storages = {
-        registry.find_storage(s)
-        for i in under
+        registry.find_storage(s): name
+        for i, name in under.items()
         if OPS[registry.kinds[i]].has_storage
         for s in tensor_storages(registry.objects[i])
     }
+    moved = {under[i] for i in changed if i in under} | {
+        storages[n.storage] for n in changes.storages if n.storage in storages
+    }
+    moved |= {n for n in names if n in changes.bound}
     changed[:] = [i for i in changed if i not in under]
     changes.objects = [(i, state) for i, state in changes.objects if i not in under]
     changes.storages = [new for new in changes.storages if new.storage not in storages]
     for name in names:
         changes.bound.pop(name, None)
-    return dict.fromkeys(names, SHARDED_ON_THE_RANKS)
+    return dict.fromkeys(sorted(moved), SHARDED_ON_THE_RANKS)  # only what changed: a read leaves it current
 
 
 def full_state_dicts(namespace: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
@@ -147,6 +153,21 @@ def full_state_dicts(namespace: dict[str, Any], names: list[str]) -> dict[str, d
         # once the next parameter is gathered, and it would travel as a view of nothing.
         full[name] = {key: _own_copy(value) for key, value in values.items()}
     return full if dist.get_rank() == 0 else {}
+
+
+def load_plain_changes(module: Any, training: dict[str, bool], values: dict[str, Any] | None) -> None:
+    """A module sharded here takes the notebook's plain copy's training flags and, if given, its
+    full values (``set_model_state_dict``: a collective every rank joins, each keeping its shard)."""
+    for name, sub in module.named_modules():
+        if name in training:
+            sub.training = training[name]
+    if values is None:
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with warnings.catch_warnings():  # FSDP's own deprecations
+        warnings.simplefilter("ignore")
+        set_model_state_dict(module, values, options=StateDictOptions(full_state_dict=True))
 
 
 def _full_options(module: Any) -> Any:

@@ -105,3 +105,45 @@ def test_an_fsdp2_module_after_the_groups_were_made_again_says_how_to_shard_it_a
         assert "model is sharded (FSDP) over the ranks' process groups that were made again" in text
         assert "model = fully_shard(build_model())" in text and "Connection closed" not in text
         assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)") == 2.0  # the rest goes on
+
+
+def test_a_pulled_fsdp2_module_takes_plain_changes_onto_the_ranks_sharded_one():
+    """After a pull, the notebook's module is its plain copy: a plain cell's ``model.eval()``
+    reaches the ranks' sharded module (FSDP's dynamic subclass is the same module type for the
+    path check), and a change to its values is loaded into it (every rank takes part), never a
+    structural path mismatch that refuses every later cell."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model.config = {"lr": 1}
+    ns = {"model": model, "torch": torch}
+    full = "full = [p.full_tensor().tolist() for p in model.parameters()]\ntraining = model.training"
+    with start("fork", namespace=ns) as s:
+        s.run(
+            "from torch.distributed.fsdp import fully_shard\nfully_shard(model[0])\nfully_shard(model)\n"
+            "model(torch.ones(3, 4)).sum().backward()",
+            no_return=True,
+        )
+        s.pull("model")
+        model.config["lr"] = 2  # a plain cell's change to an object the module holds
+        assert s.run("model.config['lr']") == 2  # at its path through the ranks' sharded module
+        model.eval()  # a plain cell
+        s.run(full, no_return=True)
+        assert s.pull("training") == {"training": False}
+        with torch.no_grad():
+            model[0].weight.fill_(0.5)  # a plain cell's change to its values
+        s.run(full + "\nkind = type(model).__name__", no_return=True)
+        got = s.pull("full", "kind")
+        assert got["kind"] == "FSDPSequential" and got["full"][0] == [[0.5] * 4] * 8
+        assert s.run("x = 1\nx") == 1
+        s.run("_ = model.train()")  # the master's sharded module, found at the notebook's path
+        assert "model" in s.flow.mirror.stale and model.training is False  # named stale, kept as it was
+
+
+def test_a_cell_that_leaves_a_sharded_module_alone_leaves_the_pulled_copy_current():
+    """(A forward pass through it is no read: FSDP changes its own state there.)"""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ns = {"model": model, "torch": torch}
+    with start("fork", namespace=ns) as s:
+        s.run("from torch.distributed.fsdp import fully_shard\nfully_shard(model)", no_return=True)
+        s.pull("model")
+        assert s.run("n = len(model)\nx = n + 1\nx") == 4
+        assert "model" not in s.flow.mirror.stale

@@ -278,6 +278,7 @@ class NamespaceFlow:
         for line in apply.apply_changes(self.namespace, prepared.registry, changes, None):
             print(f"enot_nb: {line}", file=sys.stderr)
         not_returned |= _loaded_whole(self.namespace, whole)
+        self.mirror.sharded |= {n for n in whole if n not in not_returned}
         for name, why in not_returned.items():
             print(f"enot_nb: {name!r} was not brought back: {why}", file=sys.stderr)
         came = [n for n in names if n not in not_returned and n in self.namespace]

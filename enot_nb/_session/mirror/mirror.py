@@ -30,9 +30,12 @@ from typing import Any
 from enot_nb._memory import written
 from enot_nb._memory.digests import digested_size
 from enot_nb._serialize import picklers
+from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
+from enot_nb._session.tasks import ShardedLoad
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect, whole_states
+from enot_nb._state.kinds import OPS
 from enot_nb._state.registry import Registry, stays_in_the_kernel, user_variables
 from enot_nb.errors import StaleError
 
@@ -113,6 +116,9 @@ class Mirror:
         """Variables that stay in the notebook, by the id of the value they hold and why:
         enot_nb's own live objects (a Session) and values that cannot be pickled. Never pushed
         while they hold that value; a new value is tried again."""
+        self.sharded: set[str] = set()
+        """Variables the ranks hold as sharded modules (FSDP) whose notebook copy is plain (a
+        pull made it whole): a plain cell's change to one is loaded into theirs (ShardedLoad)."""
         self.conflicts: set[str] = set()
         """Stale variables a plain cell changed too, found by a push that left the change out (a
         pull of other names): every later task but their own pull is refused until the user
@@ -174,9 +180,10 @@ class Mirror:
                 raise StaleError(name, self.stale[name])
         self.conflicts |= changed_stale - set(pulling)
         left_out = set(pulling) | changed_stale
+        changes.sharded = self._sharded_loads(namespace, changes, left_out)
         changes.bound = {n: v for n, v in changes.bound.items() if n not in left_out}
         changes.deleted = [n for n in changes.deleted if n not in left_out]
-        empty = not (changes.bound or changes.deleted or changes.objects or changes.storages)
+        empty = not (changes.bound or changes.deleted or changes.objects or changes.storages or changes.sharded)
         names = [n for n in {**synced, **changes.bound} if n not in changes.deleted]
         return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))
 
@@ -227,6 +234,33 @@ class Mirror:
             elif holder in self.stale:
                 changed_stale.add(holder)
         return kept_objects, kept_storages, changed_stale
+
+    def _sharded_loads(self, namespace: dict[str, Any], changes: Changes, left_out: set[str]) -> list[ShardedLoad]:
+        """The changes to modules the ranks hold sharded, taken out of ``changes`` (in place):
+        as loads of the plain copy's training flags and (where its tensors changed) its values."""
+        loads = []
+        baseline = self.record.baseline
+        for name in sorted(self.sharded - left_out):
+            if name not in namespace or self.record.synced.get(name) is not namespace[name]:
+                self.sharded.discard(name)  # rebound or deleted: it travels as any value
+                continue
+            module: Any = namespace[name]
+            # What FSDP holds sharded on the ranks: the modules, their tables, their tensors. Any
+            # other object under it (a config dict) goes as any change, at its path there.
+            parts = [(m, m._parameters, m._buffers, m._modules) for m in module.modules()]
+            tensors = [*module.parameters(), *module.buffers()]
+            objects = {id(o) for held in parts for o in held} | {id(t) for t in tensors}
+            storages = {id(s) for t in tensors for s in tensor_storages(t)}
+            moved = [(i, st) for i, st in changes.objects if id(baseline.objects[i]) in objects]
+            written = [new for new in changes.storages if id(baseline.storages[new.storage]) in storages]
+            if not moved and not written:
+                continue
+            changes.objects = [c for c in changes.objects if c not in moved]
+            changes.storages = [new for new in changes.storages if new not in written]
+            new_values = written or any(OPS[baseline.kinds[i]].has_storage for i, _ in moved)
+            values = {k: v.detach().clone() for k, v in module.state_dict().items()} if new_values else None
+            loads.append(ShardedLoad(name, {n: m.training for n, m in module.named_modules()}, values))
+        return loads
 
     def names_changed(self, changes: Changes) -> list[str]:
         """The variables whose objects or storages ``changes`` (pickled against the record)

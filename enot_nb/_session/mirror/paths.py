@@ -266,7 +266,7 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
             raise fail("the step is ambiguous")
         # A set's items with one step hold the same values: each spec takes one of them.
         obj = found.pop(0)
-    if type_name(obj) != spec.type_name:
+    if type_name(obj) != spec.type_name and not _sharded_of(obj, spec.type_name):
         raise fail(f"a {spec.type_name} in the notebook, a {type_name(obj)} on this rank")
     if spec.sizes:
         here = tuple(s.nbytes() for s in tensor_storages(obj))
@@ -275,6 +275,15 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
         if len(here) != len(spec.sizes) or any(n >= 0 and n != m for n, m in zip(spec.sizes, here)):
             raise fail(f"its storage holds {spec.sizes} bytes in the notebook, {here} on this rank")
     return obj
+
+
+def _sharded_of(obj: Any, name: str) -> bool:
+    """Whether ``obj``'s class is the one FSDP2 made of the class ``name`` (``FSDPSequential``
+    of ``Sequential``): the same module, sharded on this rank."""
+    cls = type(obj)
+    return cls.__module__.startswith("torch.distributed.fsdp") and any(
+        f"{base.__module__}.{base.__qualname__}" == name for base in cls.__mro__[1:]
+    )
 
 
 def mirrored(registry: Registry) -> RegistrySpecs:

@@ -198,7 +198,7 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
     task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
     # A push that only binds or deletes names changes no object a snapshot holds (the namespace
     # has none: the names are compared on their own); one that changes objects does.
-    pushed = task.push is not None and bool(task.push.objects or task.push.storages)
+    pushed = task.push is not None and bool(task.push.objects or task.push.storages or task.push.sharded)
     keep = isinstance(task, CellTask) and not pushed and task.mirror is not None
     if not keep:  # before anything changes: a push, another task (see KeptSnapshot)
         _KEPT.drop()
@@ -214,6 +214,8 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
             command = framing.recv_message(session.sock, session.reader)
         if not (isinstance(command, Proceed) and command.go):
             return _SKIPPED
+    for load in task.push.sharded if task.push is not None else ():  # every rank, after every rank applied
+        sharded.load_plain_changes(namespace[load.name], load.training, load.values)
     match task:
         case CellTask():
             return _run_cell(namespace, task, keep)
