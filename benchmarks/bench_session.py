@@ -318,10 +318,88 @@ print("RESULT", json.dumps([m(quiet), m(pushed), m(copy)]))""",
     ]
 
 
+def costs(kernel, repeats: int) -> list[Row]:
+    """What a session cell costs after earlier cells reached large state (issue 34's targets):
+    ``x = 1`` after a cell read a 1 GiB NumPy array, and after one read 300k small dicts, each
+    beside ``x = 1`` in the same session before (the same kernel, the same ranks); the first
+    cell that reads the dicts beside a local cloudpickle round trip of them; and a cell that
+    appends one tensor to a list of 10, and of 1,400, tensors."""
+    bench = "session: what a cell costs after earlier cells reached large state"
+    n = max(10, repeats * 2)
+    found = kernel_json(
+        kernel,
+        f"""
+import numpy as np, cloudpickle
+m = statistics.median
+run("%enot_session start -n 2 --backend gloo")
+empty = clock("%%enot_distributed\\nx = 1", {n})
+big = np.zeros(2**27)  # 1 GiB
+run("%%enot_distributed\\nn = big.size")
+after_array = clock("%%enot_distributed\\nx = 1", {n})
+del big
+run("%%enot_distributed\\ndel big")
+records = [{{"i": i, "tag": "a"}} for i in range(300_000)]
+start = time.perf_counter(); cloudpickle.loads(cloudpickle.dumps(records)); round_trip = time.perf_counter() - start
+start = time.perf_counter(); run("%%enot_distributed\\nk = len(records)"); first = time.perf_counter() - start
+after_dicts = clock("%%enot_distributed\\nx = 1", {n})
+del records
+run("%%enot_distributed\\ndel records")
+tensors = [torch.zeros(4) for _ in range(10)]
+run("%%enot_distributed\\nk = len(tensors)")
+at_10 = clock("%%enot_distributed\\ntensors.append(torch.zeros(4))", {n}, warmup=0)
+tensors.extend(torch.zeros(4) for _ in range(1400 - len(tensors)))
+run("%%enot_distributed\\nk = len(tensors)")
+at_1400 = clock("%%enot_distributed\\ntensors.append(torch.zeros(4))", {n}, warmup=0)
+run("%enot_session stop")
+print("RESULT", json.dumps([m(empty), m(after_array), round_trip, first, m(after_dicts), m(at_10), m(at_1400)]))""",
+        timeout=1200,
+    )
+    empty, after_array, round_trip, first, after_dicts, at_10, at_1400 = found
+    return [
+        Row(bench, "x = 1 in the session before (reference)", empty, "s", "x = 1 before", 1.0, "", n),
+        Row(
+            bench,
+            "x = 1 after a cell read 1 GiB of NumPy",
+            after_array,
+            "s",
+            "x = 1 before",
+            after_array / empty,
+            "<= reference + 5 ms",
+            n,
+        ),
+        Row(
+            bench,
+            "x = 1 after a cell read 300k small dicts",
+            after_dicts,
+            "s",
+            "x = 1 before",
+            after_dicts / empty,
+            "<= reference + 20 ms",
+            n,
+        ),
+        Row(
+            bench,
+            "local cloudpickle round trip of the 300k dicts (reference)",
+            round_trip,
+            "s",
+            "round trip",
+            1.0,
+            "",
+            1,
+        ),
+        Row(
+            bench, "the first cell that reads the 300k dicts", first, "s", "round trip", first / round_trip, "<= 3x", 1
+        ),
+        Row(bench, "append a tensor to a list of 10 (reference)", at_10, "s", "at 10", 1.0, "", n),
+        Row(bench, "append a tensor to a list of 1,400", at_1400, "s", "at 10", at_1400 / at_10, "<= 2x", n),
+    ]
+
+
 def run(repeats: int = 5) -> list[Row]:
     kernel = start_kernel()
     try:
         kernel.ok(SETUP)
-        return trivial(kernel, repeats) + ddp_steps(kernel, repeats) + resnet(kernel, repeats) + push(kernel, repeats)
+        rows = trivial(kernel, repeats) + ddp_steps(kernel, repeats) + resnet(kernel, repeats)
+        return rows + push(kernel, repeats) + costs(kernel, repeats)
     finally:
         kernel.shutdown()

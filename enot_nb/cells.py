@@ -183,7 +183,7 @@ def _cell_job(
     values, left_out, registry = reach.shippable_namespace(namespace, code)
     objects = reach.shippable_objects(registry, namespace)
     return bootstrap.Job(
-        _cell.run_shipped_cell, (values, left_out, objects, code, options), gather_shards=False
+        _cell.run_shipped_cell, (values, left_out, objects, code, options, registry.parents), gather_shards=False
     ), registry
 
 

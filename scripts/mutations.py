@@ -584,6 +584,16 @@ MUTATIONS = [
             "test_a_cell_that_leaves_a_sharded_module_alone_leaves_the_pulled_copy_current"
         ],
     ),
+    Mutation(
+        "spawn-keeps-copies-a-holder-rebuilt",
+        "enot_nb/cells.py",
+        "(values, left_out, objects, code, options, registry.parents)",
+        "(values, left_out, objects, code, options)",
+        [
+            "tests/cells/test_state_parity_objects.py::"
+            "test_distributed_cell_is_a_local_cell[a-sub-object-its-holders-setstate-builds-spawn]"
+        ],
+    ),
 ]
 
 

@@ -324,7 +324,8 @@ class Attempt:
         for rank, exitcode in ended:
             r = self._rank(rank)
             r.exitcode = exitcode
-            if exitcode == -signal.SIGKILL and not r.stop_signals:
+            # Not ours: a SIGTERM we sent after a peer failed does not make the SIGKILL ours.
+            if exitcode == -signal.SIGKILL and signal.SIGKILL not in r.stop_signals:
                 counted = oom.oom_kills()
                 r.signal_cause, self.oom_kills = sigkill_cause(self.oom_kills, counted), counted
             self.io.drain(r)

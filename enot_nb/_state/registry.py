@@ -23,7 +23,7 @@ from typing import Any
 
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.kinds import OPS, SET_ITEM, Kind, kind_of
-from enot_nb._state.states import VALUE_TYPES
+from enot_nb._state.states import VALUE_TYPES, Replaced
 
 # Names IPython binds in the namespace for itself: never shipped, compared or brought back.
 _IPYTHON_NAME = re.compile(
@@ -192,10 +192,48 @@ class Registry:
             queue.append(i)
 
     @classmethod
-    def of_objects(cls, objects: list[Any]) -> Registry:
-        """The registry of a spawned worker: the shipped copies, at the notebook's indices."""
+    def of_objects(cls, objects: list[Any], parents: list[tuple[int, str]] | None = None) -> Registry:
+        """The registry of a spawned worker: the shipped copies, at the notebook's indices.
+        ``parents``: the notebook's paths; where a copy's holder rebuilt what it holds on the
+        way in (its ``__setstate__`` made a new sub-object), the object it holds takes the
+        index, given the copy's state (as the notebook's object has it): the cell changes that
+        one, and its changes come back."""
         registry = cls()
-        for obj in objects:
+        children: dict[int, dict[str, list[Any]]] = {}
+        for i, obj in enumerate(objects):
+            if i and parents is not None:
+                obj = registry._held_instead(obj, parents[i], children)
             kind = Kind.NAMESPACE if not registry.objects else (kind_of(obj) or Kind.OPAQUE)
             registry._add(obj, kind, -1, "")
         return registry
+
+    def _held_instead(self, copy: Any, path: tuple[int, str], children: dict[int, dict[str, list[Any]]]) -> Any:
+        parent, step = path
+        if parent <= 0 or type(copy) in VALUE_TYPES:
+            return copy
+        steps = children.get(parent)
+        if steps is None:
+            steps = children[parent] = {}
+            walk = OPS[self.kinds[parent]].children
+            try:
+                for at, child in walk(self.objects[parent]) if walk is not None else ():
+                    steps.setdefault(at, []).append(child)
+            except Exception:  # noqa: BLE001 - an object that resists inspection: keep the copy
+                return copy
+        held = steps.get(step, [])
+        if len(held) != 1 or held[0] is copy or self.find(held[0]) is not None:
+            return copy
+        new = held[0]
+        try:
+            kind = kind_of(new)
+        except Exception:  # noqa: BLE001 - as the walk: left alone
+            return copy
+        if copy is not None:
+            apply = OPS[kind].apply if kind is not None else None
+            if type(new) is not type(copy) or kind is None or apply is None:
+                return copy
+            state = OPS[kind].new_state(copy)
+            if isinstance(state, Replaced):
+                return copy
+            apply(new, state, lambda _: None)
+        return new

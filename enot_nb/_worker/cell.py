@@ -227,15 +227,21 @@ def _cell_shell(options: CellOptions) -> Any:
 
 
 def run_shipped_cell(
-    values: dict[str, Any], left_out: dict[str, str], objects: list[Any], code: str, options: CellOptions
+    values: dict[str, Any],
+    left_out: dict[str, str],
+    objects: list[Any],
+    code: str,
+    options: CellOptions,
+    parents: list[tuple[int, str]] | None = None,
 ) -> Any:
     """Worker side under spawn: the shipped variables become the cell's namespace; ``objects``
-    are the copies of the notebook's registered objects, index for index."""
+    are the copies of the notebook's registered objects, index for index (``parents``: their
+    paths, see Registry.of_objects)."""
     namespace = objects[0]  # the worker's namespace dict (see picklers.WORKER_NAMESPACE)
     namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
     namespace.update(values)
     try:
-        return run_cell(code, namespace, options, Registry.of_objects(objects))
+        return run_cell(code, namespace, options, Registry.of_objects(objects, parents))
     except NameError as err:
         if err.name in left_out:
             raise NameError(

@@ -86,6 +86,14 @@ CASES = [
         ["r", "sq(4)", "one.__wrapped__(4)", "sq.__wrapped__.__name__"],
     ),
     (
+        "a-sub-object-its-holders-setstate-builds",
+        "class Holder:\n    def __init__(self):\n        self.v = 1\n        self.cache = {}\n"
+        "    def __setstate__(self, state):\n        self.__dict__.update(state)\n"
+        "        self.cache = dict(state['cache'])\nh = Holder()\nh.cache['a'] = 1\nc = h.cache\n",
+        "h.cache['b'] = 2",
+        ["h.v", "sorted(h.cache.items())", "h.cache is c"],
+    ),
+    (
         "cached-function-defined-in-cell",
         "k = 2\n",
         "import functools\n@functools.cache\ndef times_k(x):\n    return x * k\nfirst = times_k(3)",
@@ -191,3 +199,17 @@ def test_an_object_that_cannot_load_in_the_kernel_is_named_and_the_rest_comes_ba
         assert run.stderr.count(f"enot_nb: {where} was not brought back: {why}\n") == 1, run.stderr
     check = kernel.ok("print('bad' in dir(), hasattr(holder, 'p'), holder.keep, d, items, good)")
     assert check.stdout == "False False 5 {'a': 1, 'b': 2} [0] 3\n"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_cached_functions_statistics_stay_as_before_the_cell_under_both_start_methods(kernels, method):
+    """lru_cache keeps its entries and counts in C, out of reach: under fork and spawn alike the
+    notebook's cache (its cache_info()) is as it was before the cell, and one line says so; a
+    local cell would have counted the cell's calls (the one divergence left, named)."""
+    _, kernel = kernels
+    _fresh(kernel)
+    kernel.ok("import functools\n@functools.lru_cache\ndef sq(x):\n    return x * x\nsq(2)")
+    run = kernel.ok(f"{MAGIC} --start-method {method}\nr = sq(3) + sq(2)")
+    assert run.stderr.count(CACHE_LINE) == 1, run.stderr
+    info = kernel.ok("print(r, sq.cache_info())").stdout.strip()
+    assert info == "13 CacheInfo(hits=0, misses=1, maxsize=128, currsize=1)"
