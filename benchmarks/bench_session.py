@@ -321,40 +321,49 @@ print("RESULT", json.dumps([m(quiet), m(pushed), m(copy)]))""",
 def costs(kernel, repeats: int) -> list[Row]:
     """What a session cell costs after earlier cells reached large state (issue 34's targets):
     ``x = 1`` after a cell read a 1 GiB NumPy array, and after one read 300k small dicts, each
-    beside ``x = 1`` in the same session before (the same kernel, the same ranks); the first
-    cell that reads the dicts beside a local cloudpickle round trip of them; and a cell that
-    appends one tensor to a list of 10, and of 1,400, tensors."""
+    beside ``x = 1`` in the same session before; the first cell that reads the dicts beside a
+    local cloudpickle round trip of them; a cell that appends one tensor to a list of 10, and
+    of 1,400, tensors. Each cell is a cell of its own, as in a notebook (a cell that runs others
+    from its own code reads the namespace by name, and every push after it compares it all),
+    timed in the kernel from its start to its end (``pre_run_cell`` to ``post_run_cell``)."""
     bench = "session: what a cell costs after earlier cells reached large state"
     n = max(10, repeats * 2)
-    found = kernel_json(
-        kernel,
-        f"""
-import numpy as np, cloudpickle
-m = statistics.median
-run("%enot_session start -n 2 --backend gloo")
-empty = clock("%%enot_distributed\\nx = 1", {n})
-big = np.zeros(2**27)  # 1 GiB
-run("%%enot_distributed\\nn = big.size")
-after_array = clock("%%enot_distributed\\nx = 1", {n})
-del big
-run("%%enot_distributed\\ndel big")
-records = [{{"i": i, "tag": "a"}} for i in range(300_000)]
-start = time.perf_counter(); cloudpickle.loads(cloudpickle.dumps(records)); round_trip = time.perf_counter() - start
-start = time.perf_counter(); run("%%enot_distributed\\nk = len(records)"); first = time.perf_counter() - start
-after_dicts = clock("%%enot_distributed\\nx = 1", {n})
-del records
-run("%%enot_distributed\\ndel records")
-tensors = [torch.zeros(4) for _ in range(10)]
-run("%%enot_distributed\\nk = len(tensors)")
-at_10 = clock("%%enot_distributed\\ntensors.append(torch.zeros(4))", {n}, warmup=0)
-tensors.extend(torch.zeros(4) for _ in range(1400 - len(tensors)))
-run("%%enot_distributed\\nk = len(tensors)")
-at_1400 = clock("%%enot_distributed\\ntensors.append(torch.zeros(4))", {n}, warmup=0)
-run("%enot_session stop")
-print("RESULT", json.dumps([m(empty), m(after_array), round_trip, first, m(after_dicts), m(at_10), m(at_1400)]))""",
-        timeout=1200,
+    kernel.ok(
+        "import time, statistics, numpy as np, cloudpickle\ntook = []\n_t = [0.0]\n"
+        "get_ipython().events.register('pre_run_cell', lambda info: _t.__setitem__(0, time.perf_counter()))\n"
+        "get_ipython().events.register('post_run_cell', lambda r: took.append(time.perf_counter() - _t[0]))"
     )
-    empty, after_array, round_trip, first, after_dicts, at_10, at_1400 = found
+    kernel.ok("%enot_session start -n 2 --backend gloo")
+
+    def timed(code: str, times: int) -> float:
+        kernel.ok("took.clear()")
+        for _ in range(times):
+            kernel.ok(code)
+        return kernel_json(kernel, "print('RESULT', statistics.median(took[1:]))")  # took[0]: the clear
+
+    x = "%%enot_distributed\nx = 1"
+    empty = timed(x, n)
+    kernel.ok("big = np.zeros(2**27)  # 1 GiB")
+    kernel.ok("%%enot_distributed\nn = big.size")
+    after_array = timed(x, n)
+    kernel.ok("del big")
+    kernel.ok("records = [{'i': i, 'tag': 'a'} for i in range(300_000)]")
+    round_trip = kernel_json(
+        kernel,
+        "start = time.perf_counter(); cloudpickle.loads(cloudpickle.dumps(records))\n"
+        "print('RESULT', time.perf_counter() - start)",
+    )
+    first = timed("%%enot_distributed\nk = len(records)", 1)
+    after_dicts = timed(x, n)
+    kernel.ok("del records")
+    kernel.ok("tensors = [torch.zeros(4) for _ in range(10)]")
+    kernel.ok("%%enot_distributed\nk = len(tensors)")
+    append = "%%enot_distributed\ntensors.append(torch.zeros(4))"
+    at_10 = timed(append, n)
+    kernel.ok("tensors.extend(torch.zeros(4) for _ in range(1400 - len(tensors)))")
+    kernel.ok("%%enot_distributed\nk = len(tensors)")
+    at_1400 = timed(append, n)
+    kernel.ok("%enot_session stop")
     return [
         Row(bench, "x = 1 in the session before (reference)", empty, "s", "x = 1 before", 1.0, "", n),
         Row(

@@ -594,6 +594,34 @@ MUTATIONS = [
             "test_distributed_cell_is_a_local_cell[a-sub-object-its-holders-setstate-builds-spawn]"
         ],
     ),
+    Mutation(
+        "plain-cells-reach-nothing",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "            names.update(found.names)\n",
+        "",
+        [
+            "tests/unit/test_plain_cells.py::test_only_what_the_plain_cells_reach_is_compared",
+            "tests/session/test_session_parity.py::test_what_plain_cells_change_through_a_function_reaches_the_ranks",
+        ],
+    ),
+    Mutation(
+        "a-cell-that-ran-a-task-drops-out-at-its-sync",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "                end[0] = self.synced_at()\n",
+        "                end[0] = -1\n",
+        [
+            "tests/unit/test_plain_cells.py::test_a_cell_that_ran_a_session_task_counts_after_its_sync",
+            "tests/session/test_session_parity.py::"
+            "test_a_plain_cell_that_runs_a_session_task_then_changes_state_is_pushed",
+        ],
+    ),
+    Mutation(
+        "a-placeholder-object-per-slot",
+        "enot_nb/_session/mirror/paths.py",
+        "    registry.objects = [_MISSING] * objects",
+        "    registry.objects = [_Missing() for _ in range(objects)]",
+        ["tests/unit/test_session.py::test_a_ranks_registry_holds_one_placeholder_for_all_it_lacks"],
+    ),
 ]
 
 

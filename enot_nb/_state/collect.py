@@ -84,13 +84,15 @@ def collect(
     names_before: dict[str, Any],
     namespace: dict[str, Any],
     hidden: Any = (),
+    within: tuple[set[int], set[int]] | None = None,
 ) -> tuple[Changes, list[int]]:
-    """The changes the cell made; also the indices of the changed objects (for their names)."""
+    """The changes the cell made; also the indices of the changed objects (for their names).
+    ``within``: the indices of the only objects and storages that can have changed."""
     changes = Changes()
     now = user_variables(namespace, hidden)
     changes.bound = {n: v for n, v in now.items() if names_before.get(n, _MISSING) is not v}
     changes.deleted = [n for n in names_before if n not in now]
-    changed = snapshot.changed_objects(registry)
+    changed = snapshot.changed_objects(registry, within[0] if within is not None else None)
     objects = {i: OPS[registry.kinds[i]].new_state(registry.objects[i]) for i in changed}
     for i, state in list(objects.items()):
         if isinstance(state, Replaced):
@@ -102,7 +104,7 @@ def collect(
                     "objects it refers to come back changed)"
                 )
     changes.objects = list(objects.items())
-    storages = snapshot.changed_storages(registry)
+    storages = snapshot.changed_storages(registry, within[1] if within is not None else None)
     written = written_parts([registry.storages[j] for j in storages], [snapshot.storages[j] for j in storages])
     changes.storages = [_new_bytes(j, registry.storages[j], parts) for j, parts in zip(storages, written)]
     return changes, changed

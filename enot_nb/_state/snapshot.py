@@ -78,9 +78,11 @@ class Snapshot:
         at = range(len(self.states)) if indices is None else indices
         return [i for i in at if self.states[i] is None and OPS[registry.kinds[i]].snapshot is not None]
 
-    def changed_objects(self, registry: Registry) -> list[int]:
+    def changed_objects(self, registry: Registry, within: Iterable[int] | None = None) -> list[int]:
+        """The objects whose state changed (``within``: of these indices only)."""
         changed = []
-        for i, (obj, kind) in enumerate(zip(registry.objects, registry.kinds)):
+        for i in range(len(registry.objects)) if within is None else sorted(within):
+            obj, kind = registry.objects[i], registry.kinds[i]
             before, ops = self.states[i], OPS[kind]
             if before is None or ops.snapshot is None:
                 continue
@@ -100,8 +102,13 @@ class Snapshot:
                 changed.append(i)
         return changed
 
-    def changed_storages(self, registry: Registry) -> list[int]:
-        return changed_storages(registry.storages, self.storages)
+    def changed_storages(self, registry: Registry, within: Iterable[int] | None = None) -> list[int]:
+        """The storages whose bytes changed (``within``: of these indices only)."""
+        if within is None:
+            return changed_storages(registry.storages, self.storages)
+        at = sorted(within)
+        found = changed_storages([registry.storages[j] for j in at], [self.storages[j] for j in at])
+        return [at[k] for k in found]
 
 
 def _state_of(obj: Any, kind: Any) -> Any:

@@ -170,6 +170,22 @@ CASES = [
         ],
     ),
     (
+        "plain-cells-that-change-state-through-functions-aliases-and-names-read-by-name",
+        "log = [0]\nd = {'k': 1}\ndef bump():\n    log.append(len(log))\n",
+        [
+            (S, "n = len(log) + d['k']"),
+            (P, "bump()"),
+            (S, "n2 = len(log)"),
+            (P, "globals()['d']['k'] = 5"),
+            (S, "k = d['k']"),
+            (P, "alias = d\nalias['k'] = 7\ndel alias"),
+            (S, "k2 = d['k']"),
+            (P, "y = 3"),
+            (S, "k3 = d['k'] + len(log)"),
+        ],
+        ["log", "d", "'n2' in dir() and n2", "'k' in dir() and (k, k2, k3)"],
+    ),
+    (
         "cells-that-read-every-name-beside-a-value-that-cannot-travel",
         "import threading\nlock = threading.Lock()\nk = 21\n",
         [(S, "k2 = eval('k * 2')"), (P, "k = 5"), (S, "k3 = eval('k + k2')")],
@@ -374,6 +390,23 @@ def test_a_variable_left_out_by_no_return_is_stale_until_pulled(live):
     live.ok("xs.append(7)")
     live.ok("%enot_pull xs --keep-notebook")  # the notebook's goes to every rank
     assert live.ok("%%enot_distributed --output all\nprint(xs)").stdout.count("[1, 2, 7]") == 2
+
+
+def test_what_plain_cells_change_through_a_function_reaches_the_ranks(live):
+    """Only what the plain cells since the last sync reach is compared (the differential cases'
+    probes read names dynamically, so there everything is): a function's globals count."""
+    live.ok("log = [0]\ndef bump():\n    log.append(len(log))")
+    live.ok("%%enot_distributed\nn = len(log)")
+    live.ok("bump()")
+    live.ok("%%enot_distributed\nn2 = len(log)")
+    assert live.ok("print(n2)").stdout.strip() == "2"
+
+
+def test_a_plain_cell_that_runs_a_session_task_then_changes_state_is_pushed(live):
+    live.ok("import enot_nb\nxs = [1]")
+    live.ok("%%enot_distributed\nn = len(xs)")
+    live.ok("enot_nb.session().run('m = len(xs)')\nxs.append(2)")  # after that task's sync
+    assert live.ok("%%enot_distributed\nprint(len(xs))").stdout.strip() == "2"
 
 
 def test_mirror_none_refuses_export_and_pulls_on_request(kernel):

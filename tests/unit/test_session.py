@@ -13,3 +13,12 @@ def test_a_restart_line_says_what_went_back_to_the_gpu_and_what_to_the_cpu():
         "only on the workers: ddp"
     )
     assert "GPU" not in restart_line(2, True, None, [], [], ["x"])
+
+
+def test_a_ranks_registry_holds_one_placeholder_for_all_it_lacks():
+    """A push is pickled against the whole record (300k objects after a cell read 300k dicts):
+    the slots a rank fills with nothing cost no object each, every task."""
+    from enot_nb._session.mirror import paths
+
+    registry = paths.registry_at({}, [], 300_000, 0, strict=True)
+    assert len({id(obj) for obj in registry.objects[1:]}) == 1 and paths.has_placeholders(registry)

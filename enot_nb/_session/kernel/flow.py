@@ -21,6 +21,7 @@ from typing import Any
 from enot_nb._launch.bring_back import BroughtBack, Bundle, bring_back
 from enot_nb._launch.notes import NOTES, Note
 from enot_nb._session.kernel.cell_reach import CellReach
+from enot_nb._session.kernel.plain_cells import PlainCells
 from enot_nb._session.kernel.workers import CommandOutcome
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.mirror import Mirror, PickledTask, Push, SinceSync
@@ -70,9 +71,22 @@ class NamespaceFlow:
         self.namespace, self.mode, self.mirror = namespace, mode, Mirror()
         self.mirrored = mode == "all"
         self.kept: CellReach | None = None  # the last cell's reach, for the next (see CellReach)
+        self.plain = PlainCells.of(namespace, lambda: self.mirror.synced_at) if self.mirrored else None
+
+    def close(self) -> None:
+        if self.plain is not None:
+            self.plain.close()
+            self.plain = None
 
     def _hidden(self) -> Any:
         return reach.hidden_names(self.namespace)
+
+    def _compare(self) -> SinceSync | None:
+        """What changed of the record since the last sync, looked for only where the plain
+        cells run since can have changed it (see plain_cells)."""
+        hidden = self._hidden()
+        reached = self.plain.reached(self.namespace, hidden) if self.plain is not None else None
+        return self.mirror.compare(self.namespace, hidden, reached)
 
     def pickle(self, prepared: PreparedTask) -> PickledTask:
         """The task pickled for the ranks; each variable its push left in the notebook (enot_nb's
@@ -101,6 +115,7 @@ class NamespaceFlow:
         self.kept = None  # the task may change what it was made from
         if not self.mirrored:
             return None
+        since = since or self._compare()
         return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since, overwrite)
 
     def after_push(
@@ -147,7 +162,7 @@ class NamespaceFlow:
         prepared = PreparedTask(task=None, options=options, code=code, run=run)
         mirror = None
         if self.mirrored:
-            since = self.mirror.compare(self.namespace, self._hidden())
+            since = self._compare()
             reached = CellReach.of(
                 self.namespace,
                 code,

@@ -132,6 +132,7 @@ class Session:
         if workers is not None:
             workers.close()
         self.flow.mirror.reset()  # its shadow fork too
+        self.flow.close()
 
     def restart(self, why: str | None = None) -> None:
         """New workers, given what the old ones held of the notebook's state (by value; what lived

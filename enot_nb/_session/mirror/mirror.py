@@ -23,6 +23,7 @@ newer value, so a plain cell that changed it is refused at the next push, by nam
 from __future__ import annotations
 
 import io
+import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,9 @@ class Mirror:
         """Variables that stay in the notebook, by the id of the value they hold and why:
         enot_nb's own live objects (a Session) and values that cannot be pickled. Never pushed
         while they hold that value; a new value is tried again."""
+        self.synced_at = next(_SYNCS)
+        """When the record was last made (a count over every mirror): plain cells run since
+        are what can have changed it (see plain_cells)."""
         self.sharded: set[str] = set()
         """Variables the ranks hold as sharded modules (FSDP) whose notebook copy is plain (a
         pull made it whole): a plain cell's change to one is loaded into theirs (ShardedLoad)."""
@@ -129,13 +133,19 @@ class Mirror:
         written.end_shadow()
         self.__init__()  # type: ignore[misc]
 
-    def compare(self, namespace: dict[str, Any], hidden: Any = ()) -> SinceSync | None:
+    def compare(self, namespace: dict[str, Any], hidden: Any = (), reached: Registry | None = None) -> SinceSync | None:
         """What changed of the record's objects and storages since the last sync (None: there is
-        no record of this namespace); ``push`` takes it."""
+        no record of this namespace); ``push`` takes it. ``reached``: a walk of all that the
+        plain cells run since can have changed (see plain_cells): only that is compared."""
         record = self.record
         if record.snapshot is None or record.baseline.objects[0] is not namespace:
             return None
-        changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden)
+        within = None
+        if reached is not None:
+            baseline = record.baseline
+            objects = {i for i in map(baseline.find, reached.objects[1:]) if i is not None}
+            within = (objects, {j for j in map(baseline.find_storage, reached.storages) if j is not None})
+        changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden, within)
         storages = [record.baseline.storages[new.storage] for new in changes.storages]
         return SinceSync(changes, TaskChanges([record.baseline.objects[i] for i in changed], storages))
 
@@ -344,6 +354,7 @@ class Mirror:
             self.record = Record.walk(namespace, synced)
         elif not self.record.update(namespace, synced, moved):
             self.record = self.record.walked_again(namespace, synced, moved)
+        self.synced_at = next(_SYNCS)
 
     def came_back(
         self, namespace: dict[str, Any], not_returned: dict[str, str], returned: set[str], reached: list[str]
@@ -388,3 +399,4 @@ def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes,
 
 
 _NONE = object()
+_SYNCS = itertools.count()

@@ -96,6 +96,9 @@ class _Missing:
         return "<no counterpart on this rank>"
 
 
+_MISSING = _Missing()
+
+
 def has_placeholders(registry: Registry) -> bool:
     """Whether some object of a rank's registry (registry_at) had no counterpart here."""
     return any(type(obj) is _Missing for obj in registry.objects)
@@ -109,7 +112,7 @@ def registry_at(
     that would change it cannot be applied); else a placeholder stands there (the rank's object
     is then new to the notebook)."""
     registry = Registry()
-    registry.objects = [_Missing() for _ in range(objects)]
+    registry.objects = [_MISSING] * objects  # one placeholder: a baseline may hold 300k objects
     registry.kinds = [Kind.OPAQUE] * objects
     registry.parents = [(-1, "")] * objects
     registry.storages = [None] * storages

@@ -1,0 +1,52 @@
+"""What the plain cells run since a session's last sync can reach (_session/kernel/plain_cells):
+all the next push compares. In a real IPython shell, in this process."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+from enot_nb._session.kernel.plain_cells import PlainCells
+
+
+@pytest.fixture
+def shell():
+    shell = InteractiveShell.instance()
+    shell.run_cell("big = list(range(10))\nsmall = [1]\ndef bump():\n    small.append(2)\n")
+    yield shell
+    shell.run_cell("%reset -f")
+
+
+def test_only_what_the_plain_cells_reach_is_compared(shell):
+    sync = [0]
+    cells = PlainCells(shell, lambda: sync[0])
+    try:
+        ns = shell.user_ns
+        shell.run_cell("y = 2")
+        reached = cells.reached(ns, shell.user_ns_hidden)
+        assert reached is not None and reached.find(ns["big"]) is None and reached.find(ns["small"]) is None
+        shell.run_cell("bump()")  # through a notebook function's globals
+        reached = cells.reached(ns, shell.user_ns_hidden)
+        assert reached.find(ns["small"]) is not None and reached.find(ns["big"]) is None
+        shell.run_cell("%%enot_distributed\nbig.append(1)")  # a session cell: in the record (it fails here: no magic)
+        assert cells.reached(ns, shell.user_ns_hidden).find(ns["big"]) is None
+        shell.run_cell("globals()['big'].append(3)")  # reads the namespace by name: everything
+        assert cells.reached(ns, shell.user_ns_hidden) is None
+        sync[0] += 1  # a session task synced: the cells before it are in the record
+        assert cells.reached(ns, shell.user_ns_hidden).objects[1:] == []
+    finally:
+        cells.close()
+
+
+def test_a_cell_that_ran_a_session_task_counts_after_its_sync(shell):
+    """``s.run(...)`` in a plain cell, then a change in the same cell: the change comes after the
+    task's sync, so the cell still counts."""
+    sync = [0]
+    cells = PlainCells(shell, lambda: sync[0])
+    shell.user_ns["synced"] = lambda: sync.__setitem__(0, sync[0] + 1)
+    try:
+        shell.run_cell("synced()\nsmall.append(5)")
+        reached = cells.reached(shell.user_ns, shell.user_ns_hidden)
+        assert reached is not None and reached.find(shell.user_ns["small"]) is not None
+    finally:
+        cells.close()
