@@ -622,6 +622,20 @@ MUTATIONS = [
         "    registry.objects = [_Missing() for _ in range(objects)]",
         ["tests/unit/test_session.py::test_a_ranks_registry_holds_one_placeholder_for_all_it_lacks"],
     ),
+    Mutation(
+        "plain-data-replaced-not-changed-in-place",
+        "enot_nb/_state/kinds.py",
+        "        kept = [_into(a, b) for a, b in zip(old, new)]\n",
+        "        kept = list(new[: len(old)])\n",
+        ["tests/session/test_mirror.py::test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways"],
+    ),
+    Mutation(
+        "a-large-log-of-dicts-walked-dict-by-dict",
+        "enot_nb/_state/kinds.py",
+        "        if t in _PLAIN_CONTAINERS and holds_plain_data(obj):\n",
+        "        if False:\n",
+        ["tests/session/test_mirror.py::test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways"],
+    ),
 ]
 
 

@@ -28,8 +28,10 @@ class StateUnpickler(pickle.Unpickler):
         self.registry = registry
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, index = pid
-        return self.registry.objects[index] if kind == "o" else self.registry.storages[index]
+        kind, at = pid
+        if kind == "v":  # plain data, pickled whole (see collect.StatePickler)
+            return pickle.loads(at)
+        return self.registry.objects[at] if kind == "o" else self.registry.storages[at]
 
 
 def load(state: PickledState, registry: Registry) -> Changes:

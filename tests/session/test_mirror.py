@@ -380,3 +380,21 @@ def test_set_items_are_never_matched_by_iteration_order():
             (5, 0),
             (6, 0),
         ]
+
+
+def test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways():
+    """300,000 ``{"i": ..., "tag": ...}`` records (kind PLAIN: digested whole, never walked): a
+    change inside one comes back in place (the list and the record keep their identity), a
+    plain cell's change reaches the ranks."""
+    from enot_nb._state.kinds import Kind, kind_of
+
+    records = [{"i": i, "tag": "a", "seen": [i]} for i in range(300_000)]
+    assert kind_of(records) is Kind.PLAIN
+    fifth, ns = records[5], {"records": records}
+    with start("fork", namespace=ns) as s:
+        assert s.run("len(records)") == 300_000
+        s.run("records[5]['i'] = -1\nrecords[5]['seen'].append(0)\nrecords.append({'i': 'new'})")
+        assert ns["records"] is records and records[5] is fifth and fifth == {"i": -1, "tag": "a", "seen": [5, 0]}
+        assert records[-1] == {"i": "new"} and len(records) == 300_001
+        records[7]["tag"] = "b"  # a plain cell's change
+        assert s.run("(records[7]['tag'], records[5]['i'], len(records))") == ("b", -1, 300_001)

@@ -186,6 +186,16 @@ CASES = [
         ["log", "d", "'n2' in dir() and n2", "'k' in dir() and (k, k2, k3)"],
     ),
     (
+        "a-large-log-of-plain-records-changed-on-both-sides",
+        "log = [{'i': i, 'v': [i]} for i in range(1500)]\nfirst = log[0]\nthird = log[3]['v']\n",
+        [
+            (S, "log[0]['i'] = -1\nlog[3]['v'].append(9)\nlog.append({'i': 'x'})"),
+            (P, "log[1]['i'] = -2"),
+            (S, "n = sum(1 for r in log if isinstance(r['i'], int) and r['i'] < 0)"),
+        ],
+        ["log[:4]", "log[-1]", "len(log)", "first is log[0]", "third is log[3]['v']", "'n' in dir() and n"],
+    ),
+    (
         "cells-that-read-every-name-beside-a-value-that-cannot-travel",
         "import threading\nlock = threading.Lock()\nk = 21\n",
         [(S, "k2 = eval('k * 2')"), (P, "k = 5"), (S, "k3 = eval('k + k2')")],
