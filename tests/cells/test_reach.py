@@ -122,7 +122,8 @@ def test_a_large_container_of_atoms_is_one_object_compared_by_its_slots():
     samples = [(f"img{i}.jpg", i % 10) for i in range(ATOMS_MIN)]
     assert kind_of(samples) is Kind.ATOMS
     assert kind_of(samples[: ATOMS_MIN - 1]) is Kind.LIST
-    assert kind_of([*samples, [1]]) is Kind.LIST  # a mutable item: walked as any list
+    assert kind_of([*samples, [1]]) is Kind.PLAIN  # a list of plain data: one object, digested
+    assert kind_of([*samples, Box()]) is Kind.LIST  # an object among them: walked as any list
     assert kind_of({i: float(i) for i in range(ATOMS_MIN)}) is Kind.ATOMS
     namespace = {"samples": samples, "zeros": [0.0] * ATOMS_MIN}
     registry = reach(namespace, "samples, zeros").registry
@@ -291,3 +292,7 @@ def test_what_a_cell_changes_through_a_bound_method_or_a_generator_is_reached(se
 def test_a_cell_that_reaches_the_namespace_itself_walks_every_name(setup, cell):
     found = reach(_notebook(setup), cell)
     assert found.whole is not None
+
+
+class Box:
+    """An object of the user's: a container holding one is walked."""
