@@ -226,6 +226,14 @@ class EngineOptions:
             raise LaunchConfigError(
                 f"address={self.address!r} must be 'auto' or the Ray head's HOST:PORT", parameter="address"
             )
+        if isinstance(self.address, str) and self.address.startswith("ray://"):
+            raise LaunchConfigError(
+                f"address={self.address!r}: Ray Client (ray://) is not supported by the Ray engine: it has "
+                "no object store on this side, and every piece of the ranks' output and state would cross "
+                "its proxy. Run the notebook on a node of the cluster and pass address='auto' (or the "
+                "head's HOST:PORT)",
+                parameter="address",
+            )
         if self.engine == "local" and (self.address is not None or self.gpus_per_rank or self.placement != "pack"):
             raise LaunchConfigError(
                 "address, gpus_per_rank and placement place ranks on a Ray cluster; add engine='ray'",

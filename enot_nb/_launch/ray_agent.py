@@ -162,7 +162,7 @@ class RankAgent:
         if self.group is None or self.server is None:
             return self._closed()
         watched = [fd for name, fd in self.reads.items() if name not in self.ended]
-        exits = [self.server.sock] if self.exitcode is None else []
+        exits: list[Any] = [self.server.sock] if self.exitcode is None else []
         if not self.group.pending():
             select.select(watched + exits, [], [], timeout)
         # Messages first: the output a message was fenced after is in its pipe by then.

@@ -54,7 +54,7 @@ from enot_nb._processes.protocol import ErrorReport, InMemfd, Payload, RunTask, 
 from enot_nb._serialize import picklers, result_file
 from enot_nb._serialize.shm import pwrite_all
 from enot_nb._worker import bootstrap, streams
-from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError, WorkerFailure, signal_name_of
+from enot_nb.errors import LaunchError, WorkerFailedError, WorkerFailure, signal_name_of
 
 READ_POLL = float(os.environ.get("ENOT_NB_RAY_READ_POLL", "1.0"))
 """Seconds an agent's read waits for output before it answers empty (the kernel asks again)."""
@@ -73,15 +73,9 @@ def connect(address: str | None) -> None:
     """This process connected to the Ray cluster at ``address`` (None: Ray's own default:
     ``RAY_ADDRESS``, else a cluster running on this machine, else a new local one), with Ray's
     forwarding of the actors' output off: the ranks' output comes through the relay. A
-    connection made before (``ray.init`` in the notebook) is used as it is."""
-    if address is not None and address.startswith("ray://"):
-        raise LaunchConfigError(
-            f"address={address!r}: Ray Client (ray://) is not supported by the Ray engine: it has no "
-            "object store on this side, and every batch of the ranks' output and state would cross "
-            "its proxy. Run the notebook on a node of the cluster and pass address='auto' (or the "
-            "head's HOST:PORT)",
-            parameter="address",
-        )
+    connection made before (``ray.init`` in the notebook) is used as it is: enot_nb must then
+    be in its runtime_env or installed on the nodes. (Ray Client's ``ray://`` is refused by
+    EngineOptions.)"""
     if ray.is_initialized():
         return
     # enot_nb travels with the job (Ray uploads local modules only at the job's level); torch
@@ -115,6 +109,7 @@ class RayRanks:
         self.group: PlacementGroup | None = None
         self.agents: dict[int, Any] = {}  # rank -> its actor handle
         self.places: dict[int, RankPlace] = {}
+        self.names: dict[int, str] = {}  # rank -> its actor's name (``ray.get_actor``, ray.kill)
         self.reads: dict[int, Any] = {}  # rank -> its outstanding read
         self.task: Any = None  # the last task's ObjectRef
         self.ray_causes: dict[int, str] = {}  # rank -> why Ray says its actor died
@@ -133,12 +128,14 @@ class RayRanks:
         connect(self.address)
         nprocs = self.plan.nprocs
         self.group = self._placement_group(nprocs)
-        agent_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)(RankAgent)
+        decorate: Any = ray.remote  # its stubs lack concurrency_groups, which Ray takes
+        agent_class = decorate(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)(RankAgent)
         actors = [
             agent_class.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i),
                 num_cpus=CPUS_PER_RANK,
                 num_gpus=self.gpus_per_rank,
+                name=f"enot_nb-{self.plan.run_id}-bundle{i}",
             ).remote()
             for i in range(nprocs)
         ]
@@ -147,6 +144,7 @@ class RayRanks:
         places = place_ranks(landings)
         self.agents = {p.rank: actors[p.landing.bundle] for p in places}
         self.places = {p.rank: p for p in places}
+        self.names = {p.rank: f"enot_nb-{self.plan.run_id}-bundle{p.landing.bundle}" for p in places}
         master = self.places[0].landing.node_ip
         port = self._get(self.agents[0].free_port.options(concurrency_group="control").remote(master))
         self._start_workers(serve, master, port)
