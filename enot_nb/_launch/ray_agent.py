@@ -88,13 +88,14 @@ class RankAgent:
         self.exitcode: int | None = None
         self.rank = -1
 
-    def where(self, bundle: int) -> tuple[int, str, str, int, tuple[str, ...]]:
-        """(bundle, node id, node IP, pid, assigned GPU ids): where this actor landed."""
+    def where(self, bundle: int) -> tuple[int, str, str, int, tuple[str, ...], str]:
+        """(bundle, node id, node IP, pid, assigned GPU ids, enot_nb's folder): where this actor
+        landed (see ray_layout.Landing)."""
         import ray
 
         context = ray.get_runtime_context()
         gpus = tuple(str(g) for g in ray.get_gpu_ids())
-        return bundle, context.get_node_id(), ray.util.get_node_ip_address(), os.getpid(), gpus
+        return bundle, context.get_node_id(), ray.util.get_node_ip_address(), os.getpid(), gpus, bootstrap.PACKAGE_DIR
 
     def free_port(self, address: str) -> int:
         """A port free on this node's ``address`` (the master's store binds it next)."""

@@ -24,6 +24,8 @@ class Landing:
     pid: int
     gpu_ids: tuple[str, ...] = ()
     """The GPUs Ray assigned to the actor (``ray.get_gpu_ids()``)."""
+    package_dir: str = ""
+    """Where enot_nb lies on the node (the runtime_env's copy): its frames are ours in a stack."""
 
 
 @dataclass(frozen=True)

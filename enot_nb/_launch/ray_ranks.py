@@ -309,7 +309,15 @@ class RayRanks:
                 self.poll(0.2)
         finally:
             self.io.capturing_stacks = False
-        return {r.rank: stack_report(r.rank, r.stack_text) for r in ranks}
+        return {r.rank: stack_report(r.rank, self._as_here(r, r.stack_text)) for r in ranks}
+
+    def _as_here(self, r: Rank, text: str) -> str:
+        """A rank's stack with enot_nb's frames under this process's enot_nb folder (the node
+        runs the runtime_env's copy): the report leaves them out as it does a local rank's."""
+        place = self.places.get(r.rank)
+        if place is None or not place.landing.package_dir:
+            return text
+        return text.replace(place.landing.package_dir, bootstrap.PACKAGE_DIR)
 
     def _signal(self, ranks: list[Rank], signum: int) -> None:
         with interrupts_deferred():

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -89,15 +91,20 @@ def kernel(cluster, ray_env):
         k.shutdown()
 
 
-def driver(cluster) -> None:
-    """This process connected to the cluster too (to kill an actor as a user would)."""
-    if not ray.is_initialized():
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+KILL = """
+import sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+found = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == sys.argv[2]]
+ray.kill(ray.get_actor(sys.argv[2], namespace=found[0]["namespace"]))
+ray.shutdown()
+"""
 
 
-def actor_of(cluster, kernel, rank: int):
-    """The Ray actor that runs ``rank`` of the kernel's session."""
-    name = kernel.ok(f"print(enot_nb.session().workers.host.names[{rank}])").stdout.strip()
-    driver(cluster)
-    namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name)
-    return ray.get_actor(name, namespace=namespace)
+def kill_actor(cluster, name: str) -> None:
+    """``ray.kill`` of the named actor, from a driver of its own, as a user at a terminal would."""
+    subprocess.run([sys.executable, "-c", KILL, cluster.address, name], check=True, timeout=120)
+
+
+def actor_name(kernel, rank: int) -> str:
+    """The name of the Ray actor that runs ``rank`` of the kernel's session."""
+    return kernel.ok(f"print(enot_nb.session().workers.host.names[{rank}])").stdout.strip()

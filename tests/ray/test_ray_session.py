@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from ray.util.state import list_nodes  # noqa: F401 - Ray is there (conftest skips the folder otherwise)
 
-from tests.ray.conftest import actor_of
+from tests.ray.conftest import actor_name, kill_actor
 from tests.session.test_session_parity import CASES, _run_case
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -47,8 +46,7 @@ WEIGHTS = "print(json.dumps([p.detach().flatten().tolist() for p in model.parame
 
 def _rows(kernel) -> list[dict]:
     code = (
-        "import dataclasses, json\n"
-        "print(json.dumps([dataclasses.asdict(r) for r in enot_nb.session().status().rows]))"
+        "import dataclasses, json\nprint(json.dumps([dataclasses.asdict(r) for r in enot_nb.session().status().rows]))"
     )
     return json.loads(kernel.ok(code).stdout)
 
@@ -118,18 +116,16 @@ def _the_cell_failed_then_the_session_restarted(kernel, run, rank: int, node: st
 
 
 def test_an_actor_killed_mid_cell_fails_the_cell_naming_its_rank_and_node(cluster, kernel):
-    import ray
-
     kernel.ok(START, timeout=START_WAIT)
     kernel.ok("%%enot_distributed\nkept = 41")
     node = _rows(kernel)[1]["node"]
-    victim = actor_of(cluster, kernel, 1)
+    victim = actor_name(kernel, 1)
     killed: list[bool] = []
 
     def kill_once_running(run):
         if "running" in run.stdout and not killed:
             killed.append(True)
-            ray.kill(victim)
+            kill_actor(cluster, victim)
 
     run = kernel.run(LONG_CELL, timeout=120, on_output=kill_once_running)
     assert killed
@@ -178,7 +174,8 @@ def test_the_stop_button_interrupts_every_rank_which_stay_idle_after(kernel):
     assert "where each of the 2 running rank(s) is" in run.stderr
     assert "[rank 0] where it was" in run.stderr and "[rank 1] where it was" in run.stderr, run.stderr
     rows = _rows(kernel)
-    assert [r["state"] for r in rows] == ["idle", "idle"] and [r["pid"] for r in rows] == pids
+    assert [r["state"] for r in rows] == ["idle", "idle"], run.stdout + run.stderr
+    assert [r["pid"] for r in rows] == pids, run.stdout + run.stderr  # the same ranks, not a restart
     assert kernel.ok("%%enot_distributed\nmarks + [len(marks)]").result["text/plain"] == "[0, 1]"
     kernel.ok("%enot_session stop")
 

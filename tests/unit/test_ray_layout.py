@@ -39,7 +39,9 @@ def test_each_rank_binds_the_gpu_ray_assigned_it():
     for p in places:
         visible = torchrun_variables(p, 3, "x", 1, "r", 1)["CUDA_VISIBLE_DEVICES"].split(",")
         assert visible[p.local_rank] == p.landing.gpu_ids[0]
-        assert sorted(visible) == sorted(g for o in places if o.landing.node_id == p.landing.node_id for g in o.landing.gpu_ids)
+        assert sorted(visible) == sorted(
+            g for o in places if o.landing.node_id == p.landing.node_id for g in o.landing.gpu_ids
+        )
     pairs = place_ranks([_landing(0, "A", "0", "1"), _landing(1, "A", "2", "3")])
     for p in pairs:
         visible = p.visible_gpus

@@ -155,7 +155,11 @@ def _imports_ray(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import) and any(a.name == "ray" or a.name.startswith("ray.") for a in node.names):
             return True
-        if isinstance(node, ast.ImportFrom) and node.module and (node.module == "ray" or node.module.startswith("ray.")):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (node.module == "ray" or node.module.startswith("ray."))
+        ):
             return True
     return False
 
