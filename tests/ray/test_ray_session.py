@@ -137,8 +137,8 @@ def test_a_node_removed_mid_cell_fails_the_cell_naming_its_rank_and_node(cluster
     kernel.ok(START, timeout=START_WAIT)
     kernel.ok("%%enot_distributed\nkept = 41")
     rows = _rows(kernel)
-    worker = cluster.worker_nodes and next(iter(cluster.worker_nodes))
-    lost = next(r for r in rows if worker.unique_id.startswith(r["node"]))  # the head keeps the cluster
+    worker = next(iter(cluster.worker_nodes))
+    lost = next(r for r in rows if worker.node_id.startswith(r["node"]))  # the head keeps the cluster
     removed: list[bool] = []
 
     def remove_once_running(run):
