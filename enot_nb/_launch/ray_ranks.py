@@ -236,7 +236,8 @@ class RayRanks:
                 agents, self.agents = self.agents, {}
                 closes = [a.close.options(concurrency_group="control").remote() for a in agents.values()]
                 try:
-                    ray.wait(closes, num_returns=len(closes), timeout=RAY_CALL_WAIT)
+                    if closes:
+                        ray.wait(closes, num_returns=len(closes), timeout=RAY_CALL_WAIT)
                 finally:
                     for agent in agents.values():
                         ray.kill(agent)

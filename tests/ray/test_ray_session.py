@@ -201,3 +201,16 @@ def test_output_and_display_data_reach_the_cell_while_it_runs(kernel, tmp_path):
     assert shown and run.stdout.splitlines() == ["first line", "last line"]
     assert [d["data"]["text/plain"] for d in run.displays] == ["a display"]
     kernel.ok("%enot_session stop")
+
+
+def test_a_placement_the_cluster_cannot_hold_says_what_it_waits_for_then_fails_clearly(kernel):
+    """Five one-CPU ranks on two nodes of two CPUs: the session says what it waits for, and
+    fails once its timeout passes, leaving no actor or placement group behind."""
+    run = kernel.run("%enot_session start -n 5 --engine ray --timeout 5", timeout=120)
+    assert run.error is not None and run.error["ename"] == "LaunchError", run.traceback
+    assert "waiting for Ray to place 5 rank(s) (1 CPU each, pack)" in run.stderr, run.stderr
+    assert "the cluster has 4 CPU free" in run.stderr, run.stderr
+    assert "Ray could not place 5 rank(s) (1 CPU each) within 5 s" in run.traceback, run.traceback
+    assert "no session is running" in kernel.ok("%enot_session").stdout
+    assert kernel.ok("%enot_session start -n 2 --engine ray", timeout=START_WAIT).error is None  # all freed
+    kernel.ok("%enot_session stop")
