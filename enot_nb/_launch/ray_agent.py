@@ -14,8 +14,8 @@ does), never by the actor itself: an actor process runs Ray's threads, and forki
 their locks. So pidfds, signals, ``/proc``, fork and shared memory stay on the node that owns the
 process, and the worker dies with the agent (parent-death signals: agent -> fork server ->
 worker). Ray runs one call of an actor at a time on its main thread and cannot interrupt it:
-``read`` runs in the ``io`` concurrency group, every other call in ``control`` (threads of their
-own), so a signal or a command reaches the rank while a read waits.
+``read`` runs in the ``io`` concurrency group, ``command`` in ``command``, signals and the rest in
+``control`` (threads of their own), so a signal or a command reaches the rank while a read waits.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from enot_nb._serialize import result_file
 from enot_nb._serialize.shm import pwrite_all
 from enot_nb._worker import bootstrap
 
-CONCURRENCY_GROUPS = {"io": 1, "control": 4}
-"""The agent's concurrency groups (threads): ``read`` alone in ``io``, the rest in ``control``."""
+CONCURRENCY_GROUPS = {"io": 1, "command": 1, "control": 4}
+"""The agent's concurrency groups (threads): ``read`` alone in ``io``; ``command`` alone in
+``command`` (one thread: commands reach the rank in the order sent); signals and the rest in
+``control``, so that a signal never waits behind a read or a command."""
 READ_CHUNK = 1 << 20
 """Bytes read per stream and call at most: the relay moves output and messages in pieces."""
 

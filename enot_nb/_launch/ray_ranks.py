@@ -5,9 +5,11 @@ Ray places one actor per rank (``RankAgent``), one bundle each in a placement gr
 Ray's PACK, nodes filled in order; ``spread``: SPREAD, one rank per node where it can). Each
 agent starts the rank's session worker as a local child on its node and relays its traffic::
 
-    put_task   the task file's bytes -> ray.put once; each agent writes them into its own
-               task memfd before it passes the RunTask on (the object store moves big state)
-    send       command.remote(bytes, task) to each agent, acknowledged (bounded)
+    put_task   the task file's bytes: in the command itself up to INLINE_TASK, else ray.put
+               once; each agent writes them into its own task memfd before it passes the
+               RunTask on (the object store moves big state, each node fetching it once)
+    send       command.remote(bytes, task) to each agent, in its one-thread ``command`` group
+               (in order, not waited for: the rank's answer comes through its reads)
     poll       one read.remote(READ_POLL) outstanding per agent; ray.wait on them; each Batch
                fed to a RelayIO: output, display data, messages and outcomes are read exactly
                as a local rank's pipes are (fences, sinks, on_message), and shown live
@@ -62,6 +64,8 @@ RAY_CALL_WAIT = float(os.environ.get("ENOT_NB_RAY_CALL_WAIT", "60"))
 """Seconds any one call to an agent may take (a start: the fork server importing torch)."""
 PLACE_NOTICE = 2.0
 """Seconds the placement group gets before one line says what the session waits for."""
+INLINE_TASK = 64 * 1024
+"""Bytes of a task that travel in the command itself; a bigger one goes by the object store."""
 CPUS_PER_RANK = float(os.environ.get("ENOT_NB_RAY_CPUS_PER_RANK", "1"))
 """The CPU share of each rank's bundle (its OMP_NUM_THREADS, rounded down, at least 1)."""
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
@@ -249,8 +253,9 @@ class RayRanks:
     # ------------------------------------------------------------------------- commands
 
     def put_task(self, main: bytes, buffers: Sequence[Any]) -> int:
-        """The task file's bytes, laid out as a local session's (result_file), put in the
-        object store once: each node fetches it once."""
+        """The task file's bytes, laid out as a local session's (result_file): a small task
+        travels in the commands themselves, a big one is put in the object store once (each
+        node fetches it once)."""
         import mmap
 
         import numpy
@@ -259,22 +264,27 @@ class RayRanks:
         assert fd is not None
         try:
             size = result_file.write_result(fd, main, list(buffers))
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-                array = numpy.frombuffer(mapped, dtype=numpy.uint8)
-                self.task = ray.put(array)
-                del array
+            if size <= INLINE_TASK:
+                self.task = os.pread(fd, size, 0)
+            else:
+                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+                    array = numpy.frombuffer(mapped, dtype=numpy.uint8)
+                    self.task = ray.put(array)
+                    del array
         finally:
             os.close(fd)
         return size
 
     def send(self, command: SessionCommand, ranks: list[Rank]) -> None:
-        """The command to each running rank (a RunTask with its task), as one step, each
-        acknowledged within RAY_CALL_WAIT."""
+        """The command to each running rank (a RunTask with its task), as one step. Not waited
+        for: each agent runs its commands one at a time in the order sent (the ``command``
+        concurrency group), and what a rank does with one comes back through its reads."""
         data = framing.encode(command)
         task = self.task if isinstance(command, RunTask) else None
         with interrupts_deferred():
-            calls = {r.rank: self._call(r.rank, "command", data, task) for r in ranks if r.running}
-            self._settle(calls)
+            for r in ranks:
+                if r.running:
+                    self._call(r.rank, "command", data, task, group="command")
 
     def interrupt(self, ranks: list[Rank]) -> None:
         self._signal([r for r in ranks if r.running], signal.SIGINT)
