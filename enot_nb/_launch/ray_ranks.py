@@ -115,6 +115,7 @@ class RayRanks:
         self.places: dict[int, RankPlace] = {}
         self.names: dict[int, str] = {}  # rank -> its actor's name (``ray.get_actor``, ray.kill)
         self.reads: dict[int, Any] = {}  # rank -> its outstanding read
+        self.read_since: dict[int, float] = {}  # rank -> when that read was sent
         self.task: Any = None  # the last task's ObjectRef
         self.ray_causes: dict[int, str] = {}  # rank -> why Ray says its actor died
         self.got_output = False
@@ -338,12 +339,15 @@ class RayRanks:
 
     def poll(self, timeout: float | None) -> None:
         """What the agents read, taken in: each batch fed to the ranks' records; a dead agent's
-        rank ended. Waits ``timeout`` seconds at most for the first batch (None: until one)."""
+        rank ended, and one whose read has not come back within READ_POLL + RAY_CALL_WAIT
+        seconds too (Ray may take longer to call a lost node dead). Waits ``timeout`` seconds
+        at most for the first batch (None: a few READ_POLLs, each read answers within one)."""
         pending = {ref: rank for rank, ref in self.reads.items()}
         if not pending:
             return
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout if timeout is not None else 3 * READ_POLL)
         if not ready:
+            self._unanswered()
             return
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
         with interrupts_deferred():  # a batch taken off Ray is fed whole
@@ -356,6 +360,7 @@ class RayRanks:
                     self._agent_died(r, err)
                     continue
                 self._feed(r, batch)
+            self._unanswered()
 
     def _feed(self, r: Rank, batch: Batch) -> None:
         assert self.io is not None
@@ -370,6 +375,15 @@ class RayRanks:
 
     def _read_next(self, r: Rank) -> None:
         self.reads[r.rank] = self._call(r.rank, "read", READ_POLL, group="io")
+        self.read_since[r.rank] = time.monotonic()
+
+    def _unanswered(self) -> None:
+        """Ranks whose agent's read is overdue: ended as their agent's death."""
+        now = time.monotonic()
+        for rank in [rank for rank in self.reads if now - self.read_since[rank] > READ_POLL + RAY_CALL_WAIT]:
+            del self.reads[rank]
+            silent = LaunchError(f"it did not answer for {READ_POLL + RAY_CALL_WAIT:g} s (its node unreachable?)")
+            self._agent_died(self._rank(rank), silent)
 
     def _exited(self, r: Rank, exitcode: int) -> None:
         """The rank's end, as a local attempt records it (see Attempt._on_exits)."""
