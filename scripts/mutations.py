@@ -497,6 +497,13 @@ MUTATIONS = [
             "tests/ray/test_ray_session.py::test_a_node_removed_mid_cell_fails_the_cell_naming_its_rank_and_node",
         ],
     ),
+    Mutation(
+        "ray-result-cut-short",
+        "enot_nb/_launch/ray_agent.py",
+        "        return numpy.frombuffer(os.pread(self.result_fd, size, 0), dtype=numpy.uint8)\n",
+        "        return numpy.frombuffer(os.pread(self.result_fd, size // 2, 0), dtype=numpy.uint8)\n",
+        ["tests/ray/test_ray_session.py::test_big_state_goes_both_ways_through_the_object_store"],
+    ),
 ]
 
 

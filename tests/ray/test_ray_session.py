@@ -214,3 +214,20 @@ def test_a_placement_the_cluster_cannot_hold_says_what_it_waits_for_then_fails_c
     assert "no session is running" in kernel.ok("%enot_session").stdout
     assert kernel.ok("%enot_session start -n 2 --engine ray", timeout=START_WAIT).error is None  # all freed
     kernel.ok("%enot_session stop")
+
+
+def test_big_state_goes_both_ways_through_the_object_store(kernel):
+    """A 32 MiB tensor made on the ranks comes back (rank 0's result file, through the store),
+    is changed in a plain cell, and reaches every rank with the next cell (a task far above
+    what travels in a command: ray.put once)."""
+    kernel.ok(START, timeout=START_WAIT)
+    kernel.ok("%%enot_distributed\nimport torch, torch.distributed as dist\nbig = torch.arange(4e6).double()")
+    assert kernel.ok("print(float(big.sum()), big.dtype)").stdout == f"{float(sum(range(4_000_000)))} torch.float64\n"
+    kernel.ok("big[::2] = -1.0")
+    run = kernel.ok(
+        "%%enot_distributed\nsums = [None, None]\ndist.all_gather_object(sums, float(big.sum()))\nsums",
+        timeout=120,
+    )
+    expected = float(sum(range(1, 4_000_000, 2)) - 2_000_000)
+    assert run.result["text/plain"] == repr([expected, expected])
+    kernel.ok("%enot_session stop")
