@@ -231,3 +231,21 @@ def test_big_state_goes_both_ways_through_the_object_store(kernel):
     expected = float(sum(range(1, 4_000_000, 2)) - 2_000_000)
     assert run.result["text/plain"] == repr([expected, expected])
     kernel.ok("%enot_session stop")
+
+
+def test_an_uneven_pack_numbers_ranks_node_by_node_as_torchrun(kernel):
+    """Three one-CPU ranks packed on two nodes of two CPUs: two on one node, one on the other;
+    the variables each rank sees follow where it landed, and the table agrees."""
+    kernel.ok("%enot_session start -n 3 --engine ray --placement pack", timeout=START_WAIT)
+    kernel.ok(
+        "%%enot_distributed\nimport os, torch.distributed as dist\nenvs = [None] * 3\n"
+        "names = ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'NODE_RANK', 'GROUP_WORLD_SIZE')\n"
+        "dist.all_gather_object(envs, {k: int(os.environ[k]) for k in names})"
+    )
+    envs = json.loads(kernel.ok("import json\nprint(json.dumps(envs))").stdout)
+    rows = _rows(kernel)
+    kernel.ok("%enot_session stop")
+    seen = [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["NODE_RANK"], e["GROUP_WORLD_SIZE"]) for e in envs]
+    assert seen == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 1, 1, 2)]
+    nodes = [r["node"] for r in rows]
+    assert nodes[0] == nodes[1] != nodes[2]
