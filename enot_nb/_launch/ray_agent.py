@@ -21,6 +21,7 @@ worker). Ray runs one call of an actor at a time on its main thread and cannot i
 from __future__ import annotations
 
 import os
+import pickle
 import select
 import shutil
 import socket
@@ -34,7 +35,6 @@ from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.groups import ServerGroup
 from enot_nb._serialize import result_file
-from enot_nb._serialize.shm import pwrite_all
 from enot_nb._worker import bootstrap
 
 CONCURRENCY_GROUPS = {"io": 1, "command": 1, "control": 4}
@@ -203,11 +203,10 @@ class RankAgent:
     def command(self, data: bytes, task: Any = None) -> None:
         """The task laid out in the task file (if one comes), then the command on the rank's
         message socket (control group)."""
-        if task is not None:
+        if task is not None:  # (its pickle, its buffers): laid out as the kernel sized it
             assert self.task_fd is not None
-            view = memoryview(task).cast("B")
-            os.ftruncate(self.task_fd, len(view))
-            pwrite_all(self.task_fd, view, 0)
+            main, arrays = task
+            result_file.write_result(self.task_fd, main, [pickle.PickleBuffer(a) for a in arrays])
         fd = self.reads["msg"]
         view = memoryview(data)
         while view:
@@ -227,10 +226,13 @@ class RankAgent:
     def result(self, size: int) -> Any:
         """The first ``size`` bytes of the result file (rank 0), as an array: Ray moves it through
         the object store, not in the call's reply."""
+        import mmap
+
         import numpy
 
         assert self.result_fd is not None
-        return numpy.frombuffer(os.pread(self.result_fd, size, 0), dtype=numpy.uint8)
+        # A view of the file: Ray copies it into the store once, after this returns.
+        return numpy.frombuffer(mmap.mmap(self.result_fd, size, prot=mmap.PROT_READ), dtype=numpy.uint8)
 
     def memory(self) -> float | None:
         """The worker's resident memory (MiB), from /proc."""

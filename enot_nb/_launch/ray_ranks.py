@@ -65,7 +65,7 @@ RAY_CALL_WAIT = float(os.environ.get("ENOT_NB_RAY_CALL_WAIT", "60"))
 PLACE_NOTICE = 2.0
 """Seconds the placement group gets before one line says what the session waits for."""
 INLINE_TASK = 64 * 1024
-"""Bytes of a task that travel in the command itself; a bigger one goes by the object store."""
+"""Bytes of a task that travel in the commands themselves; a bigger one goes by the object store."""
 CPUS_PER_RANK = float(os.environ.get("ENOT_NB_RAY_CPUS_PER_RANK", "1"))
 """The CPU share of each rank's bundle (its OMP_NUM_THREADS, rounded down, at least 1)."""
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
@@ -254,26 +254,15 @@ class RayRanks:
     # ------------------------------------------------------------------------- commands
 
     def put_task(self, main: bytes, buffers: Sequence[Any]) -> int:
-        """The task file's bytes, laid out as a local session's (result_file): a small task
-        travels in the commands themselves, a big one is put in the object store once (each
-        node fetches it once)."""
-        import mmap
-
+        """The task as its pickle and its buffers (tensor bytes, out of band, not copied here):
+        in the commands themselves up to INLINE_TASK, else put in the object store once (one
+        copy, from the tensors; each node fetches it once). Each agent lays it out in its task
+        file as a local session's (result_file); its size, as that layout gives it."""
         import numpy
 
-        fd = result_file.result_fd()
-        assert fd is not None
-        try:
-            size = result_file.write_result(fd, main, list(buffers))
-            if size <= INLINE_TASK:
-                self.task = os.pread(fd, size, 0)
-            else:
-                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-                    array = numpy.frombuffer(mapped, dtype=numpy.uint8)
-                    self.task = ray.put(array)
-                    del array
-        finally:
-            os.close(fd)
+        arrays = [numpy.frombuffer(b.raw(), dtype=numpy.uint8) for b in buffers]
+        size = result_file.size_of(main, list(buffers))
+        self.task = (main, arrays) if size <= INLINE_TASK else ray.put((main, arrays))
         return size
 
     def send(self, command: SessionCommand, ranks: list[Rank]) -> None:
