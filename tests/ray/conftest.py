@@ -10,8 +10,10 @@ The head's health checks are fast, so that a node removed is seen within a few s
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ ray = pytest.importorskip("ray", reason="the Ray engine's tests need Ray: pip in
 from ray._private.authentication_test_utils import reset_auth_token_state  # noqa: E402 - after the skip
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from tests._util import LEAK_GRACE, ended_within  # noqa: E402
 from tests.kernel import Kernel  # noqa: E402
 
 NODE_CPUS = 2
@@ -52,7 +55,29 @@ def ray_env(monkeypatch):
     yield env
     monkeypatch.undo()
     reset_auth_token_state()
+    # Ray's processes end after the cluster's shutdown returns, and a worker whose raylet went
+    # first is no descendant of ours any more: every process working in the test's folder (the
+    # cluster's and the kernel's) must end, each waited on by its pidfd, before it is removed.
+    left = ended_within(lambda: _working_in(folder), LEAK_GRACE)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     shutil.rmtree(folder, ignore_errors=True)
+    assert not left, f"Ray processes left behind: {left}"
+
+
+def _working_in(folder: str) -> list[int]:
+    """The processes (not this one) whose working folder is ``folder`` or below it."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{entry}/cwd").startswith(folder) and int(entry) != os.getpid():
+                found.append(int(entry))
+        except OSError:  # gone, or a zombie
+            pass
+    return found
 
 
 @pytest.fixture
