@@ -1,9 +1,10 @@
 """Run every benchmark in one go; print a table, write JSON, a Markdown table and a chart.
 
 Usage: .venv/bin/python benchmarks/run_all.py [--repeats N] [--chart-only]
-       [--only launch|state|state-cost|ddp|widgets|session]
+       [--only launch|state|state-cost|ddp|widgets|session|ray]
 Accelerate is measured when installed (pip install -e ".[bench]"); it is never a runtime need.
 ipyparallel and nbdistributed (the session rows) when installed: bash scripts/bench_extras.sh.
+The Ray engine's rows when Ray is installed (pip install -e ".[ray]"; a row says so otherwise).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_cells, bench_launch, bench_session, bench_sync  # noqa: E402 - after the sys.path line
+from benchmarks import bench_cells, bench_launch, bench_ray, bench_session, bench_sync  # noqa: E402 - after sys.path
 from benchmarks.harness import ROOT, Row  # noqa: E402 - after the sys.path line above
 
 OUT = ROOT / "benchmarks" / "results"
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--chart-only", action="store_true", help="redraw the chart from results.json")
     parser.add_argument(
         "--only",
-        choices=["launch", "state", "state-cost", "ddp", "widgets", "session"],
+        choices=["launch", "state", "state-cost", "ddp", "widgets", "session", "ray"],
         help="run one group and print it (no files)",
     )
     args = parser.parse_args()
@@ -89,11 +90,12 @@ def main() -> None:
             "ddp": bench_cells.run_ddp_cell,
             "widgets": bench_cells.run_widgets,
             "session": bench_session.run,
+            "ray": bench_ray.run,
         }
         print(table(groups[args.only](args.repeats)))
         return
     rows = bench_launch.run(args.repeats) + bench_sync.run(args.repeats) + bench_cells.run(args.repeats)
-    rows += bench_session.run(args.repeats)
+    rows += bench_session.run(args.repeats) + bench_ray.run(args.repeats)
     OUT.mkdir(parents=True, exist_ok=True)
     machine = {
         "python": platform.python_version(),

@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from enot_nb import sessions
 from enot_nb._defaults import DEFAULT_TIMEOUT
-from enot_nb._launch.options import LaunchOptions, in_magic_words
+from enot_nb._launch.options import EngineOptions, LaunchOptions, in_magic_words
 from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._worker import preload
 from enot_nb.cells import check_cell_syntax, launch_options, option_names, run_distributed_cell
@@ -63,6 +63,13 @@ _NODE_ARGUMENTS = (
     argument("--nnodes", type=int, default=1, help="number of nodes running this cell"),
     argument("--node-rank", type=int, default=0, help="rank of this node"),
     argument("--max-restarts", type=int, default=0, help="restart a failed group this many times"),
+)
+# Where a session's ranks run (%enot_session start / restart only): this machine, or a Ray cluster.
+_ENGINE_ARGUMENTS = (
+    argument("--engine", choices=["local", "ray"], default="local", help="local processes, or Ray actors"),
+    argument("--address", default=None, help="the Ray cluster: auto, or its head's HOST:PORT (--engine ray)"),
+    argument("--gpus-per-rank", type=int, default=0, help="GPUs Ray gives each rank (--engine ray)"),
+    argument("--placement", choices=["pack", "spread"], default="pack", help="how Ray places the ranks (--engine ray)"),
 )
 WORKER_FLAGS = frozenset(
     {"-n", "--nprocs", "--backend", "--seed", "--speed", "--reproducible", "--start-method", "--timeout"}
@@ -145,7 +152,7 @@ class EnotMagics(Magics):
         default="status",
         help="start the session's workers, stop them, start them again, or show them (the default)",
     )
-    @_with_arguments(*_WORKER_ARGUMENTS)
+    @_with_arguments(*_WORKER_ARGUMENTS, *_ENGINE_ARGUMENTS)
     @argument(
         "--mirror",
         choices=["all", "none"],
@@ -162,7 +169,7 @@ class EnotMagics(Magics):
         try:
             return sessions.run_session_command(self.shell, args, given)
         except LaunchConfigError as err:
-            flag = LaunchOptions.FLAGS.get(err.parameter or "")
+            flag = LaunchOptions.FLAGS.get(err.parameter or "") or EngineOptions.FLAGS.get(err.parameter or "")
             raise UsageError(f"%enot_session{' ' + flag if flag else ''}: {in_magic_words(str(err))}") from None
 
     @line_magic

@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from enot_nb._launch.notes import NOTES
-from enot_nb._launch.options import LaunchOptions
-from enot_nb._launch.plan import plan_launch
+from enot_nb._launch.options import EngineOptions, LaunchOptions
 from enot_nb._session.kernel.flow import CellRun
-from enot_nb._session.kernel.session import RankStatus, Session, SessionStatus, session
+from enot_nb._session.kernel.session import RankStatus, Session, SessionStatus, plan_session, session
 from enot_nb.cells import check_sync, option_names, transformed
 from enot_nb.errors import LaunchError, WorkerFailedError
 
@@ -89,7 +88,8 @@ def run_session_command(shell: InteractiveShell | None, args: argparse.Namespace
         live.restart("asked for")
         return None
     options = _session_options(args, given, live)
-    plan_launch(LaunchOptions(**{k: v for k, v in options.items() if k != "mirror"}))  # checked first
+    engine = EngineOptions(**{k: v for k, v in options.items() if k in EngineOptions.names()})
+    plan_session(LaunchOptions(**{k: v for k, v in options.items() if k in LaunchOptions.names()}), engine)  # first
     if live is not None:
         live.close()
     Session(**options, namespace=shell.user_ns if shell is not None else None)
@@ -113,4 +113,7 @@ def _session_options(args: argparse.Namespace, given: dict[str, str], live: Any)
         keep = live is not None and dest not in given
         options[name] = getattr(live.options, name) if keep else getattr(args, dest)
     options["mirror"] = live.mirror_mode if live is not None and "mirror" not in given else args.mirror
+    for name in EngineOptions.names():  # where the ranks run: kept on a restart unless given
+        keep = live is not None and name not in given
+        options[name] = getattr(live.engine, name) if keep else getattr(args, name)
     return options

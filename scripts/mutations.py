@@ -635,6 +635,45 @@ MUTATIONS = [
         "        if t in _PLAIN_CONTAINERS and holds_plain_data(obj):\n",
         "        if False:\n",
         ["tests/session/test_mirror.py::test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways"],
+        "ray-local-rank-is-the-global-rank",
+        "enot_nb/_launch/ray_layout.py",
+        "                local_rank=mates.index(landing),\n",
+        "                local_rank=rank,\n",
+        [
+            "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
+            "tests/ray/test_ray_session.py::test_ranks_on_two_nodes_train_ddp_as_a_local_session_does",
+        ],
+    ),
+    Mutation(
+        "ray-stop-press-not-relayed",
+        "enot_nb/_launch/ray_ranks.py",
+        "        self._signal([r for r in ranks if r.running], signal.SIGINT)\n",
+        "        self._signal([], signal.SIGINT)\n",
+        ["tests/ray/test_ray_session.py::test_the_stop_button_interrupts_every_rank_which_stay_idle_after"],
+    ),
+    Mutation(
+        "ray-fork-server-keeps-the-actors-signal-mask",
+        "enot_nb/_worker/forkserver.py",
+        "    signal.pthread_sigmask(signal.SIG_SETMASK, set())\n",
+        "",
+        ["tests/ray/test_ray_session.py::test_the_stop_button_interrupts_every_rank_which_stay_idle_after"],
+    ),
+    Mutation(
+        "ray-actor-death-cause-unnamed",
+        "enot_nb/_launch/ray_ranks.py",
+        "        self.ray_causes[r.rank] = _ray_cause(err)\n",
+        "",
+        [
+            "tests/ray/test_ray_session.py::test_an_actor_killed_mid_cell_fails_the_cell_naming_its_rank_and_node",
+            "tests/ray/test_ray_session.py::test_a_node_removed_mid_cell_fails_the_cell_naming_its_rank_and_node",
+        ],
+    ),
+    Mutation(
+        "ray-result-cut-short",
+        "enot_nb/_launch/ray_agent.py",
+        "mmap.mmap(self.result_fd, size, prot=mmap.PROT_READ)",
+        "mmap.mmap(self.result_fd, size // 2, prot=mmap.PROT_READ)",
+        ["tests/ray/test_ray_session.py::test_big_state_goes_both_ways_through_the_object_store"],
     ),
 ]
 

@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test,integrations,browser,docs]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test,integrations,browser,docs,ray]"

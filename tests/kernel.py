@@ -37,16 +37,16 @@ class CellRun:
 
 
 class Kernel:
-    def __init__(self, extra_env: dict[str, str] | None = None, log_path: Path | None = None):
-        """``log_path``: the kernel's own stderr (its log) goes there."""
+    def __init__(self, extra_env: dict[str, str] | None = None, log_path: Path | None = None, cwd: Path = ROOT):
+        """``log_path``: the kernel's own stderr (its log) goes there; ``cwd``: its folder."""
         env = dict(os.environ) | {"PYTHONPATH": str(ROOT)} | (extra_env or {})
         self.manager = KernelManager(kernel_name="python3")
         self.log_path = log_path
         if log_path is None:
-            self.manager.start_kernel(cwd=str(ROOT), env=env)
+            self.manager.start_kernel(cwd=str(cwd), env=env)
         else:
             with open(log_path, "wb") as log:
-                self.manager.start_kernel(cwd=str(ROOT), env=env, stderr=log)
+                self.manager.start_kernel(cwd=str(cwd), env=env, stderr=log)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)

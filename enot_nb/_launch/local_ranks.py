@@ -218,6 +218,12 @@ class LocalRanks:
         exitcode = rank.exitcode
         return signal_name_of(exitcode) if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
 
+    def location(self, rank: Rank) -> tuple[str, str] | None:
+        return None  # this machine
+
+    def device(self, rank: Rank) -> str | None:
+        return None  # the plan's: LOCAL_RANK's GPU under nccl, else the CPU
+
     def show(self, output: str) -> None:
         for r in self.ranks:
             shown = output == "all" or (output == "master" and r.rank == 0)

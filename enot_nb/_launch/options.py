@@ -182,3 +182,64 @@ def in_magic_words(message: str) -> str:
         return f"{flag} {shlex.quote(text)}"
 
     return _OPTION_WORDS.sub(one, message)
+
+
+ENGINES = ("local", "ray")
+PLACEMENTS = ("pack", "spread")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """Where a session's ranks run (``%enot_session start --engine ray``, ``Session(engine=...)``):
+    this machine, or a Ray cluster (docs/guide/ray.md). Checked when built.
+
+    Raises:
+        LaunchConfigError: a bad value (``err.parameter`` names the field).
+    """
+
+    engine: str = "local"
+    """"local" (processes of this machine) or "ray" (one Ray actor per rank)."""
+    address: str | None = None
+    """The Ray cluster: "auto", "HOST:PORT" of its head; None: Ray's default (RAY_ADDRESS, else a
+    cluster on this machine, else a new local one). Ray Client's "ray://" is refused."""
+    gpus_per_rank: int = 0
+    """GPUs in each rank's bundle; its device is the first GPU Ray assigned it."""
+    placement: str = "pack"
+    """"pack" (Ray's PACK: fill nodes in order) or "spread" (SPREAD: one rank per node where it can)."""
+
+    FLAGS: ClassVar[dict[str, str]] = {
+        "engine": "--engine",
+        "address": "--address",
+        "gpus_per_rank": "--gpus-per-rank",
+        "placement": "--placement",
+    }
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise LaunchConfigError(f"engine={self.engine!r} is not one of 'local' or 'ray'", parameter="engine")
+        check_int("gpus_per_rank", self.gpus_per_rank, low=0)
+        if self.placement not in PLACEMENTS:
+            raise LaunchConfigError(
+                f"placement={self.placement!r} is not one of 'pack' or 'spread'", parameter="placement"
+            )
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise LaunchConfigError(
+                f"address={self.address!r} must be 'auto' or the Ray head's HOST:PORT", parameter="address"
+            )
+        if isinstance(self.address, str) and self.address.startswith("ray://"):
+            raise LaunchConfigError(
+                f"address={self.address!r}: Ray Client (ray://) is not supported by the Ray engine: it has "
+                "no object store on this side, and every piece of the ranks' output and state would cross "
+                "its proxy. Run the notebook on a node of the cluster and pass address='auto' (or the "
+                "head's HOST:PORT)",
+                parameter="address",
+            )
+        if self.engine == "local" and (self.address is not None or self.gpus_per_rank or self.placement != "pack"):
+            raise LaunchConfigError(
+                "address, gpus_per_rank and placement place ranks on a Ray cluster; add engine='ray'",
+                parameter="engine",
+            )
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -21,10 +21,14 @@ ranks only through it::
     resident_mib(rank)      the rank's resident memory (for the session's table), or None
     why_ended(rank)         how a dead rank ended, in words (a signal's name, an exit code)
     show(output)            whose output is shown ("master", "all", "none"), prefixed by rank
+    location(rank)          (node, node IP) where the rank runs, for the table; None: this machine
+    device(rank)            the rank's device as the host assigned it; None: the plan's (LOCAL_RANK's)
     close()                 every rank ended, everything released; it can run again
 
-``LocalRanks`` (_launch/local_ranks.py) is today's one implementation: processes of this machine
-(fork or a fork server, pidfds, pipes and socket pairs, a memfd task file, the watchdog).
+``LocalRanks`` (_launch/local_ranks.py): processes of this machine (fork or a fork server, pidfds,
+pipes and socket pairs, a memfd task file, the watchdog). ``RayRanks`` (_launch/ray_ranks.py,
+``engine="ray"``): one Ray actor per rank, each starting its rank as a local child on its node
+and relaying its traffic (ray_agent).
 
 Above it, nothing opens a pipe, reads ``/proc``, maps a task file or sends a signal: a rank's
 record (``ranks``) carries what it answered and whether it runs; ``pid`` is the host's name for
@@ -81,5 +85,9 @@ class RankHost(Protocol):
     def why_ended(self, rank: Rank) -> str: ...
 
     def show(self, output: str) -> None: ...
+
+    def location(self, rank: Rank) -> tuple[str, str] | None: ...
+
+    def device(self, rank: Rank) -> str | None: ...
 
     def close(self) -> None: ...

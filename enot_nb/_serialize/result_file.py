@@ -45,13 +45,24 @@ def write_result(fd: int, main: bytes, buffers: list[pickle.PickleBuffer]) -> in
     header = _RESULT_HEADER.pack(len(main), len(raws))
     header += struct.pack(f"<{2 * len(raws)}Q", *(x for pair in layout for x in pair))
     start = _data_start(len(raws))
-    total = layout[-1][0] + layout[-1][1] if layout else start + len(main)
+    total = _total(len(main), layout)
     os.ftruncate(fd, total)
     pwrite_all(fd, header, 0)
     pwrite_all(fd, main, start)
     for raw, (offset, _) in zip(raws, layout):
         pwrite_all(fd, raw, offset)
     return total
+
+
+def size_of(main: bytes, buffers: list[pickle.PickleBuffer]) -> int:
+    """The size write_result gives the file for this pickle and these buffers (nothing written:
+    a Ray session's task is laid out on each rank's node, see _launch/ray_agent)."""
+    raws = [b.raw() for b in buffers]
+    return _total(len(main), _layout(len(main), raws))
+
+
+def _total(main_length: int, layout: list[tuple[int, int]]) -> int:
+    return layout[-1][0] + layout[-1][1] if layout else _data_start(len(layout)) + main_length
 
 
 def _data_start(count: int) -> int:

@@ -139,6 +139,10 @@ def main() -> None:
     # Jupyter interrupts by signalling the kernel's whole process group, this server included:
     # it has nothing to interrupt (its workers reset SIGINT and live in groups of their own).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A mask survives exec: a server started by a thread that blocks signals (a Ray actor's
+    # threads block SIGINT and SIGTERM) would pass it on to its workers, and a stop press
+    # would never reach them.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     sock = socket.socket(fileno=int(sys.argv[1]))
     bootstrap._die_with_parent(int(sys.argv[2]))
     import cloudpickle  # noqa: F401 - preloaded for the workers

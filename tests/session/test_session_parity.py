@@ -278,14 +278,15 @@ CASES = [
 ]
 
 
-def _run_case(kernels, method, steps, setup, probes):
+def _run_case(kernels, method, steps, setup, probes, start=None):
+    """``start``: the line that starts the session (tests/ray: on the Ray engine)."""
     local, dist = kernels
     seen: list[tuple[list, list]] = []
     for kernel in (local, dist):
         _fresh(kernel)
         if setup:
             kernel.ok(setup)
-    dist.ok(f"%enot_session start -n 2 --backend gloo --start-method {method}")
+    dist.ok(start or f"%enot_session start -n 2 --backend gloo --start-method {method}", timeout=180)
     try:
         for kind, cell in steps:
             results = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
 
 import pytest
 
@@ -105,3 +106,31 @@ def test_only_options_are_put_in_the_magics_words():
     assert in_magic_words("the backend is not available; use a seed") == "the backend is not available; use a seed"
     assert in_magic_words("seed='abc def' and nprocs=2") == "--seed 'abc def' and -n 2"
     assert in_magic_words("cuda_reproducible=False") == "no --reproducible"
+
+
+@pytest.mark.parametrize(
+    "options, parameter, words",
+    [
+        ({"engine": "slurm"}, "engine", "not one of 'local' or 'ray'"),
+        ({"engine": "ray", "address": "ray://head:10001"}, "address", "Ray Client (ray://) is not supported"),
+        ({"gpus_per_rank": 1}, "engine", "add engine='ray'"),
+        ({"engine": "ray", "placement": "strict"}, "placement", "'pack' or 'spread'"),
+        ({"engine": "ray", "gpus_per_rank": -1}, "gpus_per_rank", ">= 0"),
+    ],
+)
+def test_bad_engine_options_name_their_parameter(options, parameter, words):
+    from enot_nb._launch.options import EngineOptions
+
+    with pytest.raises(LaunchConfigError, match=re.escape(words)) as caught:
+        EngineOptions(**options)
+    assert caught.value.parameter == parameter
+
+
+def test_engine_options_are_one_definition_for_the_session_and_its_magic():
+    from enot_nb._launch.options import EngineOptions
+    from enot_nb.magic import EnotMagics
+
+    parser = EnotMagics.enot_session.parser
+    assert set(EngineOptions.names()) <= {action.dest for action in parser._actions}
+    assert set(EngineOptions.FLAGS.values()) <= {s for action in parser._actions for s in action.option_strings}
+    assert set(EngineOptions.names()) <= set(inspect.signature(enot_nb.Session).parameters)

@@ -145,3 +145,45 @@ def test_the_object_model_knows_nothing_of_sessions():
         if target.startswith("enot_nb._session")
     ]
     assert not leaks
+
+
+RAY_MODULES = {"enot_nb._launch.ray_ranks", "enot_nb._launch.ray_agent"}
+"""The Ray engine's modules: the only ones that import ``ray`` (an optional extra)."""
+
+
+def _imports_ray(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name == "ray" or a.name.startswith("ray.") for a in node.names):
+            return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (node.module == "ray" or node.module.startswith("ray."))
+        ):
+            return True
+    return False
+
+
+def test_only_the_ray_engine_imports_ray_and_only_when_asked_for():
+    """``ray`` is imported by the Ray engine's modules alone, and they by nobody at module level
+    (session.start_workers imports ray_ranks in the function that needs it): ``import enot_nb``
+    and a local session work without Ray installed."""
+    modules = all_modules()
+    assert {name for name, path in modules.items() if _imports_ray(path)} <= RAY_MODULES
+    assert RAY_MODULES <= set(modules)
+    top_level = [
+        f"{name} imports {node.module or node.names[0].name} at module level"
+        for name, path in modules.items()
+        if name not in RAY_MODULES
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(
+            m in RAY_MODULES
+            for m in (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            )
+        )
+    ]
+    assert not top_level

@@ -9,6 +9,7 @@ rank's side is _session/worker/loop.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable, Sequence
@@ -17,8 +18,8 @@ from typing import Any
 from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._launch import relay
 from enot_nb._launch.bring_back import CellInterrupted
-from enot_nb._launch.options import LaunchOptions
-from enot_nb._launch.plan import plan_launch
+from enot_nb._launch.options import EngineOptions, LaunchOptions
+from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, PreparedTask
 from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
@@ -63,6 +64,11 @@ class Session:
             IPython, a dict of its own).
         output: whose output ``run`` shows by default ("master", "all", "none").
         quiet: no line when the workers start.
+        engine: "local" (processes of this machine) or "ray" (one Ray actor per rank on a Ray
+            cluster; nprocs is then required; see docs/guide/ray.md).
+        address: the Ray cluster ("auto", the head's "HOST:PORT"; None: Ray's default).
+        gpus_per_rank: GPUs Ray gives each rank (engine="ray").
+        placement: "pack" or "spread": how Ray places the ranks on its nodes (engine="ray").
 
     Raises:
         LaunchConfigError: a bad option, before any process starts.
@@ -93,12 +99,17 @@ class Session:
         namespace: dict[str, Any] | None = None,
         output: str = "master",
         quiet: bool = False,
+        engine: str = "local",
+        address: str | None = None,
+        gpus_per_rank: int = 0,
+        placement: str = "pack",
     ) -> None:
         if mirror not in MIRRORS:
             raise LaunchConfigError(f"mirror={mirror!r} must be 'all' or 'none'", parameter="mirror")
         given = locals()  # the launch options, by their one definition's names
         self.options = LaunchOptions(**{name: given[name] for name in LaunchOptions.names() if name in given})
-        self.plan = plan_launch(self.options)
+        self.engine = EngineOptions(**{name: given[name] for name in EngineOptions.names()})
+        self.plan = plan_session(self.options, self.engine)
         self.mirror_mode = mirror
         self.output = output
         self.namespace = namespace if namespace is not None else _notebook_namespace()
@@ -113,7 +124,7 @@ class Session:
         self._start(quiet)
 
     def _start(self, quiet: bool = False) -> None:
-        self.workers = start_workers(self.plan, None if quiet else self.mirror_mode)
+        self.workers = start_workers(self.plan, None if quiet else self.mirror_mode, self.engine)
         if self not in _live:
             _live.append(self)
             atexit.register(self.close)
@@ -356,19 +367,42 @@ def _notebook_namespace() -> dict[str, Any]:
     return shell.user_ns if shell is not None else {}
 
 
-def start_workers(plan: Any, mirror: str | None) -> SessionWorkers:
+def plan_session(options: LaunchOptions, engine: EngineOptions) -> LaunchPlan:
+    """The session's plan: the launch's; on a Ray cluster with nprocs given, workers spawned
+    (from each node's own fork server) and the backend the ranks' (nccl where each has a GPU),
+    not this machine's (whose GPUs do not count there)."""
+    if engine.engine == "local":
+        return plan_launch(options)
+    if options.nprocs is None:
+        raise LaunchConfigError("engine='ray' needs nprocs=N: the ranks to place on the cluster", parameter="nprocs")
+    backend = options.backend or ("nccl" if engine.gpus_per_rank else "gloo")
+    plan = plan_launch(dataclasses.replace(options, backend="gloo", start_method="spawn"))
+    return dataclasses.replace(plan, backend=backend, init_kwargs=dict(plan.init_kwargs, backend=backend))
+
+
+def start_workers(plan: Any, mirror: str | None, engine: EngineOptions | None = None) -> SessionWorkers:
     """A session's workers, started; one line says so (unless ``mirror`` is None: quiet)."""
     started = time.monotonic()
-    workers = SessionWorkers(plan, relay.show if relay.in_ipython() else None)
+    on_message = relay.show if relay.in_ipython() else None
+    host = None
+    if engine is not None and engine.engine == "ray":
+        from enot_nb._launch.ray_ranks import RayRanks  # ray is imported only where it is asked for
+
+        host = RayRanks(plan, on_message, engine.address, engine.gpus_per_rank, engine.placement)
+    workers = SessionWorkers(plan, on_message, host)
     try:
         workers.start()
     except BaseException:
         workers.close()
         raise
     if mirror is not None:
+        where = f"{plan.start_method}"
+        if host is not None:
+            nodes = {host.location(r) for r in host.ranks}
+            where = f"on Ray: {len(nodes)} node(s), --placement {engine.placement if engine else 'pack'}"
         print(
             f"enot_nb: session started: {plan.nprocs} rank(s), {plan.backend}, "
-            f"{', '.join(sorted(set(devices(plan))))}, {plan.start_method}, --mirror {mirror}, "
+            f"{', '.join(sorted(set(devices(plan))))}, {where}, --mirror {mirror}, "
             f"in {time.monotonic() - started:.2f} s",
         )
     return workers

@@ -24,6 +24,9 @@ class RankStatus:
     gpu_reserved_mib: float | None
     cells: int
     uptime_s: float
+    node: str | None = None
+    """The node it runs on, where the ranks run on a cluster (the Ray engine); None: here."""
+    node_ip: str | None = None
 
 
 @dataclass
@@ -36,21 +39,31 @@ class SessionStatus:
 
     _COLUMNS = ("rank", "pid", "device", "state", "RSS (MiB)", "GPU alloc/reserved (MiB)", "cells", "uptime (s)")
 
+    @property
+    def _on_nodes(self) -> bool:
+        return any(row.node is not None for row in self.rows)
+
+    def _columns(self) -> tuple[str, ...]:
+        return ("rank", "node", "node IP", *self._COLUMNS[1:]) if self._on_nodes else self._COLUMNS
+
     def _cells(self, row: RankStatus) -> list[str]:
         gpu = "-" if row.gpu_allocated_mib is None else f"{row.gpu_allocated_mib:.0f}/{row.gpu_reserved_mib or 0:.0f}"
         rss = "-" if row.rss_mib is None else f"{row.rss_mib:.0f}"
-        return [str(row.rank), str(row.pid), row.device, row.state, rss, gpu, str(row.cells), f"{row.uptime_s:.0f}"]
+        where = [row.node or "-", row.node_ip or "-"] if self._on_nodes else []
+        rest = [str(row.pid), row.device, row.state, rss, gpu, str(row.cells), f"{row.uptime_s:.0f}"]
+        return [str(row.rank), *where, *rest]
 
     def __str__(self) -> str:
-        table = [list(self._COLUMNS)] + [self._cells(r) for r in self.rows]
-        widths = [max(len(line[i]) for line in table) for i in range(len(self._COLUMNS))]
+        columns = self._columns()
+        table = [list(columns)] + [self._cells(r) for r in self.rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
         return "\n".join([f"enot_nb session: {len(self.rows)} rank(s), {self.backend}, --mirror {self.mirror}", *lines])
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self._COLUMNS)
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self._columns())
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>" for r in self.rows
         )
@@ -72,17 +85,20 @@ def status_of(workers: SessionWorkers | None, plan: LaunchPlan, mirror: str) -> 
     for r in workers.host.ranks:
         state = RankState.IDLE if r.running else RankState.DEAD
         memory = r.device_memory  # (allocated, reserved) MiB after its last task, where CUDA is used
+        node, node_ip = workers.host.location(r) or (None, None)
         status.rows.append(
             RankStatus(
                 rank=r.rank,
                 pid=r.pid,
-                device=devices(plan)[r.rank],
+                device=workers.host.device(r) or devices(plan)[r.rank],
                 state=state.value,
                 rss_mib=workers.host.resident_mib(r) if state is not RankState.DEAD else None,
                 gpu_allocated_mib=memory[0] if memory else None,
                 gpu_reserved_mib=memory[1] if memory else None,
                 cells=workers.cells,
                 uptime_s=uptime,
+                node=node,
+                node_ip=node_ip,
             )
         )
     return status

@@ -1,0 +1,131 @@
+"""A session on the Ray engine beside a local session and Ray's own floor (``run_all.py --only ray``).
+
+A Ray cluster of two nodes on this machine (as tests/ray: loopback, token authentication, a
+``RAY_TMPDIR`` of its own), a real kernel attached to it:
+
+* a trivial cell on a 2-rank Ray session (``--engine ray --placement spread``: one rank per
+  node), on a 2-rank local session, run locally (the reference), and a bare Ray actor call from
+  the same kernel (``ray.get(actor.f.remote())``: the floor of anything relayed through Ray);
+  ipyparallel's ``view.execute`` on 2 engines where it is installed (bench_session's row);
+* a 50-step DDP cell (gloo) on the Ray session against the same cell on the local session;
+* the time a Ray session takes to start on a running cluster, against a local session's.
+
+Each session is measured in turn in the same kernel (one session per process), medians of the
+repeats; the figures of one run are comparable with each other only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+from benchmarks.bench_session import SETUP, TRIVIAL, _apart, _ipyparallel
+from benchmarks.harness import Row, kernel_json
+from tests.kernel import Kernel
+
+BENCH = "Ray session: a trivial cell, 2 ranks"
+DDP = "Ray session: 50 DDP steps (gloo), 2 ranks"
+START = "Ray session: start, 2 ranks"
+
+DDP_SETUP = (
+    "%%enot_distributed\\nimport torch, torch.distributed as dist\\n"
+    "from torch.nn.parallel import DistributedDataParallel as DDP\\n"
+    "torch.manual_seed(0)\\nnet = DDP(torch.nn.Linear(64, 64))\\nopt = torch.optim.SGD(net.parameters(), lr=0.01)"
+)
+DDP_CELL = (
+    "%%enot_distributed --no-return\\nfor _ in range(50):\\n"
+    "    loss = net(torch.randn(32, 64)).pow(2).mean()\\n    opt.zero_grad()\\n    loss.backward()\\n    opt.step()"
+)
+
+MEASURE = r"""
+import ray
+def session_rows(start_line):
+    t0 = time.perf_counter()
+    run(start_line)
+    started = time.perf_counter() - t0
+    cell = statistics.median(clock("%%enot_distributed\n{trivial}", {n}))
+    run("{ddp_setup}")
+    ddp = statistics.median(clock("{ddp_cell}", {repeats}, warmup=1))
+    run("%enot_session stop")
+    return started, cell, ddp
+local_cell = statistics.median(clock({trivial!r}, {n}))
+on_ray = session_rows("%enot_session start -n 2 --engine ray --placement spread")
+local = session_rows("%enot_session start -n 2 --backend gloo --start-method spawn")
+@ray.remote(num_cpus=0)
+class Floor:
+    def f(self):
+        return None
+floor_actor = Floor.remote()
+ray.get(floor_actor.f.remote())
+floor = []
+for _ in range({n}):
+    t0 = time.perf_counter()
+    ray.get(floor_actor.f.remote())
+    floor.append(time.perf_counter() - t0)
+ray.kill(floor_actor)
+print("RESULT", json.dumps([local_cell, on_ray, local, statistics.median(floor)]))
+"""
+
+
+def run(repeats: int) -> list[Row]:
+    try:
+        from ray._private.authentication_test_utils import reset_auth_token_state
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        return [Row(BENCH, "not measured (Ray is not installed: pip install -e '.[ray]')", 0.0, "s", "local")]
+    import os
+
+    folder = tempfile.mkdtemp(prefix="ray-")
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_TMPDIR": folder,
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    saved, cwd = {k: os.environ.get(k) for k in env}, os.getcwd()
+    os.environ.update(env)
+    reset_auth_token_state()
+    os.chdir(folder)  # Ray's workers put their folder on sys.path (see tests/ray/conftest.py)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
+    try:
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        kernel = Kernel(extra_env={"RAY_ADDRESS": cluster.address}, cwd=Path(folder))
+        try:
+            kernel.ok(SETUP)
+            n = max(20, repeats * 5)
+            code = MEASURE.format(trivial=TRIVIAL, n=n, repeats=repeats, ddp_setup=DDP_SETUP, ddp_cell=DDP_CELL)
+            local_cell, on_ray, local, floor = kernel_json(kernel, code, timeout=1200)
+        finally:
+            kernel.shutdown()
+    finally:
+        cluster.shutdown()
+        os.chdir(cwd)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reset_auth_token_state()
+        shutil.rmtree(folder, ignore_errors=True)
+    (ray_start, ray_cell, ray_ddp), (local_start, session_cell, local_ddp) = on_ray, local
+    rows = [
+        Row(BENCH, "the cell run locally (reference)", local_cell, "s", "local", 1.0, "", n),
+        Row(BENCH, "bare Ray actor call (the floor)", floor, "s", "local", floor / local_cell, "", n),
+        Row(BENCH, "local session cell", session_cell, "s", "local", session_cell / local_cell, "", n),
+        Row(BENCH, "Ray session cell (one rank per node)", ray_cell, "s", "local", ray_cell / local_cell, "", n),
+        Row(BENCH, "Ray session cell: over the local session cell", ray_cell - session_cell, "s", "local", None),
+        Row(DDP, "local session cell (reference)", local_ddp, "s", "local", 1.0, "", repeats),
+        Row(DDP, "Ray session cell", ray_ddp, "s", "local", ray_ddp / local_ddp, "", repeats),
+        Row(START, "local session, spawn (reference)", local_start, "s", "local", 1.0, "", 1),
+        Row(START, "Ray session, on a running cluster", ray_start, "s", "local", ray_start / local_start, "", 1),
+    ]
+    return rows + [
+        Row(BENCH, r.variant, r.median, r.unit, r.reference, r.ratio, r.target, r.runs)
+        for r in _apart(_ipyparallel, n, local_cell)
+    ]
