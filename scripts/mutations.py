@@ -635,6 +635,8 @@ MUTATIONS = [
         "        if t in _PLAIN_CONTAINERS and holds_plain_data(obj):\n",
         "        if False:\n",
         ["tests/session/test_mirror.py::test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways"],
+    ),
+    Mutation(
         "ray-local-rank-is-the-global-rank",
         "enot_nb/_launch/ray_layout.py",
         "                local_rank=mates.index(landing),\n",
