@@ -251,16 +251,26 @@ STEP = "with torch.no_grad():\\n    for p in net.parameters():\\n        p.add_(
 run("%enot_session start -n 2 --backend gloo")
 run("%%enot_distributed\\n" + READ)  # the ranks get net once
 local_read, session_read = alternate(READ, "%%enot_distributed\\n" + READ, {repeats})
+_, no_return_read = alternate(READ, "%%enot_distributed --no-return\\n" + READ, {repeats})
 local_step, session_step = alternate(STEP, "%%enot_distributed\\n" + STEP, {repeats})
 run("%enot_session stop")
 oneoff_step = clock("%%enot_distributed -n 2 --backend gloo\\n" + STEP, {repeats})
 m = statistics.median
-print("RESULT", json.dumps([m(local_read), m(session_read), m(local_step), m(session_step), m(oneoff_step)]))""",
+print("RESULT", json.dumps([m(local_read), m(session_read), m(no_return_read), m(local_step), m(session_step),
+                          m(oneoff_step)]))""",
     )
-    local_read, session_read, local_step, session_step, oneoff_step = found
+    local_read, session_read, no_return_read, local_step, session_step, oneoff_step = found
     return [
         Row(bench, "a cell that reads it, locally (reference)", local_read, "s", "local", 1.0, "", repeats),
         Row(bench, "the same session cell: over local", session_read - local_read, "s", "local", None, "<= 30 ms"),
+        Row(
+            bench,
+            "the same cell with --no-return (names of what changed only): over local",
+            no_return_read - local_read,
+            "s",
+            "local",
+            None,
+        ),
         Row(bench, "a cell that updates it in place, locally (reference)", local_step, "s", "local", 1.0, "", repeats),
         Row(
             bench,
