@@ -251,7 +251,8 @@ STEP = "with torch.no_grad():\\n    for p in net.parameters():\\n        p.add_(
 run("%enot_session start -n 2 --backend gloo")
 run("%%enot_distributed\\n" + READ)  # the ranks get net once
 local_read, session_read = alternate(READ, "%%enot_distributed\\n" + READ, {repeats})
-_, no_return_read = alternate(READ, "%%enot_distributed --no-return\\n" + READ, {repeats})
+# (binding another name: n, bound here and there, would be changed on both sides, and asked about)
+_, no_return_read = alternate(READ, "%%enot_distributed --no-return\\n" + READ.replace("n =", "m ="), {repeats})
 local_step, session_step = alternate(STEP, "%%enot_distributed\\n" + STEP, {repeats})
 run("%enot_session stop")
 oneoff_step = clock("%%enot_distributed -n 2 --backend gloo\\n" + STEP, {repeats})
