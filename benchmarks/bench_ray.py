@@ -7,7 +7,8 @@ A Ray cluster of two nodes on this machine (as tests/ray: loopback, token authen
   node), on a 2-rank local session, run locally (the reference), and a bare Ray actor call from
   the same kernel (``ray.get(actor.f.remote())``: the floor of anything relayed through Ray);
   ipyparallel's ``view.execute`` on 2 engines where it is installed (bench_session's row);
-* a 50-step DDP cell (gloo) on the Ray session against the same cell on the local session;
+* a 50-step DDP cell (gloo) on the Ray session against the same cell on the local session, and
+  against the same 50 steps in a torchrun script already running (bench_session.ddp_steps);
 * the time a Ray session takes to start on a running cluster, against a local session's.
 
 Each session is measured in turn in the same kernel (one session per process), medians of the
@@ -21,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_session import SETUP, TRIVIAL, _apart, _ipyparallel
+from benchmarks.bench_session import SETUP, TRIVIAL, _apart, _ipyparallel, ddp_steps
 from benchmarks.harness import Row, kernel_json
 from tests.kernel import Kernel
 
@@ -101,6 +102,12 @@ def run(repeats: int) -> list[Row]:
             n = max(20, repeats * 5)
             code = MEASURE.format(trivial=TRIVIAL, n=n, repeats=repeats, ddp_setup=DDP_SETUP, ddp_cell=DDP_CELL)
             local_cell, on_ray, local, floor = kernel_json(kernel, code, timeout=1200)
+            over_torchrun = ddp_steps(
+                kernel,
+                repeats,
+                start="%enot_session start -n 2 --engine ray --placement spread",
+                bench="Ray session: 50 DDP steps over a running torchrun script, 2 ranks",
+            )
         finally:
             kernel.shutdown()
     finally:
@@ -125,7 +132,11 @@ def run(repeats: int) -> list[Row]:
         Row(START, "local session, spawn (reference)", local_start, "s", "local", 1.0, "", 1),
         Row(START, "Ray session, on a running cluster", ray_start, "s", "local", ray_start / local_start, "", 1),
     ]
-    return rows + [
-        Row(BENCH, r.variant, r.median, r.unit, r.reference, r.ratio, r.target, r.runs)
-        for r in _apart(_ipyparallel, n, local_cell)
-    ]
+    return (
+        rows
+        + over_torchrun
+        + [
+            Row(BENCH, r.variant, r.median, r.unit, r.reference, r.ratio, r.target, r.runs)
+            for r in _apart(_ipyparallel, n, local_cell)
+        ]
+    )

@@ -20,7 +20,9 @@ medians of the repeats, alternated where two variants are compared.
 
 from __future__ import annotations
 
-from benchmarks.harness import TORCHRUN_ENV, Row, kernel_json, start_kernel, torchrun_command
+from benchmarks.harness import ROOT, TORCHRUN_ENV, Row, kernel_json, start_kernel, torchrun_command
+
+JOB = ROOT / "benchmarks" / "session_steps_job.py"
 
 SETUP = r"""
 import json, time, statistics, torch
@@ -150,13 +152,19 @@ print("RESULT", json.dumps(statistics.median(took)))""",
     return [Row(BENCH, "nbdistributed %%distributed, 2 workers", found, "s", "local", found / local, "", repeats)]
 
 
-def ddp_steps(kernel, repeats: int) -> list[Row]:
+def ddp_steps(
+    kernel,
+    repeats: int,
+    start: str = "%enot_session start -n 2 --backend gloo",
+    bench: str = "session: 50 DDP steps, 2 ranks",
+) -> list[Row]:
     """The session's cells alternate with blocks of the running torchrun script (it waits on a
     pipe between blocks, so the two never run at once): a drift of the machine's speed over the
     run moves both. A second torchrun script, alternated the same way, is the control: how far
     two sets of processes running the very same steps differ here (their placement on the cores,
-    their memory), which the session's difference from the script includes too."""
-    bench = "session: 50 DDP steps, 2 ranks"
+    their memory), which the session's difference from the script includes too. ``start``: the
+    session's start line (bench_ray: the Ray engine). The ranks load the job from its file, as
+    a rank on a Ray node has no ``benchmarks`` package to import it from (one machine here)."""
     n = max(30, repeats * 4)  # the steps' own spread (several ms) is larger than the cell's cost
     found = kernel_json(
         kernel,
@@ -196,8 +204,10 @@ class Script:  # a torchrun script running session_steps_job.serve: one block of
             command.close()
         self.process.wait(timeout=60)
 try:
-    run("%enot_session start -n 2 --backend gloo")
-    run("%%enot_distributed\\nfrom benchmarks import session_steps_job as job\\nparts = job.build()")
+    run({start!r})
+    run("%%enot_distributed\\nimport importlib.util as util\\n"
+        "spec = util.spec_from_file_location('session_steps_job', {str(JOB)!r})\\n"
+        "job = util.module_from_spec(spec)\\nspec.loader.exec_module(job)\\nparts = job.build()")
     run("%%enot_distributed\\nddp, optimizer, x, y = (parts[k] for k in ('ddp', 'optimizer', 'x', 'y'))")
     reference, control = Script("reference"), Script("control")
     in_script, in_control, in_session, own_steps = [], [], [], []
