@@ -17,7 +17,6 @@ repeats; the figures of one run are comparable with each other only.
 
 from __future__ import annotations
 
-import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 from benchmarks.bench_session import SETUP, TRIVIAL, _apart, _ipyparallel, ddp_steps
 from benchmarks.harness import Row, kernel_json
 from tests.kernel import Kernel
+from tests.ray.loopback import ray_variables
 
 BENCH = "Ray session: a trivial cell, 2 ranks"
 DDP = "Ray session: 50 DDP steps (gloo), 2 ranks"
@@ -79,13 +79,7 @@ def run(repeats: int) -> list[Row]:
     import os
 
     folder = tempfile.mkdtemp(prefix="ray-")
-    env = {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(16),
-        "RAY_TMPDIR": folder,
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
+    env = ray_variables(folder)
     saved, cwd = {k: os.environ.get(k) for k in env}, os.getcwd()
     os.environ.update(env)
     reset_auth_token_state()

@@ -22,6 +22,7 @@ from enot_nb._launch.plan import LaunchPlan
 from enot_nb._launch.ranks import Rank
 from enot_nb._processes import forkserver_client, framing
 from enot_nb._processes import rendezvous as _rendezvous
+from enot_nb._processes.groups import resident_mib
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._processes.protocol import Payload, SessionCommand, StopWorker
 from enot_nb._serialize import picklers, result_file
@@ -204,14 +205,7 @@ class LocalRanks:
         """The rank's resident memory, from /proc."""
         if rank.pid is None:
             return None
-        try:
-            with open(f"/proc/{rank.pid}/status") as status:
-                for line in status:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
+        return resident_mib(rank.pid)
 
     def why_ended(self, rank: Rank) -> str:
         """How a rank's process ended: the signal that killed it, or its exit code."""

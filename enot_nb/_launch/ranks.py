@@ -164,9 +164,13 @@ class RankIO:
             return False
         except ConnectionResetError:  # a session worker died with a command unread: its end
             data = b""
+        if not data and fd in self.selector.get_map():
+            self.selector.unregister(fd)
+        return self.received(r, name, data, force_show)
+
+    def received(self, r: Rank, name: str, data: bytes, force_show: bool = False) -> bool:
+        """What one of a rank's streams brought: ``data``, or (empty) its end; False at the end."""
         if not data:
-            if fd in self.selector.get_map():
-                self.selector.unregister(fd)
             if name != "msg":
                 r.fenced[name].add(b"", final=True)
                 self._show(r, name, force_show, everything=True)

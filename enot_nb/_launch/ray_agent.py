@@ -33,7 +33,7 @@ from typing import Any
 from enot_nb._processes import forkserver_client
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.framing import LaunchFds
-from enot_nb._processes.groups import ServerGroup
+from enot_nb._processes.groups import ServerGroup, resident_mib
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap
 
@@ -238,14 +238,7 @@ class RankAgent:
         """The worker's resident memory (MiB), from /proc."""
         if self.pid is None or self.exitcode is not None:
             return None
-        try:
-            with open(f"/proc/{self.pid}/status") as status:
-                for line in status:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
+        return resident_mib(self.pid)
 
     def close(self) -> int | None:
         """The worker killed (if it still runs) and reaped, the fork server ended, everything

@@ -510,21 +510,11 @@ class RelayIO(RankIO):
         buffer = self.pending[(r.rank, name)]
         if not buffer:
             if (r.rank, name) in self.ended and name in r.open_reads:
-                if name != "msg":
-                    r.fenced[name].add(b"", final=True)
-                    self._show(r, name, force_show, everything=True)
-                    r.sinks[name].feed(b"", final=True, force_show=force_show)
-                r.open_reads.discard(name)
+                self.received(r, name, b"", force_show)
             return False
         data = bytes(buffer)
         buffer.clear()
-        if name == "msg":
-            for message in r.messages.feed(data):
-                self._message(r, message)
-        else:
-            r.fenced[name].add(data)
-            self._show(r, name, force_show)
-        return True
+        return self.received(r, name, data, force_show)
 
     def close_write_ends(self) -> None:
         pass

@@ -271,3 +271,15 @@ class ServerGroup:
             self.pidfds = {}
             if self.pids:  # those whose exit was not seen (exits forgot the others)
                 watchdog_client.forget(*(pid for rank, pid in self.pids.items() if rank not in self.exited))
+
+
+def resident_mib(pid: int) -> float | None:
+    """A process's resident memory (MiB), from /proc; None where it cannot be read (gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None

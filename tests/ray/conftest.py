@@ -11,7 +11,6 @@ The head's health checks are fast, so that a node removed is seen within a few s
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests._util import LEAK_GRACE, ended_within  # noqa: E402
 from tests.kernel import Kernel  # noqa: E402
+from tests.ray.loopback import ray_variables  # noqa: E402
 
 NODE_CPUS = 2
 FAST_HEALTH_CHECKS = {
@@ -42,13 +42,7 @@ SETUP = "%load_ext enot_nb\nimport torch, enot_nb\n"
 def ray_env(monkeypatch):
     """The variables every process of the test's cluster, its drivers and kernels share."""
     folder = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths live under it
-    env = {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(16),
-        "RAY_TMPDIR": folder,
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
+    env = ray_variables(folder)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     reset_auth_token_state()  # Ray read the mode and token when it was imported: again, now

@@ -163,11 +163,9 @@ class Mirror:
         master's values replace them; a stale one changed here refuses the pull unless
         ``overwrite``), and a stale variable changed here refuses nothing (its change is left
         out, a conflict kept for later). Else such a variable refuses the task (StaleError).
-        ``since``: ``compare``'s answer, where the caller needed it first (a cell: its walk
-        depends on it); else compared here."""
+        ``since``: ``compare``'s answer (None: there is no record to compare with)."""
         pulling, synced = pulling or [], self.record.synced
         now = user_variables(namespace, hidden)
-        since = since or self.compare(namespace, hidden)
         changes = Changes()
         changed_stale: set[str] = set()
         if since is not None:
