@@ -677,6 +677,27 @@ MUTATIONS = [
         "mmap.mmap(self.result_fd, size // 2, prot=mmap.PROT_READ)",
         ["tests/ray/test_ray_session.py::test_big_state_goes_both_ways_through_the_object_store"],
     ),
+    Mutation(
+        "plain-pickled-again-while-held-still",
+        "enot_nb/_state/kinds.py",
+        "    if _still is not None and id(obj) in _still:\n",
+        "    if False:\n",
+        ["tests/cells/test_reach.py::test_a_large_container_is_told_plain_once_while_nothing_changes_it"],
+    ),
+    Mutation(
+        "plain-alias-merged-twice",
+        "enot_nb/_state/kinds.py",
+        "    if id(old) in done:\n        return old if done[id(old)] is new else new\n",
+        "    if id(old) in done and depth < 0:\n        return old if done[id(old)] is new else new\n",
+        ["tests/cells/test_reach.py::test_plain_data_comes_back_in_place_sets_and_cycles_included"],
+    ),
+    Mutation(
+        "plain-set-replaced",
+        "enot_nb/_state/kinds.py",
+        "    if type(old) is set:\n        old.clear()\n        old.update(new)\n",
+        "    if type(old) is set:\n        return new\n",
+        ["tests/cells/test_reach.py::test_plain_data_comes_back_in_place_sets_and_cycles_included"],
+    ),
 ]
 
 

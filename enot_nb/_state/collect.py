@@ -29,7 +29,7 @@ from enot_nb._memory.digests import written_parts
 from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
 from enot_nb._serialize.tensors import array_owner, storage_array
-from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, kind_of
+from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, kind_of, plain_pickle
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
 from enot_nb._state.states import VALUE_TYPES, Attributes, DictState, ItemsState, Lost, Replaced
@@ -234,9 +234,13 @@ class StatePickler(ResultPickler):
         j = self.registry.find_storage(obj)
         if j is not None:
             return ("s", j)
-        if type(obj) in (list, dict) and len(obj) >= ATOMS_MIN and kind_of(obj) in (Kind.ATOMS, Kind.PLAIN):
+        if type(obj) in (list, dict) and len(obj) >= ATOMS_MIN:
             # Plain data, by value in one C pickle: this pickler would call back for each item.
-            return ("v", pickle.dumps(obj, protocol=5))
+            kind = kind_of(obj)
+            if kind is Kind.PLAIN:
+                return ("v", plain_pickle(obj))  # (found plain: its pickle, kept while held_still)
+            if kind is Kind.ATOMS:
+                return ("v", pickle.dumps(obj, protocol=5))
         return None
 
 

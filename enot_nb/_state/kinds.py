@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import copy
 import enum
 import functools
+import io
 import itertools
 import operator
 import pickle
@@ -46,7 +48,7 @@ import types
 import warnings
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,40 +296,74 @@ def holds_only_atoms(obj: Any) -> bool:
 
 
 _PLAIN_CONTAINERS = frozenset({list, dict})
-_NESTED = _FLAT | _PLAIN_CONTAINERS
-_PLAIN_DEPTH = 3
+_IN_PLACE = frozenset({list, dict, set, bytearray})
+_IN_PLACE_DEPTH = 100
+"""How deep a plain container's new contents go into its old ones in place (deeper: replaced)."""
 
 
-def holds_plain_data(obj: Any, depth: int = _PLAIN_DEPTH) -> bool:
-    """Whether a list's or dict's items are plain data to ``depth`` levels: atoms, and tuples,
-    lists and dicts of plain data (a log of 300,000 ``{"step": i, "loss": x}`` records). Such a
-    container is one object of kind PLAIN: walking its 300,000 dicts, each registered, compared
-    and found by path on the ranks, cost 11-17 s for a cell that read it. Level by level, the
-    types looked at in C loops."""
-    level, chain, compress = [obj], itertools.chain, itertools.compress
-    for _ in range(depth):
-        kinds = list(map(type, level))
-        dicts = list(compress(level, map(operator.is_, kinds, itertools.repeat(dict))))
-        others = compress(level, map(operator.is_not, kinds, itertools.repeat(dict)))
-        items = list(
-            chain(
-                chain.from_iterable(map(dict.keys, dicts)),
-                chain.from_iterable(map(dict.values, dicts)),
-                chain.from_iterable(others),
-            )
-        )
-        types_met = set(map(type, items))
-        if not types_met <= _ATOM_TYPES | _NESTED:
-            return False
-        if not types_met & _NESTED:
-            return True
-        level = list(compress(items, map(_NESTED.__contains__, map(type, items))))
-    return False
+class _NotPlain(Exception):
+    pass
+
+
+class _PlainPickler(pickle.Pickler):
+    """The C pickler, refusing all but plain data: it asks ``reducer_override`` only of what its
+    own fast paths do not pickle (exact dicts, lists, tuples, sets, frozensets, bytearrays, str,
+    bytes, int, float, bool, None), so an atom or an atom's type passes and anything else stops it."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) in _ATOM_TYPES or (type(obj) is type and obj in _ATOM_TYPES):
+            return NotImplemented
+        raise _NotPlain
+
+
+_still: dict[int, tuple[Any, bytes | None]] | None = None
+"""While nothing can change the objects (``held_still``): each large container's plain pickle,
+or None where it holds more than plain data, by id (the object kept: its id stays its own)."""
+
+
+@contextlib.contextmanager
+def held_still() -> Iterator[None]:
+    """While nothing changes the objects (a walk, a snapshot, a push pickled; no cell, no apply):
+    a large container is told plain once, and its digest and the push reuse that pickle (a log of
+    300,000 records took 0.11 s a look, and a cell looked at it eight times)."""
+    global _still
+    outer = _still is None
+    if outer:
+        _still = {}
+    try:
+        yield
+    finally:
+        if outer:
+            _still = None
+
+
+def plain_pickle(obj: Any) -> bytes | None:
+    """The pickle of a list's or dict's items if they are plain data (atoms, and exact tuples,
+    lists, dicts, sets, frozensets and bytearrays of plain data; a log of 300,000
+    ``{"step": i, "loss": x}`` records), else None. Such a container is one object of kind PLAIN:
+    walking its 300,000 dicts, each registered, compared and found by path on the ranks, cost
+    11-17 s for a cell that read it; this is one pass of the C pickler (0.05 s)."""
+    if _still is not None and id(obj) in _still:
+        return _still[id(obj)][1]
+    out = io.BytesIO()
+    try:
+        _PlainPickler(out, protocol=5).dump(obj)
+        found: bytes | None = out.getvalue()
+    except (_NotPlain, RecursionError):
+        found = None
+    if _still is not None:
+        _still[id(obj)] = (obj, found)
+    return found
+
+
+def holds_plain_data(obj: Any) -> bool:
+    return plain_pickle(obj) is not None
 
 
 def _plain_snapshot(obj: Any) -> list[tuple[int, int]]:
     """A digest of its pickle: a change anywhere inside (``log[7]["loss"] = 0``) changes it."""
-    return pickle_digest(obj)
+    pickled = plain_pickle(obj)
+    return [digest(pickled)] if pickled is not None else pickle_digest(obj)
 
 
 def _plain_travels(obj: Any) -> Any:
@@ -335,24 +371,34 @@ def _plain_travels(obj: Any) -> Any:
 
 
 def _apply_plain(obj: Any, items: list[Any], note: Note) -> None:
-    """In place, to the depth it holds: a dict or list item that is a dict or list in both keeps
-    its identity (``last = log[-1]`` still is ``log[-1]``), its contents replaced the same way."""
-    _into(obj, dict(items) if type(obj) is dict else items)
+    """In place, to the depth it holds: a dict, list, set or bytearray item that is one in both
+    keeps its identity (``last = log[-1]`` still is ``log[-1]``), its contents replaced the same way."""
+    _into(obj, dict(items) if type(obj) is dict else items, _IN_PLACE_DEPTH, {})
 
 
-def _into(old: Any, new: Any) -> Any:
-    """``old`` made to hold what ``new`` holds, in place where both are lists or both dicts;
-    else ``new``."""
-    if type(old) is not type(new) or type(old) not in _PLAIN_CONTAINERS:
+def _into(old: Any, new: Any, depth: int, done: dict[int, Any]) -> Any:
+    """``old`` made to hold what ``new`` holds, in place where both are lists, dicts, sets or
+    bytearrays (to ``depth`` levels); else ``new``. ``done``: what each old container was made to
+    hold, by id: an alias of one stays one where the new state shares it too, and is let go where
+    it does not (``log[1] = {...}`` while ``log[0]`` held the same dict), as in a cycle."""
+    if type(old) is not type(new) or type(old) not in _IN_PLACE or depth <= 0:
         return new
-    if type(old) is list:
-        kept = [_into(a, b) for a, b in zip(old, new)]
+    if id(old) in done:
+        return old if done[id(old)] is new else new
+    done[id(old)] = new
+    if type(old) is set:
+        old.clear()
+        old.update(new)
+    elif type(old) is bytearray:
+        old[:] = new
+    elif type(old) is list:
+        kept = [_into(a, b, depth - 1, done) for a, b in zip(old, new)]
         old[:] = kept + list(new[len(kept) :])
-        return old
-    for key in [k for k in old if k not in new]:
-        del old[key]
-    for key, value in new.items():
-        old[key] = _into(old[key], value) if key in old else value
+    else:
+        for key in [k for k in old if k not in new]:
+            del old[key]
+        for key, value in new.items():
+            old[key] = _into(old[key], value, depth - 1, done) if key in old else value
     return old
 
 

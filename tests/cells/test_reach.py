@@ -10,7 +10,8 @@ import pytest
 import torch
 from IPython.core.inputtransformer2 import TransformerManager
 
-from enot_nb._state.kinds import ATOMS_MIN, Kind, kind_of
+from enot_nb._memory.digests import digest
+from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, held_still, kind_of, plain_pickle
 from enot_nb._state.reach import cell_names, reach
 from enot_nb._state.snapshot import Snapshot
 
@@ -133,6 +134,41 @@ def test_a_large_container_of_atoms_is_one_object_compared_by_its_slots():
     samples[5] = ("img5.jpg", 5)  # an equal tuple, but another object: reported (it travels)
     namespace["zeros"][7] = -0.0  # equal to 0.0, yet a change that must come back
     assert snapshot.changed_objects(registry) == [1, 2]
+
+
+def test_a_large_container_is_told_plain_once_while_nothing_changes_it():
+    """A walk, a snapshot and a push each ask whether a log is plain data; while held still they
+    share one pickle (its digest is of those bytes), and a change after is seen."""
+    log = [{"step": i, "loss": float(i), "tags": {"a"}} for i in range(ATOMS_MIN)]
+    with held_still():
+        first = plain_pickle(log)
+        assert first is not None and kind_of(log) is Kind.PLAIN
+        assert plain_pickle(log) is first  # not pickled again
+        assert OPS[Kind.PLAIN].snapshot(log) == [digest(first)]
+    assert plain_pickle(log) is not first and plain_pickle(log) == first
+    log.append(torch.zeros(1))
+    assert kind_of(log) is Kind.LIST  # no longer plain: walked as any list
+    assert kind_of([*log[:-1], (1, 1j, range(3), slice(2), ...)]) is Kind.PLAIN  # the atoms' own types
+    assert kind_of([*log[:-1], Box()]) is Kind.LIST
+
+
+def test_plain_data_comes_back_in_place_sets_and_cycles_included():
+    log = [{"step": i, "tags": {"a"}, "raw": bytearray(b"x")} for i in range(ATOMS_MIN)]
+    log.append(log)  # a cycle: applied to a bounded depth, never forever
+    assert kind_of(log) is Kind.PLAIN
+    tags, raw = log[3]["tags"], log[3]["raw"]
+    new = [dict(d, step=-d["step"], tags={"b"}, raw=bytearray(b"y")) for d in log[:-1]] + [[1]]
+    OPS[Kind.PLAIN].apply(log, new, None)
+    assert log[3]["tags"] is tags and tags == {"b"} and log[3]["raw"] is raw and raw == b"y"
+    assert log[3]["step"] == -3 and log[-1] == [1]  # the cycle let go, as the new state has it
+    shared = {"x": 1}
+    log = [shared, shared, *range(ATOMS_MIN)]
+    OPS[Kind.PLAIN].apply(log, [{"x": 1}, {"x": 2}, *range(ATOMS_MIN)], None)
+    assert log[0] is shared and shared == {"x": 1} and log[1] == {"x": 2}  # no longer one dict
+    log = [shared, shared, *range(ATOMS_MIN)]
+    again = {"x": 3}
+    OPS[Kind.PLAIN].apply(log, [again, again, *range(ATOMS_MIN)], None)
+    assert log[0] is shared and log[1] is shared and shared == {"x": 3}  # still one dict
 
 
 def test_reach_follows_a_partial_and_a_wrapped_function():

@@ -196,6 +196,16 @@ CASES = [
         ["log[:4]", "log[-1]", "len(log)", "first is log[0]", "third is log[3]['v']", "'n' in dir() and n"],
     ),
     (
+        "a-plain-log-with-shared-records-and-sets-changed-on-both-sides",
+        "shared = {'k': 0}\nlog = [shared, shared, {'tags': {1}}, *range(1500)]\ntags = log[2]['tags']\n",
+        [
+            (S, "log[1] = {'k': 1}\nlog[2]['tags'].add(2)"),
+            (P, "log[0]['k'] = 5\ntags.add(3)"),
+            (S, "n = (log[0]['k'], log[1]['k'], sorted(log[2]['tags']))"),
+        ],
+        ["log[:3]", "shared", "log[0] is shared", "log[1] is shared", "tags is log[2]['tags']", "'n' in dir() and n"],
+    ),
+    (
         "cells-that-read-every-name-beside-a-value-that-cannot-travel",
         "import threading\nlock = threading.Lock()\nk = 21\n",
         [(S, "k2 = eval('k * 2')"), (P, "k = 5"), (S, "k3 = eval('k + k2')")],

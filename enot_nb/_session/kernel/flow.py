@@ -29,6 +29,7 @@ from enot_nb._session.mirror.record import TaskChanges
 from enot_nb._session.tasks import CallTask, CellTask, PullTask, SyncTask
 from enot_nb._state import apply, reach
 from enot_nb._state.collect import Changes
+from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchConfigError
@@ -135,7 +136,8 @@ class NamespaceFlow:
             return
         if moved is not None:
             moved = moved.plus(push.changes, self.mirror.record.baseline)  # pickled against it: the same still
-        self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
+        with held_still():  # what came back is applied
+            self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
 
     def _push_refused(self, push: Push, outcome: CommandOutcome) -> None:
         """A rank could not apply the push (the task ran nowhere): the variables it changed are

@@ -23,6 +23,7 @@ from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, PreparedTask
 from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
+from enot_nb._state.kinds import held_still
 from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError
 
@@ -339,9 +340,11 @@ class Session:
         replaced (from the notebook, which now holds what the master reached); its failure
         raised."""
         workers = self._ready()
-        prepared = make()
+        with held_still():  # until the task is sent, nothing changes the notebook's objects
+            prepared = make()
+            pickled = self.flow.pickle(prepared)
         try:
-            value = workers.run_task(self.flow.pickle(prepared), output, lambda done: apply(prepared, done))
+            value = workers.run_task(pickled, output, lambda done: apply(prepared, done))
         finally:
             self.last = workers.last
             if self.last is not None and self.last.restart is not None:

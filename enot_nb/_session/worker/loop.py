@@ -52,6 +52,7 @@ from enot_nb._session.mirror.kept import KeptSnapshot
 from enot_nb._session.tasks import CallTask, CellTask, PullTask, RegistrySpecs, SyncTask, Task
 from enot_nb._session.worker import devices, groups, repair
 from enot_nb._state import apply, collect
+from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap, frontend, sharded
 from enot_nb._worker import cell as _cell
@@ -193,9 +194,10 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
     could (a Proceed of an earlier task, interrupted before it was read, is passed over)."""
     session = _session()
     namespace = session.namespace
-    registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
-    state = result_file.read_result(session.task_fd, size, raw=True)
-    task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
+    with held_still():  # until the push is applied
+        registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
+        state = result_file.read_result(session.task_fd, size, raw=True)
+        task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
     # A push that only binds or deletes names changes no object a snapshot holds (the namespace
     # has none: the names are compared on their own); one that changes objects does.
     pushed = task.push is not None and bool(task.push.objects or task.push.storages or task.push.sharded)
