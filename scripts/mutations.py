@@ -698,6 +698,34 @@ MUTATIONS = [
         "    if type(old) is set:\n        return new\n",
         ["tests/cells/test_reach.py::test_plain_data_comes_back_in_place_sets_and_cycles_included"],
     ),
+    Mutation(
+        "grown-reach-kept-where-a-walk-orders-otherwise",
+        "enot_nb/_session/mirror/record.py",
+        "    if regrowth.starts and not _walked_last(registry, regrowth):\n",
+        "    if False:\n",
+        ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "grown-reach-new-before-old-kept",
+        "enot_nb/_session/mirror/record.py",
+        "    if regrowth.replaced or not regrowth.new_after_old or len(holders) != 1:\n",
+        "    if regrowth.replaced or len(holders) != 1:\n",
+        ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "grown-specs-not-sent",
+        "enot_nb/_session/kernel/cell_reach.py",
+        "            return old.grown(added, count, len(registry.storages)) if added else old\n",
+        "            return old\n",
+        ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "grown-registry-snapshot-not-taken",
+        "enot_nb/_session/mirror/kept.py",
+        "            snapshot.retake(\n                registry,",
+        "            (lambda *a, **k: None)(\n                registry,",
+        ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
+    ),
 ]
 
 

@@ -38,22 +38,45 @@ class RegistrySpecs:
     specs: list[ObjectSpec]
     objects: int
     storages: int
-    packed: bytes | None = field(default=None, compare=False, repr=False)
+    packed: tuple[bytes, ...] | None = field(default=None, compare=False, repr=False)
     """Its pickle, made once (the notebook sends the same specs again while a cell's reach is
-    kept) and kept where it was loaded: the master knows the same specs by it (see
-    KeptSnapshot.registry_for)."""
+    kept) and kept where it was loaded, in parts: a walk's specs, then those each later cell's
+    new objects added (a list appended to, see ``grown``). The master knows the same specs by
+    it, and finds only the objects of the parts it lacks (see KeptSnapshot.registry_for)."""
+
+    def grown(self, added: list[ObjectSpec], objects: int, storages: int) -> RegistrySpecs:
+        """These specs with ``added`` after them, for a registry that grew to ``objects`` and
+        ``storages``; packed whole again once the parts are many."""
+        packed = self._packed()
+        parts = (*packed, _pack(added)) if len(packed) < _PARTS_MAX else None
+        return RegistrySpecs(self.specs + added, objects, storages, parts)
+
+    def _packed(self) -> tuple[bytes, ...]:
+        if self.packed is None:
+            self.packed = (_pack(self.specs),)
+        return self.packed
 
     def __reduce__(self) -> tuple:
-        # Plain data, pickled in one go by the C pickler: the task's pickler (a Python subclass
-        # that looks every object up in the registry) would visit each of its thousands of parts.
-        if self.packed is None:
-            self.packed = pickle.dumps((self.specs, self.objects, self.storages), protocol=5)
-        return _registry_specs, (self.packed,)
+        return _registry_specs, (self._packed(), self.objects, self.storages)
 
 
-def _registry_specs(data: bytes) -> RegistrySpecs:
-    specs, objects, storages = pickle.loads(data)
-    return RegistrySpecs(specs, objects, storages, packed=data)
+_PARTS_MAX = 32
+
+
+def _pack(specs: list[ObjectSpec]) -> bytes:
+    # Plain data, pickled in one go by the C pickler: the task's pickler (a Python subclass
+    # that looks every object up in the registry) would visit each of its thousands of parts.
+    return pickle.dumps(specs, protocol=5)
+
+
+_loaded: dict[bytes, list[ObjectSpec]] = {}
+"""The parts of the specs last loaded here, loaded: the next task's are mostly the same."""
+
+
+def _registry_specs(packed: tuple[bytes, ...], objects: int, storages: int) -> RegistrySpecs:
+    global _loaded
+    _loaded = {part: _loaded[part] if part in _loaded else pickle.loads(part) for part in packed}
+    return RegistrySpecs([spec for part in packed for spec in _loaded[part]], objects, storages, packed)
 
 
 @dataclass

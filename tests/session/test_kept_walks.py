@@ -136,6 +136,7 @@ def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_
     from enot_nb._memory.writes import WRITES
     from enot_nb._session.mirror import paths
     from enot_nb._session.mirror.kept import KeptSnapshot
+    from enot_nb._session.tasks import RegistrySpecs
     from enot_nb._state.registry import Registry
 
     if not WRITES.available():  # nothing is kept where writes are not tracked
@@ -145,7 +146,8 @@ def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_
     ns = {"model": model}
     specs = paths.specs_of(Registry.of_namespace(ns, ["model"]))
     sizes = len(specs) + 1, len({j for spec in specs for j in spec.storages})
-    packed = pickle.dumps((specs, *sizes), protocol=5)
+    mirror = pickle.loads(pickle.dumps(RegistrySpecs(specs, *sizes)))  # as the master loads it
+    packed = mirror.packed
     kept = KeptSnapshot()
     registry = paths.registry_at(ns, specs, *sizes, strict=False)
     snapshot = Snapshot.take(registry)
@@ -158,11 +160,11 @@ def test_a_kept_registry_is_found_by_its_specs_only_where_the_cell_changes_were_
         kept.keep(registry, taken, changed, taken.changed_storages(registry))
         kept.found_by(packed, specs)
         kept.finish_retake()
-        return kept.registry_for(ns, packed)
+        return kept.registry_for(ns, mirror)
 
     kept.keep(registry, snapshot, [], [])
     kept.found_by(packed, specs)
-    assert kept.registry_for(ns, packed) is registry
+    assert kept.registry_for(ns, mirror) is registry
 
     def step() -> None:
         model.zero_grad()
@@ -329,8 +331,6 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
     """A cell that changed nothing leaves its reach (and the master its registry) for the next
     cell with the same names: each must be what walking (finding) anew would give, whatever a
     plain cell changed in between, or a change is missed or lands on another object."""
-    import pickle
-
     from enot_nb._memory.writes import WRITES
     from enot_nb._session.kernel.flow import NamespaceFlow
     from enot_nb._session.mirror import paths
@@ -355,11 +355,11 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
         assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
         return prepared
 
-    def checked_find(self, namespace, specs):  # in the master (forked from here)
-        found = find(self, namespace, specs)
+    def checked_find(self, namespace, mirror):  # in the master (forked from here)
+        found = find(self, namespace, mirror)
         if found is not None:
             FOUND_AGAIN.append(1)
-            again = paths.registry_at(namespace, *pickle.loads(specs), strict=False)
+            again = paths.registry_at(namespace, mirror.specs, mirror.objects, mirror.storages, strict=False)
             assert [id(o) for o in found.objects] == [id(o) for o in again.objects]
             assert [id(s) for s in found.storages] == [id(s) for s in again.storages]
         return found
@@ -434,6 +434,83 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
         s.run("net.weight.data.add_(1)\n" + cell)
         assert ns["net"] is twin and ns["out"] == local() == s.run("out")
         assert s.run(found_again) >= 2  # the master found its kept registry too
+
+
+GROWN: list[int] = []
+"""The cells whose master grew its kept registry by new objects' specs (the master's copy)."""
+
+
+def test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives(monkeypatch):
+    """A cell that appends to a list (or adds a dict's key) leaves its reach for the next cell
+    grown by the new objects, and the master its registry grown by their specs, where a walk
+    registers them after all else: each must be what walking (finding) anew gives, and a new
+    object's later change must come back, and a plain cell's reach the ranks."""
+    from enot_nb._memory.writes import WRITES
+    from enot_nb._session.kernel.flow import NamespaceFlow
+    from enot_nb._session.mirror import paths
+    from enot_nb._session.mirror.kept import KeptSnapshot
+    from enot_nb._state import reach
+
+    if not WRITES.available():  # the master keeps a registry only where writes are tracked
+        pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
+    uses: list[bool] = []
+    prepare, find = NamespaceFlow.cell, KeptSnapshot.registry_for
+
+    def checked_cell(self, code, run):
+        kept = self.kept
+        prepared = prepare(self, code, run)
+        uses.append(kept is not None and prepared.registry is kept.found.registry)
+        fresh = reach.reach(self.namespace, code, self._hidden())
+        assert [id(o) for o in prepared.registry.objects] == [id(o) for o in fresh.registry.objects], code
+        assert prepared.registry.parents == fresh.registry.parents, code
+        assert [id(s) for s in prepared.registry.storages] == [id(s) for s in fresh.registry.storages], code
+        assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
+        return prepared
+
+    def checked_find(self, namespace, mirror):  # in the master (forked from here)
+        parts = len(self.specs or ())
+        found = find(self, namespace, mirror)
+        if found is not None:
+            GROWN.extend([1] * (0 < parts < len(mirror.packed)))
+            again = paths.registry_at(namespace, mirror.specs, mirror.objects, mirror.storages, strict=True)
+            assert [id(o) for o in found.objects] == [id(o) for o in again.objects]
+            assert [id(s) for s in found.storages] == [id(s) for s in again.storages]
+            assert self.take(found, scan_large=False).changed_objects(found) == []
+        return found
+
+    monkeypatch.setattr(NamespaceFlow, "cell", checked_cell)
+    monkeypatch.setattr(KeptSnapshot, "registry_for", checked_find)
+    ns = {"__name__": "__main__", "torch": torch, "log": [torch.zeros(2)], "zz": {"w": torch.ones(1)}}
+    grown = f"len(__import__('sys').modules[{__name__!r}].GROWN)"
+    append = "torch\nlog.append(torch.full((2,), float(len(log))))"
+    with start("fork", namespace=ns) as s:
+        for n in range(4):
+            s.run(append)
+            assert uses[-1] is (n > 0), (n, uses)  # the first walks; then grown, kept
+        assert s.run(grown) >= 2  # the master grew its registry too
+        s.run("torch\nlog[-1].add_(10)")  # a grown object, changed: comes back
+        assert ns["log"][-1].tolist() == [14.0, 14.0]
+        ns["log"][-2].mul_(3)  # a plain cell's change to one: reaches the ranks
+        s.run(append)
+        s.run(append)
+        assert uses[-1] is True and len(ns["log"]) == 7
+        assert s.run("[t.tolist() for t in log]") == [t.tolist() for t in ns["log"]]
+        assert ns["log"][3].tolist() == [9.0, 9.0] and ns["log"][-1].tolist() == [6.0, 6.0]
+        behind = "torch\nlog.append(torch.ones(1))\nzz"  # zz's tensor is walked after log's items
+        s.run(behind)
+        s.run(behind)
+        assert uses[-1] is False and len(ns["log"]) == 9  # a walk gives another order: walked anew
+        keyed = "torch\nzz[len(zz)] = torch.ones(1)"
+        for _ in range(3):
+            s.run(keyed)
+        assert uses[-1] is True and list(ns["zz"]) == ["w", 1, 2, 3]
+        assert s.run("sorted(map(str, zz)), len(log)") == (["1", "2", "3", "w"], 9)
+        ns["t"] = torch.ones(2, requires_grad=True)
+        ns["t"].note = torch.zeros(1)
+        graded = "torch\nt.grad = torch.ones(2) if t.grad is None else t.grad * 2"
+        s.run(graded)  # the new .grad comes before .note in a walk: walked anew
+        s.run(graded)
+        assert uses[-1] is False and ns["t"].grad.tolist() == [2.0, 2.0]
 
 
 TAKES: list[int] = []

@@ -206,6 +206,20 @@ CASES = [
         ["log[:3]", "shared", "log[0] is shared", "log[1] is shared", "tags is log[2]['tags']", "'n' in dir() and n"],
     ),
     (
+        "a-list-of-tensors-grown-a-tensor-per-cell-then-changed-on-both-sides",
+        "log = [torch.zeros(2)]\n",
+        [
+            (S, "log.append(torch.full((2,), float(len(log))))"),
+            (S, "log.append(torch.full((2,), float(len(log))))"),
+            (S, "log.append(torch.full((2,), float(len(log))))"),
+            (S, "log[-1].add_(10)"),
+            (P, "log[-2].mul_(3)"),
+            (S, "log.append(torch.full((2,), float(len(log))))"),
+            (S, "log.append(torch.full((2,), float(len(log))))"),
+        ],
+        ["[t.tolist() for t in log]", "len(log)"],
+    ),
+    (
         "cells-that-read-every-name-beside-a-value-that-cannot-travel",
         "import threading\nlock = threading.Lock()\nk = 21\n",
         [(S, "k2 = eval('k * 2')"), (P, "k = 5"), (S, "k3 = eval('k + k2')")],

@@ -27,7 +27,7 @@ from typing import Any
 
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.mirror import SinceSync
-from enot_nb._session.mirror.record import Record, TaskChanges, replaced_in_place
+from enot_nb._session.mirror.record import Record, TaskChanges, grown_in_place
 from enot_nb._session.tasks import RegistrySpecs
 from enot_nb._state import reach
 
@@ -98,7 +98,9 @@ class CellReach:
         if snapshot is None or baseline.objects[0] is not registry.objects[0]:
             return None
         changed = sorted({i for i in map(registry.find, moved.objects) if i is not None and i > 0})
-        if changed and not replaced_in_place(registry, changed):
+        objects, storages = len(registry.objects), len(registry.storages)
+        replaced = grown_in_place(registry, changed) if changed else []
+        if replaced is None:
             return None
         at = [baseline.find(obj) for obj in registry.objects[1:]]
         if any(i is None for i in at) or any(baseline.find_storage(s) is None for s in registry.storages):
@@ -106,7 +108,25 @@ class CellReach:
         if snapshot.untaken(baseline, [i for i in at if i is not None]):
             return None
         if moved.objects or moved.storages:
-            specs = paths.specs_of(registry)
-            if self.mirror is None or specs != self.mirror.specs:
-                self.mirror = RegistrySpecs(specs, len(registry.objects), len(registry.storages))
+            self.mirror = self._specs_after(changed, replaced, moved.storages, objects, storages)
         return self
+
+    def _specs_after(
+        self, changed: list[int], replaced: list[int], written: list[Any], objects: int, storages: int
+    ) -> RegistrySpecs | None:
+        """The specs again, where the cell moved them (``objects`` and ``storages``: the counts
+        before the registry grew): made anew for the objects it changed or replaced, those on a
+        storage it wrote (one may have been resized) and those new; where only new ones were
+        added (a list appended to), the last specs with theirs after (see RegistrySpecs.grown)."""
+        registry, old = self.found.registry, self.mirror
+        if old is None:
+            return None
+        count = len(registry.objects)
+        written_at = {j for j in map(registry.find_storage, written) if j is not None and j < storages}
+        remade = {*changed, *replaced, *paths.storage_holders(registry, written_at), *range(objects, count)}
+        specs = {spec.at: spec for spec in paths.specs_of(registry, sorted(remade))}
+        added = [specs[i] for i in range(objects, count)]
+        if all(old.specs[i - 1] == spec for i, spec in specs.items() if i < objects):  # (specs[i - 1].at == i)
+            return old.grown(added, count, len(registry.storages)) if added else old
+        again = [specs.get(spec.at, spec) for spec in old.specs]
+        return RegistrySpecs(again + added, count, len(registry.storages))

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._memory import written
+from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.paths import ObjectSpec, found_again, has_placeholders
+from enot_nb._session.tasks import RegistrySpecs
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
 
@@ -23,7 +25,7 @@ class PendingRetake:
     objects: list[int]
     storages: list[int]
     """The objects and storages (indices) the cell changed: their states and digests are taken again."""
-    specs: bytes | None = None
+    specs: tuple[bytes, ...] | None = None
     """What the registry was found by, pickled (see KeptSnapshot.found_by)."""
     found: list[ObjectSpec] = field(default_factory=list)
     """The same specs, loaded: the objects the cell changed are found again by them."""
@@ -41,7 +43,7 @@ class KeptSnapshot:
 
     registry: Registry | None = None
     snapshot: Snapshot | None = None
-    specs: bytes | None = None
+    specs: tuple[bytes, ...] | None = None
     """What the kept registry was found by (the notebook's specs, pickled: see paths.registry_at),
     where each object had a counterpart here and what the cell it was kept after changed was
     found again by them (paths.found_again: a training step's new ``.grad`` takes the old one's
@@ -50,20 +52,40 @@ class KeptSnapshot:
     pending: PendingRetake | None = None
     """What ``keep`` and ``found_by`` left to ``finish_retake``."""
 
-    def registry_for(self, namespace: dict[str, Any], specs: bytes | None) -> Registry | None:
-        """The kept registry, where finding ``specs`` again would give it: the same specs it was
-        found by (see ``specs``), and each variable at its root still bound to the object it
-        holds there (a push that binds names keeps the snapshot, and may have rebound one)."""
+    def registry_for(self, namespace: dict[str, Any], mirror: RegistrySpecs) -> Registry | None:
+        """The kept registry, where finding ``mirror``'s specs again would give it: the same
+        specs it was found by (see ``specs``), or those and more after them (a list appended
+        to: the kept registry and snapshot grow by the new ones' objects, states and digests),
+        and each variable at its root still bound to the object it holds there (a push that
+        binds names keeps the snapshot, and may have rebound one)."""
         self.finish_retake()
-        registry = self.registry
-        if registry is None or specs is None or specs != self.specs or registry.objects[0] is not namespace:
+        registry, snapshot, kept, specs = self.registry, self.snapshot, self.specs, mirror.packed
+        if (
+            registry is None
+            or snapshot is None
+            or kept is None
+            or specs is None
+            or registry.objects[0] is not namespace
+        ):
+            return None
+        if specs[: len(kept)] != kept:
             return None
         for i, (parent, step) in enumerate(registry.parents):
             if parent == 0 and namespace.get(step, _NONE) is not registry.objects[i]:
                 return None
+        if len(specs) > len(kept):
+            objects, storages = len(registry.objects), len(registry.storages)
+            added = mirror.specs[objects - 1 :]  # a spec for each object but the namespace, in order
+            if not paths.grown_at(registry, added, mirror.objects, mirror.storages):
+                self.drop()
+                return None
+            snapshot.retake(
+                registry, list(range(objects, mirror.objects)), list(range(storages, mirror.storages)), scan_large=True
+            )
+            self.specs = specs
         return registry
 
-    def found_by(self, packed: bytes | None, specs: list[ObjectSpec]) -> None:
+    def found_by(self, packed: tuple[bytes, ...] | None, specs: list[ObjectSpec]) -> None:
         """After the cell: the specs the kept registry was found by (``packed``: pickled), noted
         at ``finish_retake`` where what the cell changed is found again by them and every object had a
         counterpart (see ``specs``)."""

@@ -99,9 +99,10 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def has_placeholders(registry: Registry) -> bool:
-    """Whether some object of a rank's registry (registry_at) had no counterpart here."""
-    return any(type(obj) is _Missing for obj in registry.objects)
+def has_placeholders(registry: Registry, start: int = 0) -> bool:
+    """Whether some object of a rank's registry (registry_at), from index ``start``, had no
+    counterpart here."""
+    return any(type(obj) is _Missing for obj in registry.objects[start:])
 
 
 def registry_at(
@@ -120,28 +121,55 @@ def registry_at(
     registry.index[id(namespace)] = 0
     children: dict[int, dict[str, list[Any]]] = {}
     for spec in specs:
-        registry.parents[spec.at] = (spec.parent, spec.step)
         try:
-            obj = _child(registry, spec, children)
+            _place(registry, spec, children)
         except PathError as err:
             if strict:
                 raise
             if os.environ.get("ENOT_NB_DEBUG"):
                 print(f"enot_nb: no counterpart here for {err}", file=sys.stderr)
-            continue
-        kind = kind_of(obj) or Kind.OPAQUE
-        registry.objects[spec.at], registry.kinds[spec.at] = obj, kind
-        registry.index[id(obj)] = spec.at
-        if spec.storages:
-            for j, storage in zip(spec.storages, tensor_storages(obj)):
-                if j >= 0 and registry.find_storage(storage) is None:
-                    registry.storages[j] = storage
-                    registry.storage_index[id(storage)] = j
     if storages and any(s is None for s in registry.storages):  # of tensors with no counterpart
         import torch
 
-        registry.storages = [torch.UntypedStorage(0) if s is None else s for s in registry.storages]
+        empty = torch.UntypedStorage(0)  # one for all: a push with no specs lacks every storage
+        registry.storages = [empty if s is None else s for s in registry.storages]
     return registry
+
+
+def _place(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, list[Any]]]) -> None:
+    """This rank's object at ``spec``, and its storages, registered at the spec's indices."""
+    registry.parents[spec.at] = (spec.parent, spec.step)
+    obj = _child(registry, spec, children)
+    kind = kind_of(obj) or Kind.OPAQUE
+    registry.objects[spec.at], registry.kinds[spec.at] = obj, kind
+    registry.index[id(obj)] = spec.at
+    if spec.storages:
+        for j, storage in zip(spec.storages, tensor_storages(obj)):
+            if j >= 0 and registry.find_storage(storage) is None:
+                registry.storages[j] = storage
+                registry.storage_index[id(storage)] = j
+
+
+def grown_at(registry: Registry, added: list[ObjectSpec], objects: int, storages: int) -> bool:
+    """A rank's registry (registry_at's) made, in place, what ``registry_at`` of its specs and
+    ``added`` gives (the notebook's registry grew to ``objects`` and ``storages``: a list
+    appended to); False, and the registry to be dropped, where an added object or storage has
+    no counterpart here."""
+    first = len(registry.objects), len(registry.storages)
+    grown = objects - first[0], storages - first[1]
+    if grown[0] < 0 or grown[1] < 0 or any(spec.at < len(registry.objects) for spec in added):
+        return False
+    registry.objects += [_MISSING] * grown[0]
+    registry.kinds += [Kind.OPAQUE] * grown[0]
+    registry.parents += [(-1, "")] * grown[0]
+    registry.storages += [None] * grown[1]
+    children: dict[int, dict[str, list[Any]]] = {}
+    try:
+        for spec in added:
+            _place(registry, spec, children)
+    except PathError:
+        return False
+    return not has_placeholders(registry, first[0]) and all(s is not None for s in registry.storages[first[1] :])
 
 
 @dataclass
@@ -252,6 +280,11 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
         if spec.step not in parent:
             raise fail("no such variable on this rank")
         obj = parent[spec.step]
+    elif type(parent) is list and spec.step.startswith("["):  # an item by its index: no need to list them all
+        at = int(spec.step[1:-1])
+        if at >= len(parent):
+            raise fail("nothing there on this rank")
+        obj = parent[at]
     else:
         steps = children.get(spec.parent)
         if steps is None:

@@ -19,7 +19,7 @@ from enot_nb._memory import written
 from enot_nb._memory.digests import before_long_lived_snapshot
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.collect import Changes
-from enot_nb._state.kinds import OPS, kind_of
+from enot_nb._state.kinds import OPS, SET_ITEM, kind_of
 from enot_nb._state.registry import Registry
 from enot_nb._state.snapshot import Snapshot
 from enot_nb._state.states import VALUE_TYPES
@@ -95,19 +95,43 @@ class Record:
         return True
 
 
-def replaced_in_place(registry: Registry, indices: list[int]) -> bool:
+def grown_in_place(registry: Registry, indices: list[int]) -> list[int] | None:
     """The objects at ``indices`` of a walk's registry changed: where all that they hold anew
-    took the places of what they held (a training step's new ``.grad``, see Replacement), those
-    replaced in ``registry``, which is then what walking again gives (as ``Record.update``
-    keeps its baseline); False where they hold anything else anew, hold what they held in
-    another order or a registered object by a new step (a walk would give other indices), or
-    one cannot be replaced (the registry's counts may have grown: it is to be dropped)."""
+    took the places of what they held (a training step's new ``.grad``, see Replacement), or
+    one of them holds new objects after all it held, which a walk registers after everything
+    else (a list appended to: see _walked_last), ``registry`` made to hold them too (the
+    replaced ones at their old indices, the new ones after the last), which is then what
+    walking again gives (as ``Record.update`` keeps its baseline); the indices replaced. None
+    where they hold anything else anew, hold what they held in another order or a registered
+    object by a new step (a walk would give other indices), one cannot be replaced, or a new
+    object reads the notebook's globals (a function: the reach walks its global names too);
+    the registry's counts may have grown then, and what it did grow: it is to be dropped."""
     regrowth = _registry_growth(registry, indices)
-    if regrowth is None or regrowth.starts or not regrowth.in_walk_order:
-        return False
+    if regrowth is None or not regrowth.in_walk_order:
+        return None
+    if regrowth.starts and not _walked_last(registry, regrowth):
+        return None
     for r in regrowth.replaced:
         registry.replace(r.at, r.new, r.storages)
-    return True
+    objects = len(registry.objects)
+    registry.grow(regrowth.starts)
+    if any(OPS[kind].reads_globals for kind in registry.kinds[objects:]):
+        return None
+    return [r.at for r in regrowth.replaced]
+
+
+def _walked_last(registry: Registry, regrowth: RegistryGrowth) -> bool:
+    """Whether a walk registers the new objects after every object ``registry`` holds, as
+    ``grow`` does: one object holds them all (not a replacement), after all it held, and no
+    registered object was reached through an object after it, or as a set's item (the walk
+    reaches those last)."""
+    holders = {parent for child, parent, _ in regrowth.starts if type(child) not in VALUE_TYPES}
+    if not holders:  # atoms only: never registered
+        return True
+    if regrowth.replaced or not regrowth.new_after_old or len(holders) != 1:
+        return False
+    holder = holders.pop()
+    return all(parent <= holder and not step.startswith(SET_ITEM) for parent, step in registry.parents)
 
 
 @dataclass
@@ -153,6 +177,8 @@ class RegistryGrowth:
     registered children in another order: a walk would register every object at the same index.
     (Where one does, the paths the registry holds still lead to its objects, which is all
     ``Record.update`` needs; a reach kept for the next cell must be what a walk gives.)"""
+    new_after_old: bool = True
+    """Each moved object holds its new objects after all the registered ones it holds."""
 
 
 def _registry_growth(registry: Registry, indices: list[int]) -> RegistryGrowth | None:
@@ -187,7 +213,7 @@ def _registry_growth(registry: Registry, indices: list[int]) -> RegistryGrowth |
             return None
     holders = collections.Counter(id(child) for steps in now.values() for _, child in steps)
     starts, replaced, counted = [], [], []
-    in_walk_order = True
+    in_walk_order = new_after_old = True
     claimed: set[int] = set()  # the new objects' storages (two new views may share one)
     placed: set[int] = set()  # the new objects (ids): walked from their places, not as starts
     for i in indices:
@@ -204,14 +230,18 @@ def _registry_growth(registry: Registry, indices: list[int]) -> RegistryGrowth |
         tree = {registry.parents[j][1] for j in held.get(i, ())}
         if [step for step, _ in now[i] if step in tree] != [registry.parents[j][1] for j in held.get(i, ())]:
             in_walk_order = False  # its children in another order (a dict's key taken out and put back)
+        new = False
         for step, child in now[i]:
             found = registry.find(child)
             if found is None:
                 if id(child) not in placed:
                     starts.append((child, i, step))
-            elif step not in tree:
-                counted.append(found)  # held once more, maybe
-                in_walk_order = False  # a walk may reach it first by this step
+                    new = new or type(child) not in VALUE_TYPES
+            else:
+                new_after_old = new_after_old and not new
+                if step not in tree:
+                    counted.append(found)  # held once more, maybe
+                    in_walk_order = False  # a walk may reach it first by this step
     for j in counted:
         if j in registry.edges:
             registry.edges[j] += 1
@@ -220,7 +250,7 @@ def _registry_growth(registry: Registry, indices: list[int]) -> RegistryGrowth |
     for r in replaced:
         children = OPS[registry.kinds[r.at]].children
         starts += [(child, r.at, step) for step, child in (children(r.new) if children is not None else [])]
-    return RegistryGrowth(starts, replaced, in_walk_order)
+    return RegistryGrowth(starts, replaced, in_walk_order, new_after_old)
 
 
 def _replacement(

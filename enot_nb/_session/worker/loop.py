@@ -237,7 +237,7 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
     nothing but this cell will have changed it, see KeptSnapshot)."""
     registry, scan = None, False
     if task.mirror is not None and _session().rank == 0:
-        registry = _KEPT.registry_for(namespace, task.mirror.packed) if keep else None
+        registry = _KEPT.registry_for(namespace, task.mirror) if keep else None
         registry = registry or _mirror_registry(namespace, task.mirror)
         if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
             scan = before_long_lived_snapshot(registry.storages)
