@@ -119,7 +119,8 @@ MUTATIONS = [
     Mutation(
         "session-push-drops-in-place-changes",
         "enot_nb/_session/mirror/mirror.py",
-        "        changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden)\n",
+        "        changes, changed = collect("
+        "record.baseline, record.snapshot, record.synced, namespace, hidden, within)\n",
         "        changes, changed = Changes(), []\n",
         [
             "tests/session/test_mirror.py::test_a_plain_change_in_place_reaches_every_rank",
@@ -216,8 +217,8 @@ MUTATIONS = [
     Mutation(
         "kept-reach-walk-order-unchecked",
         "enot_nb/_session/mirror/record.py",
-        "    if regrowth is None or regrowth.starts or not regrowth.in_walk_order:\n",
-        "    if regrowth is None or regrowth.starts:\n",
+        "    if regrowth is None or not regrowth.in_walk_order:\n",
+        "    if regrowth is None:\n",
         [
             "tests/session/test_kept_walks.py::test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk_gives"
         ],
@@ -625,7 +626,7 @@ MUTATIONS = [
     Mutation(
         "plain-data-replaced-not-changed-in-place",
         "enot_nb/_state/kinds.py",
-        "        kept = [_into(a, b) for a, b in zip(old, new)]\n",
+        "        kept = [_into(a, b, depth - 1, done) for a, b in zip(old, new)]\n",
         "        kept = list(new[: len(old)])\n",
         ["tests/session/test_mirror.py::test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways"],
     ),
@@ -725,6 +726,20 @@ MUTATIONS = [
         "            snapshot.retake(\n                registry,",
         "            (lambda *a, **k: None)(\n                registry,",
         ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "one-page-area-digest-blind",
+        "enot_nb/_memory/digests.py",
+        "        return (area[1], zlib.crc32(ctypes.string_at(*area))) if mask[0] and area[1] else (0, 0)\n",
+        "        return (area[1], 0) if mask[0] and area[1] else (0, 0)\n",
+        ["tests/cells/test_kernel.py::test_trained_model_and_optimizer_come_back_in_place"],
+    ),
+    Mutation(
+        "plain-pickle-kept-across-the-cells-code",
+        "enot_nb/_worker/cell.py",
+        "    let_go()  # (a session master holds still from finding its registry to here)\n",
+        "",
+        ["tests/session/test_mirror.py::test_a_plain_log_changed_by_the_cell_that_first_reaches_it_comes_back"],
     ),
 ]
 

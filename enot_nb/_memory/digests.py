@@ -313,7 +313,10 @@ def _no_pages(area: Area) -> Any:
 
 def _digest_pages(area: Area, owner: Any, mask: Any) -> tuple[int, int]:
     """A digest of the bytes of an area's marked pages, a run of them at a time (a crc of the
-    runs, one after the other, is the crc of their bytes joined)."""
+    runs, one after the other, is the crc of their bytes joined). An area on one page (a bias,
+    a small tensor of a list of many) is read as a copy: setting up a view costs it more."""
+    if len(mask) == 1:
+        return (area[1], zlib.crc32(ctypes.string_at(*area))) if mask[0] and area[1] else (0, 0)
     if not mask.any():
         return (0, 0)
     data = _bytes_of(owner)
@@ -331,9 +334,13 @@ def _areas_changed(areas: list[Area], owners: list[Any], before: list[Any]) -> l
     changed = [True] * len(areas)
     for j, mask in zip(paged, masks or [None] * len(paged)):
         was = before[j].mask
-        changed[j] = (
-            mask is None or bool((mask & ~was).any()) or _digest_pages(areas[j], owners[j], was) != before[j].digest
-        )
+        if mask is None:
+            continue
+        elif len(mask) == 1:  # (one page: numpy's operations cost more than the page's own test)
+            written_anew = bool(mask[0]) and not was[0]
+        else:
+            written_anew = bool((mask & ~was).any())
+        changed[j] = written_anew or _digest_pages(areas[j], owners[j], was) != before[j].digest
     for j, b in enumerate(before):
         if isinstance(b, AreaDigest):
             changed[j] = (b.start, b.size) != areas[j] or b.digest != _whole_digest(areas[j], owners[j])

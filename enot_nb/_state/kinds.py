@@ -337,6 +337,13 @@ def held_still() -> Iterator[None]:
             _still = None
 
 
+def let_go() -> None:
+    """The objects may change from here (the user's code runs): what ``held_still`` learned is
+    forgotten, and its scope goes on learning afresh."""
+    if _still is not None:
+        _still.clear()
+
+
 def plain_pickle(obj: Any) -> bytes | None:
     """The pickle of a list's or dict's items if they are plain data (atoms, and exact tuples,
     lists, dicts, sets, frozensets and bytearrays of plain data; a log of 300,000

@@ -23,7 +23,7 @@ from typing import Any
 
 from enot_nb._processes.protocol import Imported
 from enot_nb._state import collect, reach
-from enot_nb._state.kinds import held_still
+from enot_nb._state.kinds import held_still, let_go
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot, SnapshotKeeper
 from enot_nb._worker import bootstrap, frontend, preload, sharded
@@ -143,6 +143,7 @@ def run_cell(
         tracker = Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large, kept)
     figures_before = _open_figures()
     modules_before = list(sys.modules)  # a copy of its keys, in order: cheap to take and compare
+    let_go()  # (a session master holds still from finding its registry to here)
     try:
         exec(compile(body, CELL_FILENAME, "exec"), namespace)  # running the user's cell is the point
         value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None

@@ -398,3 +398,17 @@ def test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways()
         assert records[-1] == {"i": "new"} and len(records) == 300_001
         records[7]["tag"] = "b"  # a plain cell's change
         assert s.run("(records[7]['tag'], records[5]['i'], len(records))") == ("b", -1, 300_001)
+
+
+def test_a_plain_log_changed_by_the_cell_that_first_reaches_it_comes_back():
+    """The master tells a large container plain once (one pickle) while it finds its registry and
+    takes its snapshot; the cell's own change to it must still be seen after (the master lets
+    go of what it learned before the cell's code runs)."""
+    log = [{"i": i} for i in range(2000)]
+    ns = {"log": log}
+    with start("fork", namespace=ns) as s:
+        s.run("log[3]['i'] = -3")
+        assert ns["log"] is log and log[3] == {"i": -3}
+        log[4]["i"] = -4  # a plain cell's change: pushed, so the master finds its registry anew
+        s.run("log[5]['i'] = -5")
+        assert log[5] == {"i": -5} and s.run("log[4]['i']") == -4

@@ -236,15 +236,16 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
     """The cell; the master's snapshot of what it reaches is kept for the next cell (``keep``:
     nothing but this cell will have changed it, see KeptSnapshot)."""
     registry, scan = None, False
-    if task.mirror is not None and _session().rank == 0:
-        registry = _KEPT.registry_for(namespace, task.mirror) if keep else None
-        registry = registry or _mirror_registry(namespace, task.mirror)
-        if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
-            scan = before_long_lived_snapshot(registry.storages)
-    kept = _KEPT if keep and registry is not None else None
-    outcome = _cell.run_cell(
-        task.code, namespace, task.options, registry, scan_large=scan, kept=kept, late_presses_ignored=True
-    )
+    with held_still():  # its registry found and its snapshot taken: a large container told plain once
+        if task.mirror is not None and _session().rank == 0:
+            registry = _KEPT.registry_for(namespace, task.mirror) if keep else None
+            registry = registry or _mirror_registry(namespace, task.mirror)
+            if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
+                scan = before_long_lived_snapshot(registry.storages)
+        kept = _KEPT if keep and registry is not None else None
+        outcome = _cell.run_cell(  # (it lets go before the cell's code runs)
+            task.code, namespace, task.options, registry, scan_large=scan, kept=kept, late_presses_ignored=True
+        )
     if kept is not None and task.mirror is not None:
         kept.found_by(task.mirror.packed, task.mirror.specs)
     if isinstance(outcome, _cell.CellOutcome):  # the master's: what lives on its GPU
