@@ -626,7 +626,7 @@ MUTATIONS = [
     Mutation(
         "plain-data-replaced-not-changed-in-place",
         "enot_nb/_state/kinds.py",
-        "        kept = [_into(a, b, depth - 1, done) for a, b in zip(old, new)]\n",
+        "        kept = [_into(a, b, depth - 1, done, made) for a, b in zip(old, new)]\n",
         "        kept = list(new[: len(old)])\n",
         ["tests/session/test_mirror.py::test_a_large_log_of_plain_records_is_one_object_changed_in_place_both_ways"],
     ),
@@ -688,8 +688,8 @@ MUTATIONS = [
     Mutation(
         "plain-alias-merged-twice",
         "enot_nb/_state/kinds.py",
-        "    if id(old) in done:\n        return old if done[id(old)] is new else new\n",
-        "    if id(old) in done and depth < 0:\n        return old if done[id(old)] is new else new\n",
+        "        return new  # already made to hold another: let go here\n",
+        "        return old  # already made to hold another: let go here\n",
         ["tests/cells/test_reach.py::test_plain_data_comes_back_in_place_sets_and_cycles_included"],
     ),
     Mutation(
@@ -723,8 +723,8 @@ MUTATIONS = [
     Mutation(
         "grown-registry-snapshot-not-taken",
         "enot_nb/_session/mirror/kept.py",
-        "            snapshot.retake(\n                registry,",
-        "            (lambda *a, **k: None)(\n                registry,",
+        "                    snapshot.retake(registry, list(new_objects), list(new_storages), scan_large=True)\n",
+        "                    pass\n",
         ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
     ),
     Mutation(
@@ -740,6 +740,49 @@ MUTATIONS = [
         "    let_go()  # (a session master holds still from finding its registry to here)\n",
         "",
         ["tests/session/test_mirror.py::test_a_plain_log_changed_by_the_cell_that_first_reaches_it_comes_back"],
+    ),
+    Mutation(
+        "kept-specs-stale-beside-a-resized-storage",
+        "enot_nb/_session/kernel/cell_reach.py",
+        "        on_written = [spec.at for spec in old.specs if written_at.intersection(spec.storages)]"
+        " if written_at else []\n",
+        "        on_written = []\n",
+        ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "grown-reach-after-a-later-round",
+        "enot_nb/_session/mirror/record.py",
+        "        if parent > holder or step.startswith(SET_ITEM) or (parent == 0 and not roots):\n",
+        "        if parent > holder or step.startswith(SET_ITEM):\n",
+        ["tests/session/test_kept_walks.py::test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives"],
+    ),
+    Mutation(
+        "plain-pickle-buffers-taken",
+        "enot_nb/_state/kinds.py",
+        "        _PlainPickler(out, protocol=5, buffer_callback=_refuse_buffer).dump(obj)\n",
+        "        _PlainPickler(out, protocol=5).dump(obj)\n",
+        ["tests/cells/test_reach.py::test_a_large_container_is_told_plain_once_while_nothing_changes_it"],
+    ),
+    Mutation(
+        "plain-memo-learns-while-the-cell-runs",
+        "enot_nb/_state/kinds.py",
+        "    global _still\n    _still = None\n",
+        "    if _still is not None:\n        _still.clear()\n",
+        ["tests/cells/test_reach.py::test_a_large_container_is_told_plain_once_while_nothing_changes_it"],
+    ),
+    Mutation(
+        "plain-shared-anew-made-two",
+        "enot_nb/_state/kinds.py",
+        "    if id(new) in made:\n        return made[id(new)]\n",
+        "",
+        ["tests/cells/test_reach.py::test_plain_data_comes_back_in_place_sets_and_cycles_included"],
+    ),
+    Mutation(
+        "kept-registry-left-half-grown",
+        "enot_nb/_session/mirror/kept.py",
+        "            except Exception:  # noqa: BLE001 - half grown: the cell finds its objects anew\n",
+        "            except LookupError:  # noqa: BLE001 - half grown: the cell finds its objects anew\n",
+        ["tests/session/test_kept_walks.py::test_a_kept_registry_that_cannot_grow_is_dropped_whatever_fails"],
     ),
 ]
 

@@ -316,6 +316,10 @@ class _PlainPickler(pickle.Pickler):
         raise _NotPlain
 
 
+def _refuse_buffer(buffer: Any) -> None:
+    raise _NotPlain  # a PickleBuffer: its own fast path, out of band (it would come back a bytearray)
+
+
 _still: dict[int, tuple[Any, bytes | None]] | None = None
 """While nothing can change the objects (``held_still``): each large container's plain pickle,
 or None where it holds more than plain data, by id (the object kept: its id stays its own)."""
@@ -339,9 +343,9 @@ def held_still() -> Iterator[None]:
 
 def let_go() -> None:
     """The objects may change from here (the user's code runs): what ``held_still`` learned is
-    forgotten, and its scope goes on learning afresh."""
-    if _still is not None:
-        _still.clear()
+    forgotten, and nothing more is learned until a scope opens again."""
+    global _still
+    _still = None
 
 
 def plain_pickle(obj: Any) -> bytes | None:
@@ -354,7 +358,7 @@ def plain_pickle(obj: Any) -> bytes | None:
         return _still[id(obj)][1]
     out = io.BytesIO()
     try:
-        _PlainPickler(out, protocol=5).dump(obj)
+        _PlainPickler(out, protocol=5, buffer_callback=_refuse_buffer).dump(obj)
         found: bytes | None = out.getvalue()
     except (_NotPlain, RecursionError):
         found = None
@@ -380,32 +384,36 @@ def _plain_travels(obj: Any) -> Any:
 def _apply_plain(obj: Any, items: list[Any], note: Note) -> None:
     """In place, to the depth it holds: a dict, list, set or bytearray item that is one in both
     keeps its identity (``last = log[-1]`` still is ``log[-1]``), its contents replaced the same way."""
-    _into(obj, dict(items) if type(obj) is dict else items, _IN_PLACE_DEPTH, {})
+    _into(obj, dict(items) if type(obj) is dict else items, _IN_PLACE_DEPTH, {}, {})
 
 
-def _into(old: Any, new: Any, depth: int, done: dict[int, Any]) -> Any:
+def _into(old: Any, new: Any, depth: int, done: dict[int, Any], made: dict[int, Any]) -> Any:
     """``old`` made to hold what ``new`` holds, in place where both are lists, dicts, sets or
     bytearrays (to ``depth`` levels); else ``new``. ``done``: what each old container was made to
     hold, by id: an alias of one stays one where the new state shares it too, and is let go where
-    it does not (``log[1] = {...}`` while ``log[0]`` held the same dict), as in a cycle."""
+    it does not (``log[1] = {...}`` while ``log[0]`` held the same dict), as in a cycle. ``made``:
+    the old container each new one went into, by id: two places the new state shares hold one
+    container (``log[1] = log[0]``)."""
+    if id(new) in made:
+        return made[id(new)]
     if type(old) is not type(new) or type(old) not in _IN_PLACE or depth <= 0:
         return new
     if id(old) in done:
-        return old if done[id(old)] is new else new
-    done[id(old)] = new
+        return new  # already made to hold another: let go here
+    done[id(old)], made[id(new)] = new, old
     if type(old) is set:
         old.clear()
         old.update(new)
     elif type(old) is bytearray:
         old[:] = new
     elif type(old) is list:
-        kept = [_into(a, b, depth - 1, done) for a, b in zip(old, new)]
+        kept = [_into(a, b, depth - 1, done, made) for a, b in zip(old, new)]
         old[:] = kept + list(new[len(kept) :])
     else:
         for key in [k for k in old if k not in new]:
             del old[key]
         for key, value in new.items():
-            old[key] = _into(old[key], value, depth - 1, done) if key in old else value
+            old[key] = _into(old[key], value, depth - 1, done, made) if key in old else value
     return old
 
 

@@ -5,13 +5,14 @@ code reads the namespace by name."""
 from __future__ import annotations
 
 import functools
+import pickle
 
 import pytest
 import torch
 from IPython.core.inputtransformer2 import TransformerManager
 
 from enot_nb._memory.digests import digest
-from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, held_still, kind_of, plain_pickle
+from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, held_still, kind_of, let_go, plain_pickle
 from enot_nb._state.reach import cell_names, reach
 from enot_nb._state.snapshot import Snapshot
 
@@ -146,6 +147,13 @@ def test_a_large_container_is_told_plain_once_while_nothing_changes_it():
         assert plain_pickle(log) is first  # not pickled again
         assert OPS[Kind.PLAIN].snapshot(log) == [digest(first)]
     assert plain_pickle(log) is not first and plain_pickle(log) == first
+    with held_still():
+        plain_pickle(log)
+        let_go()  # the cell's code runs from here: nothing it learned holds, nor is learned
+        first = plain_pickle(log)
+        log[0]["step"] = -1
+        assert plain_pickle(log) != first
+    assert kind_of([pickle.PickleBuffer(b"x")] * ATOMS_MIN) is Kind.LIST  # (it would come back a bytearray)
     log.append(torch.zeros(1))
     assert kind_of(log) is Kind.LIST  # no longer plain: walked as any list
     assert kind_of([*log[:-1], (1, 1j, range(3), slice(2), ...)]) is Kind.PLAIN  # the atoms' own types
@@ -169,6 +177,10 @@ def test_plain_data_comes_back_in_place_sets_and_cycles_included():
     again = {"x": 3}
     OPS[Kind.PLAIN].apply(log, [again, again, *range(ATOMS_MIN)], None)
     assert log[0] is shared and log[1] is shared and shared == {"x": 3}  # still one dict
+    other = {"x": 4}
+    log = [shared, other, *range(ATOMS_MIN)]
+    OPS[Kind.PLAIN].apply(log, [again, again, *range(ATOMS_MIN)], None)
+    assert log[0] is shared and log[1] is shared and other == {"x": 4}  # one dict now, as on the master
 
 
 def test_reach_follows_a_partial_and_a_wrapped_function():

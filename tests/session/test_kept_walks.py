@@ -511,6 +511,42 @@ def test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives(monkeypatch):
         s.run(graded)  # the new .grad comes before .note in a walk: walked anew
         s.run(graded)
         assert uses[-1] is False and ns["t"].grad.tolist() == [2.0, 2.0]
+        ns["buf"] = torch.zeros(4)
+        ns["head"] = ns["buf"][:2]  # a second tensor on the storage the cell resizes
+        resized = "torch\nbuf.resize_(len(buf) + 100)\nhead"
+        for _ in range(3):
+            s.run(resized)
+        assert uses[-1] is True and len(ns["buf"]) == 304 and ns["head"].untyped_storage().nbytes() == 304 * 4
+        exec("def f():\n    return len(cfg)", ns)
+        ns["cfg"], ns["items"] = [1, 2], [{"a": 0}]
+        through = "torch\nitems.append({'a': f()})"  # cfg: walked in a later round, as f's global
+        s.run(through)
+        s.run(through)
+        assert uses[-1] is False and ns["items"][-1] == {"a": 2}
+
+
+def test_a_kept_registry_that_cannot_grow_is_dropped_whatever_fails():
+    """The master's kept registry grown by specs it cannot follow (here a step no list has) is
+    dropped, not left half grown: the next cell finds its objects anew."""
+    from enot_nb._memory.writes import WRITES
+    from enot_nb._session.mirror import paths
+    from enot_nb._session.mirror.kept import KeptSnapshot
+    from enot_nb._session.tasks import ObjectSpec, RegistrySpecs
+    from enot_nb._state.registry import Registry
+
+    if not WRITES.available():  # nothing is kept where writes are not tracked
+        pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
+    ns = {"log": [torch.zeros(1)]}
+    specs = paths.specs_of(Registry.of_namespace(ns, ["log"]))
+    mirror = RegistrySpecs(specs, len(specs) + 1, 1)
+    registry = paths.registry_at(ns, specs, mirror.objects, mirror.storages, strict=True)
+    kept = KeptSnapshot()
+    kept.keep(registry, Snapshot.take(registry), [], [])
+    kept.found_by(mirror._packed(), specs)
+    assert kept.registry_for(ns, mirror) is registry
+    odd = ObjectSpec(mirror.objects, 1, "[one]", "torch.Tensor", (1,), (4,))
+    assert kept.registry_for(ns, mirror.grown([odd], mirror.objects + 1, 2)) is None
+    assert kept.registry is None and kept.snapshot is None
 
 
 TAKES: list[int] = []

@@ -202,8 +202,17 @@ CASES = [
             (S, "log[1] = {'k': 1}\nlog[2]['tags'].add(2)"),
             (P, "log[0]['k'] = 5\ntags.add(3)"),
             (S, "n = (log[0]['k'], log[1]['k'], sorted(log[2]['tags']))"),
+            (S, "log[3] = log[0]"),
         ],
-        ["log[:3]", "shared", "log[0] is shared", "log[1] is shared", "tags is log[2]['tags']", "'n' in dir() and n"],
+        [
+            "log[:4]",
+            "shared",
+            "log[0] is shared",
+            "log[1] is shared",
+            "log[3] is log[0]",
+            "tags is log[2]['tags']",
+            "'n' in dir() and n",
+        ],
     ),
     (
         "a-list-of-tensors-grown-a-tensor-per-cell-then-changed-on-both-sides",

@@ -123,7 +123,8 @@ class CellReach:
             return None
         count = len(registry.objects)
         written_at = {j for j in map(registry.find_storage, written) if j is not None and j < storages}
-        remade = {*changed, *replaced, *paths.storage_holders(registry, written_at), *range(objects, count)}
+        on_written = [spec.at for spec in old.specs if written_at.intersection(spec.storages)] if written_at else []
+        remade = {*changed, *replaced, *on_written, *range(objects, count)}  # (a storage may be resized)
         specs = {spec.at: spec for spec in paths.specs_of(registry, sorted(remade))}
         added = [specs[i] for i in range(objects, count)]
         if all(old.specs[i - 1] == spec for i, spec in specs.items() if i < objects):  # (specs[i - 1].at == i)

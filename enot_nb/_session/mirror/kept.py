@@ -76,12 +76,16 @@ class KeptSnapshot:
         if len(specs) > len(kept):
             objects, storages = len(registry.objects), len(registry.storages)
             added = mirror.specs[objects - 1 :]  # a spec for each object but the namespace, in order
-            if not paths.grown_at(registry, added, mirror.objects, mirror.storages):
+            try:
+                grown = paths.grown_at(registry, added, mirror.objects, mirror.storages)
+                if grown:
+                    new_objects, new_storages = range(objects, mirror.objects), range(storages, mirror.storages)
+                    snapshot.retake(registry, list(new_objects), list(new_storages), scan_large=True)
+            except Exception:  # noqa: BLE001 - half grown: the cell finds its objects anew
+                grown = False
+            if not grown:
                 self.drop()
                 return None
-            snapshot.retake(
-                registry, list(range(objects, mirror.objects)), list(range(storages, mirror.storages)), scan_large=True
-            )
             self.specs = specs
         return registry
 

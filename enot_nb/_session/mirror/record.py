@@ -123,15 +123,19 @@ def grown_in_place(registry: Registry, indices: list[int]) -> list[int] | None:
 def _walked_last(registry: Registry, regrowth: RegistryGrowth) -> bool:
     """Whether a walk registers the new objects after every object ``registry`` holds, as
     ``grow`` does: one object holds them all (not a replacement), after all it held, and no
-    registered object was reached through an object after it, or as a set's item (the walk
-    reaches those last)."""
+    registered object was reached through an object after it, as a set's item (the walk
+    reaches those last), or as a variable walked in a later round (a function's global)."""
     holders = {parent for child, parent, _ in regrowth.starts if type(child) not in VALUE_TYPES}
     if not holders:  # atoms only: never registered
         return True
     if regrowth.replaced or not regrowth.new_after_old or len(holders) != 1:
         return False
-    holder = holders.pop()
-    return all(parent <= holder and not step.startswith(SET_ITEM) for parent, step in registry.parents)
+    holder, roots = holders.pop(), True
+    for parent, step in registry.parents[1:]:
+        if parent > holder or step.startswith(SET_ITEM) or (parent == 0 and not roots):
+            return False  # (a variable after others' children: a later round, a function's global)
+        roots = roots and parent == 0
+    return True
 
 
 @dataclass
