@@ -784,6 +784,13 @@ MUTATIONS = [
         "            except LookupError:  # noqa: BLE001 - half grown: the cell finds its objects anew\n",
         ["tests/session/test_kept_walks.py::test_a_kept_registry_that_cannot_grow_is_dropped_whatever_fails"],
     ),
+    Mutation(
+        "press-leaves-autograd-off",
+        "enot_nb/_worker/cell.py",
+        "        if isinstance(exc, KeyboardInterrupt):\n            _grad_mode_after_press(grad_before)\n",
+        "",
+        ["tests/session/test_work_kept.py::test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was"],
+    ),
 ]
 
 

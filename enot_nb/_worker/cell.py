@@ -144,12 +144,15 @@ def run_cell(
     figures_before = _open_figures()
     modules_before = list(sys.modules)  # a copy of its keys, in order: cheap to take and compare
     let_go()  # (a session master holds still from finding its registry to here)
+    grad_before = _grad_enabled()
     try:
         exec(compile(body, CELL_FILENAME, "exec"), namespace)  # running the user's cell is the point
         value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
         if late_presses_ignored:
             ignore_late_presses()  # in the try: a press that came before it is the cell's own
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            _grad_mode_after_press(grad_before)
         if tracker is not None and (isinstance(exc, KeyboardInterrupt) or options.keep_on_error):
             _send_partial(tracker, options)
         raise
@@ -171,6 +174,23 @@ def run_cell(
     outcome = tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
     tracker.keep()
     return outcome
+
+
+def _grad_enabled() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is None or bool(torch.is_grad_enabled())
+
+
+def _grad_mode_after_press(before: bool) -> None:
+    """A press that lands inside ``torch.no_grad()``'s entry (autograd turned off, its ``with``
+    block not begun) leaves autograd off with nothing to turn it on again: every later backward
+    fails. After a press, autograd is as it was before the cell, and a line says so."""
+    torch = sys.modules.get("torch")
+    if torch is None or bool(torch.is_grad_enabled()) == before:
+        return
+    torch.set_grad_enabled(before)
+    state = "on" if before else "off"
+    print(f"enot_nb: a stop press left autograd switched; it is {state} again, as before the cell", file=sys.stderr)
 
 
 def ignore_late_presses() -> None:

@@ -125,6 +125,46 @@ def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, star
         assert _notebook_matches_master(s, ns)
 
 
+def test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was(tmp_path, capfd):
+    """A press that lands inside a context manager's entry after it turned autograd off (as it
+    can inside ``torch.no_grad()``'s own ``__enter__``) leaves no ``with`` block to turn it on
+    again: every later backward would fail. After the press, autograd is as before the cell,
+    one line says so, and the same ``ddp`` and ``opt`` train on."""
+    ns: dict = {}
+    fifo = tmp_path / "entered"
+    os.mkfifo(fifo)
+
+    def press_once_entered() -> None:
+        with open(fifo) as said:
+            said.read(1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with start("fork", namespace=ns) as s:
+        s.run(BN_MODEL + EPOCH)
+        press = threading.Thread(target=press_once_entered)
+        press.start()
+        with pytest.raises(KeyboardInterrupt):
+            s.run(
+                "import signal\n"
+                "class Entering:\n"
+                "    def __enter__(self):\n"
+                "        torch.set_grad_enabled(False)\n"
+                "        if dist.get_rank() == 0:\n"
+                f"            open({str(fifo)!r}, 'w').write('x')\n"
+                "        while True:\n"
+                "            signal.pause()  # the press lands here: the with block has not begun\n"
+                "    def __exit__(self, *exc):\n"
+                "        torch.set_grad_enabled(True)\n"
+                "with Entering():\n"
+                "    pass\n"
+            )
+        press.join()
+        assert "autograd" in capfd.readouterr().err
+        assert s.run("torch.is_grad_enabled()") is True
+        s.run("train_epoch(ddp, opt, 3)")
+        assert s.run(REPLICAS_EQUAL) is True
+
+
 def test_a_rank_that_dies_while_idle_shows_as_dead_in_the_table():
     with start("fork", namespace={}) as s:
         s.run("x = 1")
