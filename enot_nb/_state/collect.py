@@ -235,12 +235,11 @@ class StatePickler(ResultPickler):
         if j is not None:
             return ("s", j)
         if type(obj) in (list, dict) and len(obj) >= ATOMS_MIN:
-            # Plain data, by value in one C pickle: this pickler would call back for each item.
-            kind = kind_of(obj)
-            if kind is Kind.PLAIN:
-                return ("v", plain_pickle(obj))  # (found plain: its pickle, kept while held_still)
-            if kind is Kind.ATOMS:
-                return ("v", pickle.dumps(obj, protocol=5))
+            # Plain data (kinds ATOMS and PLAIN), by value in one C pickle: this pickler would
+            # call back for each item.
+            pickled = plain_pickle(obj)
+            if pickled is not None:
+                return ("v", pickled)
         return None
 
 

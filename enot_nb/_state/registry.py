@@ -207,19 +207,26 @@ class Registry:
             registry._add(obj, kind, -1, "")
         return registry
 
+    def held_by_step(self, i: int, seen: dict[int, dict[str, list[Any]]]) -> dict[str, list[Any]]:
+        """What object ``i`` holds, by step (a set's items may share one): its kind's
+        ``children``, listed once per ``seen``; what they raise is raised (an object that
+        resists inspection), and ``seen`` then holds what was listed before."""
+        steps = seen.get(i)
+        if steps is None:
+            steps = seen[i] = {}
+            walk = OPS[self.kinds[i]].children
+            for step, child in walk(self.objects[i]) if walk is not None else ():
+                steps.setdefault(step, []).append(child)
+        return steps
+
     def _held_instead(self, copy: Any, path: tuple[int, str], children: dict[int, dict[str, list[Any]]]) -> Any:
         parent, step = path
         if parent <= 0 or type(copy) in VALUE_TYPES:
             return copy
-        steps = children.get(parent)
-        if steps is None:
-            steps = children[parent] = {}
-            walk = OPS[self.kinds[parent]].children
-            try:
-                for at, child in walk(self.objects[parent]) if walk is not None else ():
-                    steps.setdefault(at, []).append(child)
-            except Exception:  # noqa: BLE001 - an object that resists inspection: keep the copy
-                return copy
+        try:
+            steps = self.held_by_step(parent, children)
+        except Exception:  # noqa: BLE001 - an object that resists inspection: keep the copy
+            return copy
         held = steps.get(step, [])
         if len(held) != 1 or held[0] is copy or self.find(held[0]) is not None:
             return copy

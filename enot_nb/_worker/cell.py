@@ -303,50 +303,51 @@ class Tracker:
         shell: Any,
         body: ast.Module | None = None,
     ) -> CellOutcome:
-        with held_still():  # the cell has run: its changes looked for, and pickled
-            namespace, hidden = self.namespace, self.hidden
-            changes, changed = collect.collect(self.registry, self.snapshot, self.names_before, namespace, hidden)
-            left = (
-                sharded.left_sharded(self.registry, self.namespace, changed, changes)
-                if not options.gather_sharded and sharded.may_be_sharded()
-                else {}
+        with held_still():  # the cell has run: each large container pickled once to compare it
+            changes, changed = collect.collect(
+                self.registry, self.snapshot, self.names_before, self.namespace, self.hidden
             )
-            # Kept for the next cell unless the cell let go of a registered object: kept, it would
-            # hold it (its memory) until the next task, and the next cell's objects differ anyway.
-            gone = [n for n in (*changes.bound, *changes.deleted) if self.registry.find(self.names_before.get(n))]
-            self.changed = None if gone else (changed, [new.storage for new in changes.storages])
-            outcome = CellOutcome(has_value=has_value, not_returned=left)
-            outcome.changed_names = sorted(
-                set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
-            )
-            if options.names_only:  # a session's --no-return cell: the names of what changed, no state
-                outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})
-                outcome.value_bundle = _bundle(value, shell) if has_value else None
-                return outcome
-            if options.returns is not None:
-                outcome.left_out = sorted({*changes.bound, *changes.deleted} - set(options.returns))
-                written = set(outcome.changed_names) | set(changes.deleted) | names_written(body, last)
-                outcome.unbound_returns = [n for n in options.returns if n not in written]
-                changes.bound = {n: v for n, v in changes.bound.items() if n in options.returns}
-                changes.deleted = [n for n in changes.deleted if n in options.returns]
-                outcome.changed_names = [n for n in outcome.changed_names if n in options.returns]
-            tensor = sys.modules["torch"].Tensor
-            outcome.detached = sorted(
-                n for n, v in changes.bound.items() if isinstance(v, tensor) and v.grad_fn is not None
-            )
-            name = last.body.id if has_value and last is not None and isinstance(last.body, ast.Name) else None
-            if (
-                name is not None
-                and self.namespace.get(name) is value
-                and (name in changes.bound or self.names_before.get(name, collect._MISSING) is value)
-            ):
-                outcome.value_name = name  # the notebook will hold it under that name: show that object
-                outcome.value_bundle = _bundle(value, shell)  # in case it cannot come back
-            elif has_value:
-                changes.value, changes.has_value = value, True
-                outcome.value_bundle = _bundle(value, shell)
-            outcome.state, outcome.moved_to_cpu = collect.dump(changes, self.registry, outcome.not_returned)
+        left = (
+            sharded.left_sharded(self.registry, self.namespace, changed, changes)
+            if not options.gather_sharded and sharded.may_be_sharded()
+            else {}
+        )
+        # Kept for the next cell unless the cell let go of a registered object: kept, it would
+        # hold it (its memory) until the next task, and the next cell's objects differ anyway.
+        gone = [n for n in (*changes.bound, *changes.deleted) if self.registry.find(self.names_before.get(n))]
+        self.changed = None if gone else (changed, [new.storage for new in changes.storages])
+        outcome = CellOutcome(has_value=has_value, not_returned=left)
+        outcome.changed_names = sorted(
+            set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
+        )
+        if options.names_only:  # a session's --no-return cell: the names of what changed, no state
+            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})
+            outcome.value_bundle = _bundle(value, shell) if has_value else None
             return outcome
+        if options.returns is not None:
+            outcome.left_out = sorted({*changes.bound, *changes.deleted} - set(options.returns))
+            written = set(outcome.changed_names) | set(changes.deleted) | names_written(body, last)
+            outcome.unbound_returns = [n for n in options.returns if n not in written]
+            changes.bound = {n: v for n, v in changes.bound.items() if n in options.returns}
+            changes.deleted = [n for n in changes.deleted if n in options.returns]
+            outcome.changed_names = [n for n in outcome.changed_names if n in options.returns]
+        tensor = sys.modules["torch"].Tensor
+        outcome.detached = sorted(
+            n for n, v in changes.bound.items() if isinstance(v, tensor) and v.grad_fn is not None
+        )
+        name = last.body.id if has_value and last is not None and isinstance(last.body, ast.Name) else None
+        if (
+            name is not None
+            and self.namespace.get(name) is value
+            and (name in changes.bound or self.names_before.get(name, collect._MISSING) is value)
+        ):
+            outcome.value_name = name  # the notebook will hold it under that name: show that object
+            outcome.value_bundle = _bundle(value, shell)  # in case it cannot come back
+        elif has_value:
+            changes.value, changes.has_value = value, True
+            outcome.value_bundle = _bundle(value, shell)
+        outcome.state, outcome.moved_to_cpu = collect.dump(changes, self.registry, outcome.not_returned)
+        return outcome
 
     def keep(self) -> None:
         """The cell ended well: its snapshot is kept for the next (see SnapshotKeeper)."""

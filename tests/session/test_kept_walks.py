@@ -32,6 +32,32 @@ def _record_is_a_fresh_walk(mirror, namespace, where) -> None:
     assert snapshot.changed_storages(record) == [], where
 
 
+def _walks_checked(monkeypatch) -> list[bool]:
+    """Every session cell's reach, kept or walked, checked against a fresh walk (the oracle):
+    the same names, objects, paths, storages and specs. Returns, for each cell, whether it used
+    the last cell's kept reach."""
+    from enot_nb._session.kernel.flow import NamespaceFlow
+    from enot_nb._session.mirror import paths
+    from enot_nb._state import reach
+
+    prepare, uses = NamespaceFlow.cell, []
+
+    def checked_cell(self, code, run):
+        kept = self.kept
+        prepared = prepare(self, code, run)
+        uses.append(kept is not None and prepared.task.mirror is kept.mirror)
+        fresh = reach.reach(self.namespace, code, self._hidden())
+        assert prepared.reached == fresh.names, code
+        assert [id(o) for o in prepared.registry.objects] == [id(o) for o in fresh.registry.objects], code
+        assert prepared.registry.parents == fresh.registry.parents, code
+        assert [id(s) for s in prepared.registry.storages] == [id(s) for s in fresh.registry.storages], code
+        assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
+        return prepared
+
+    monkeypatch.setattr(NamespaceFlow, "cell", checked_cell)
+    return uses
+
+
 def test_the_objects_a_cell_changed_found_again_are_what_a_fresh_find_gives():
     """A session master keeps its registry across a training cell by finding again only what the
     cell changed (paths.found_again): it must be exactly what finding every spec anew gives, or
@@ -183,23 +209,7 @@ def test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk
     still lead to them, but a walk registers them at other indices or by other steps. The next
     cell must use a reach that is what a walk gives (here: walked anew), and its changes must
     land on the objects they were made on."""
-    from enot_nb._session.kernel.flow import NamespaceFlow
-    from enot_nb._session.mirror import paths
-    from enot_nb._state import reach
-
-    prepare, uses = NamespaceFlow.cell, []
-
-    def checked_cell(self, code, run):
-        kept = self.kept
-        prepared = prepare(self, code, run)
-        uses.append(kept is not None and prepared.task.mirror is kept.mirror)
-        fresh = reach.reach(self.namespace, code, self._hidden())
-        assert [id(o) for o in prepared.registry.objects] == [id(o) for o in fresh.registry.objects], code
-        assert prepared.registry.parents == fresh.registry.parents, code
-        assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
-        return prepared
-
-    monkeypatch.setattr(NamespaceFlow, "cell", checked_cell)
+    uses = _walks_checked(monkeypatch)
     ns = {"__name__": "__main__", "torch": torch}
     with start("fork", namespace=ns) as s:
         s.run("d = {'k': torch.ones(2), 'j': [torch.ones(1)], 'z': {'deep': torch.ones(3)}}")
@@ -332,28 +342,14 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
     cell with the same names: each must be what walking (finding) anew would give, whatever a
     plain cell changed in between, or a change is missed or lands on another object."""
     from enot_nb._memory.writes import WRITES
-    from enot_nb._session.kernel.flow import NamespaceFlow
     from enot_nb._session.mirror import paths
     from enot_nb._session.mirror.kept import KeptSnapshot
-    from enot_nb._state import reach
 
     if not WRITES.available():  # the master keeps a registry only where writes are tracked
         pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
 
-    uses: list[bool] = []
-    prepare, find = NamespaceFlow.cell, KeptSnapshot.registry_for
-
-    def checked_cell(self, code, run):
-        kept = self.kept
-        prepared = prepare(self, code, run)
-        uses.append(kept is not None and prepared.task.mirror is kept.mirror)
-        fresh = reach.reach(self.namespace, code, self._hidden())
-        assert prepared.reached == fresh.names, code
-        assert [id(o) for o in prepared.registry.objects] == [id(o) for o in fresh.registry.objects], code
-        assert prepared.registry.parents == fresh.registry.parents, code
-        assert [id(s) for s in prepared.registry.storages] == [id(s) for s in fresh.registry.storages], code
-        assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
-        return prepared
+    uses = _walks_checked(monkeypatch)
+    find = KeptSnapshot.registry_for
 
     def checked_find(self, namespace, mirror):  # in the master (forked from here)
         found = find(self, namespace, mirror)
@@ -364,7 +360,6 @@ def test_a_reach_kept_from_the_last_cell_is_what_a_fresh_walk_gives(monkeypatch)
             assert [id(s) for s in found.storages] == [id(s) for s in again.storages]
         return found
 
-    monkeypatch.setattr(NamespaceFlow, "cell", checked_cell)
     monkeypatch.setattr(KeptSnapshot, "registry_for", checked_find)
     cell = (
         "try:\n    extra = len(helper)\nexcept NameError:\n    extra = -1\n"
@@ -446,26 +441,13 @@ def test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives(monkeypatch):
     registers them after all else: each must be what walking (finding) anew gives, and a new
     object's later change must come back, and a plain cell's reach the ranks."""
     from enot_nb._memory.writes import WRITES
-    from enot_nb._session.kernel.flow import NamespaceFlow
     from enot_nb._session.mirror import paths
     from enot_nb._session.mirror.kept import KeptSnapshot
-    from enot_nb._state import reach
 
     if not WRITES.available():  # the master keeps a registry only where writes are tracked
         pytest.skip("this kernel or sandbox refuses userfaultfd's asynchronous write protection")
-    uses: list[bool] = []
-    prepare, find = NamespaceFlow.cell, KeptSnapshot.registry_for
-
-    def checked_cell(self, code, run):
-        kept = self.kept
-        prepared = prepare(self, code, run)
-        uses.append(kept is not None and prepared.registry is kept.found.registry)
-        fresh = reach.reach(self.namespace, code, self._hidden())
-        assert [id(o) for o in prepared.registry.objects] == [id(o) for o in fresh.registry.objects], code
-        assert prepared.registry.parents == fresh.registry.parents, code
-        assert [id(s) for s in prepared.registry.storages] == [id(s) for s in fresh.registry.storages], code
-        assert prepared.task.mirror.specs == paths.specs_of(fresh.registry), code
-        return prepared
+    uses = _walks_checked(monkeypatch)
+    find = KeptSnapshot.registry_for
 
     def checked_find(self, namespace, mirror):  # in the master (forked from here)
         parts = len(self.specs or ())
@@ -478,7 +460,6 @@ def test_a_reach_grown_by_new_objects_is_what_a_fresh_walk_gives(monkeypatch):
             assert self.take(found, scan_large=False).changed_objects(found) == []
         return found
 
-    monkeypatch.setattr(NamespaceFlow, "cell", checked_cell)
     monkeypatch.setattr(KeptSnapshot, "registry_for", checked_find)
     ns = {"__name__": "__main__", "torch": torch, "log": [torch.zeros(2)], "zz": {"w": torch.ones(1)}}
     grown = f"len(__import__('sys').modules[{__name__!r}].GROWN)"

@@ -90,6 +90,13 @@ def test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training(start_me
         assert _notebook_matches_master(s, ns)
 
 
+def _press_when_said(fifo) -> None:
+    """The stop button, pressed once the master writes to ``fifo`` (from where the ranks are)."""
+    with open(fifo) as said:
+        said.read(1)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, start_method, capfd):
     """The stop button pressed while the ranks train (the master says so through a FIFO): the
     next cell trains on with the same ``ddp`` and ``opt``, the replicas equal."""
@@ -97,14 +104,9 @@ def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, star
     fifo = tmp_path / "training"
     os.mkfifo(fifo)
 
-    def press_once_training() -> None:
-        with open(fifo) as said:
-            said.read(1)
-        os.kill(os.getpid(), signal.SIGINT)
-
     with start(start_method, namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
-        press = threading.Thread(target=press_once_training)
+        press = threading.Thread(target=_press_when_said, args=(fifo,))
         press.start()
         with pytest.raises(KeyboardInterrupt):
             s.run(
@@ -134,14 +136,9 @@ def test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was(tmp_path, capf
     fifo = tmp_path / "entered"
     os.mkfifo(fifo)
 
-    def press_once_entered() -> None:
-        with open(fifo) as said:
-            said.read(1)
-        os.kill(os.getpid(), signal.SIGINT)
-
     with start("fork", namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
-        press = threading.Thread(target=press_once_entered)
+        press = threading.Thread(target=_press_when_said, args=(fifo,))
         press.start()
         with pytest.raises(KeyboardInterrupt):
             s.run(
@@ -263,18 +260,13 @@ def test_twenty_stop_presses_at_random_moments_of_training_leave_the_same_ddp_tr
     rng = random.Random(20261205)
     ns: dict = {}
 
-    def press_once(fifo) -> None:
-        with open(fifo) as said:
-            said.read(1)
-        os.kill(os.getpid(), signal.SIGINT)
-
     with start("fork", namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
         for press in range(20):
             fifo = tmp_path / f"training-{press}"
             os.mkfifo(fifo)
             after = rng.randint(0, 12)
-            presser = threading.Thread(target=press_once, args=(fifo,))
+            presser = threading.Thread(target=_press_when_said, args=(fifo,))
             presser.start()
             with pytest.raises(KeyboardInterrupt):
                 s.run(

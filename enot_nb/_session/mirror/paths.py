@@ -286,15 +286,10 @@ def _child(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
             raise fail("nothing there on this rank")
         obj = parent[at]
     else:
-        steps = children.get(spec.parent)
-        if steps is None:
-            steps = children[spec.parent] = {}
-            walk = OPS[registry.kinds[spec.parent]].children
-            try:
-                for step, child in walk(parent) if walk is not None else ():
-                    steps.setdefault(step, []).append(child)
-            except Exception as err:  # noqa: BLE001 - an object that resists inspection
-                raise fail(f"its holder cannot be inspected here ({err})") from err
+        try:
+            steps = registry.held_by_step(spec.parent, children)
+        except Exception as err:  # noqa: BLE001 - an object that resists inspection
+            raise fail(f"its holder cannot be inspected here ({err})") from err
         found = steps.get(spec.step, [])
         if not found:
             raise fail("nothing there on this rank")
