@@ -91,9 +91,12 @@ def test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training(start_me
 
 
 def _press_when_said(fifo) -> None:
-    """The stop button, pressed once the master writes to ``fifo`` (from where the ranks are)."""
+    """The stop button, pressed once the master writes to ``fifo`` (from where the ranks are).
+    Run as a daemon thread: where the cell fails before it writes, the thread waits on, and
+    must not keep the test process from exiting."""
     with open(fifo) as said:
-        said.read(1)
+        if not said.read(1):
+            return
     os.kill(os.getpid(), signal.SIGINT)
 
 
@@ -106,7 +109,7 @@ def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, star
 
     with start(start_method, namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
-        press = threading.Thread(target=_press_when_said, args=(fifo,))
+        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
         press.start()
         with pytest.raises(KeyboardInterrupt):
             s.run(
@@ -138,7 +141,7 @@ def test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was(tmp_path, capf
 
     with start("fork", namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
-        press = threading.Thread(target=_press_when_said, args=(fifo,))
+        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
         press.start()
         with pytest.raises(KeyboardInterrupt):
             s.run(
@@ -266,7 +269,7 @@ def test_twenty_stop_presses_at_random_moments_of_training_leave_the_same_ddp_tr
             fifo = tmp_path / f"training-{press}"
             os.mkfifo(fifo)
             after = rng.randint(0, 12)
-            presser = threading.Thread(target=_press_when_said, args=(fifo,))
+            presser = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
             presser.start()
             with pytest.raises(KeyboardInterrupt):
                 s.run(
