@@ -3,10 +3,10 @@
 Public surface:
 
 * ``%load_ext enot_nb`` then ``%%enot_distributed -n 4``: run a cell on 4 processes.
-* :func:`notebook_launcher`: run a function on N supervised worker processes.
-* ``%enot_session start -n 2`` / :class:`Session`: workers that live across cells;
-  :func:`session` returns the live one.
-* :mod:`enot_nb.distributed`: the functional API, also usable under torchrun.
+* [notebook_launcher][enot_nb.notebook_launcher]: run a function on N supervised worker processes.
+* ``%enot_session start -n 2`` / [Session][enot_nb.Session]: workers that live across cells;
+  [session][enot_nb.session] returns the live one.
+* [enot_nb.distributed][]: the functional API, also usable under torchrun.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """The functional API for distributed training (the ENOT ``enot.distributed`` reference).
 
 The same code runs unchanged in a single process, in a worker started by
-:func:`enot_nb.notebook_launcher` or ``%%enot_distributed``, and under ``torchrun`` on one node or
+[enot_nb.notebook_launcher][] or ``%%enot_distributed``, and under ``torchrun`` on one node or
 several: everything is driven by torchrun's environment variables (``WORLD_SIZE``, ``RANK``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
-Example::
-
+Example:
+    ```python
     from enot_nb.distributed import init_torch, is_master, sync_model
     init_torch(seed=0, backend="gloo")   # no-op group set-up when WORLD_SIZE is unset or 1
     model = make_model()
     sync_model(model)                    # identical weights on every rank
     if is_master():
         print("hello once")
+    ```
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def init_process_group(
 ) -> None:
     """Create the default process group when ``WORLD_SIZE > 1``; otherwise do nothing.
 
+    The arguments are those of torch's
+    [torch.distributed.init_process_group](https://docs.pytorch.org/docs/stable/distributed.html#torch.distributed.init_process_group).
+
     Args:
-        backend: ``backend`` of :func:`torch.distributed.init_process_group` ("nccl" or "gloo").
-        init_method: ``init_method`` of :func:`torch.distributed.init_process_group`.
-        timeout: ``timeout`` of :func:`torch.distributed.init_process_group`.
+        backend: ``backend`` of torch's ``init_process_group`` ("nccl" or "gloo").
+        init_method: ``init_method`` of torch's ``init_process_group``.
+        timeout: ``timeout`` of torch's ``init_process_group``.
 
     With ``nccl`` the current CUDA device is set to ``LOCAL_RANK`` and CUDA is initialized.
     Calling it again once the group exists is a no-op.
@@ -120,16 +124,18 @@ def init_torch(
     init_method: str = "env://",
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> None:
-    """Seed, set the cuDNN/cuBLAS flags, and create the process group (see :func:`init_process_group`).
+    """Seed, set the cuDNN/cuBLAS flags, and create the process group.
+
+    The group is made by [init_process_group][enot_nb.distributed.init_process_group].
 
     Args:
         seed: seeds Python's ``random``, NumPy and torch (every device); None leaves them alone.
         cuda_optimize_for_speed: cuDNN benchmark mode and TF32 matmuls (not reproducible).
         cuda_reproducible: deterministic cuDNN, deterministic algorithms and the cuBLAS
             workspace setting they need (may be slower).
-        backend: passed to :func:`init_process_group`.
-        init_method: passed to :func:`init_process_group`.
-        timeout: passed to :func:`init_process_group`.
+        backend: passed to ``init_process_group``.
+        init_method: passed to ``init_process_group``.
+        timeout: passed to ``init_process_group``.
 
     Raises:
         RuntimeError: both CUDA flags are set (checked before anything is touched).
@@ -172,10 +178,11 @@ def is_dist() -> bool:
     Returns:
         False in a single process, or before the process group exists.
 
-    Example::
-
+    Example:
+        ```python
         if is_dist():
             torch.distributed.barrier()
+        ```
     """
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -186,9 +193,10 @@ def get_world_size() -> int:
     Returns:
         The process group's size; before it exists, ``WORLD_SIZE`` (1 in a single process).
 
-    Example::
-
+    Example:
+        ```python
         batch_per_rank = global_batch // get_world_size()
+        ```
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -201,9 +209,10 @@ def get_rank() -> int:
     Returns:
         Its rank in the process group; before it exists, ``RANK`` (0 in a single process).
 
-    Example::
-
+    Example:
+        ```python
         sampler = DistributedSampler(data, num_replicas=get_world_size(), rank=get_rank())
+        ```
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
@@ -216,9 +225,10 @@ def get_local_rank() -> int:
     Returns:
         ``LOCAL_RANK`` (0 in a single process): the GPU this process uses.
 
-    Example::
-
+    Example:
+        ```python
         device = torch.device("cuda", get_local_rank())
+        ```
     """
     return read_layout().local_rank
 
@@ -229,10 +239,11 @@ def is_master() -> bool:
     Returns:
         True on global rank 0 (and in a single process).
 
-    Example::
-
+    Example:
+        ```python
         if is_master():
             torch.save(model.state_dict(), "model.pt")
+        ```
     """
     return get_rank() == 0
 
@@ -243,10 +254,11 @@ def is_local_master() -> bool:
     Returns:
         True on local rank 0 of every node (so on one process per node, unlike is_master).
 
-    Example::
-
+    Example:
+        ```python
         if is_local_master():
             download_dataset_to_local_disk()
+        ```
     """
     return get_local_rank() == 0
 
@@ -260,11 +272,12 @@ def master_only(fn: F) -> F:
     Returns:
         A wrapper that calls ``fn`` on the master and returns None elsewhere.
 
-    Example::
-
+    Example:
+        ```python
         @master_only
         def log(msg):
             print(msg)
+        ```
     """
 
     @functools.wraps(fn)
@@ -286,10 +299,11 @@ def master_first() -> Iterator[None]:
         DistributedRuntimeException: on the other ranks, where the master's block raised (they
             do not wait forever).
 
-    Example::
-
+    Example:
+        ```python
         with master_first():
             data = torchvision.datasets.MNIST(root, download=True)
+        ```
     """
     if not is_dist():
         yield

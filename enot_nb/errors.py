@@ -1,6 +1,6 @@
 """The exception hierarchy of enot_nb.
 
-Every error the package raises derives from :class:`EnotNbError`; each leaf also derives from
+Every error the package raises derives from [EnotNbError][enot_nb.errors.EnotNbError]; each leaf also derives from
 the builtin it refines, so ``except RuntimeError`` keeps working for users who do not know us.
 """
 

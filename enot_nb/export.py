@@ -1,6 +1,6 @@
 """Scale out: export a distributed cell as a torchrun script, and load what it produced.
 
-``%%enot_distributed --export PATH`` (or :func:`export_cell`) writes, without running anything:
+``%%enot_distributed --export PATH`` (or [export_cell][enot_nb.export_cell]) writes, without running anything:
 
 * ``PATH``: a small script that runs the cell exactly as the magic would (``init_torch`` with
   the same options, ``sync_model`` on the models it uses, the cell's code) on every process
@@ -8,7 +8,7 @@
 * ``<PATH stem>.namespace.pkl`` beside it: the notebook variables the cell uses (cloudpickle).
 
 The master (global rank 0) saves what the magic would have brought back into
-``<PATH stem>.results.pkl``; :func:`load_results` reads it back into a notebook.
+``<PATH stem>.results.pkl``; [load_results][enot_nb.load_results] reads it back into a notebook.
 """
 
 from __future__ import annotations
@@ -140,10 +140,11 @@ def export_cell(
         SyntaxError: the code does not parse.
         ValueError: ``path`` is a link planted where the script goes.
 
-    Example::
-
+    Example:
+        ```python
         exported = enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)
         print(exported.command)
+        ```
     """
     from enot_nb._launch.options import LaunchOptions
     from enot_nb._state import reach
@@ -250,11 +251,12 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
         PermissionError: the results file is another user's, anyone may write it, or it is a
             link: unpickling runs code, so it is refused before any byte is read.
 
-    Example::
-
+    Example:
+        ```python
         enot_nb.export_cell("model = train(model)", "run/train.py", globals(), nprocs=8)
         # torchrun --nproc-per-node 8 run/train.py, then:
         model = enot_nb.load_results("run/train.py")["model"]
+        ```
     """
     results = _beside(Path(path).resolve(), "results.pkl")
     if not results.exists():

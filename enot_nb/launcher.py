@@ -71,7 +71,7 @@ def notebook_launcher(
 
     Each worker gets torchrun's variables (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), its share of the CPU
-    threads, then runs :func:`enot_nb.distributed.init_torch` with the given options, then ``fn``.
+    threads, then runs [enot_nb.distributed.init_torch][] with the given options, then ``fn``.
 
     Args:
         fn: the function to run; under spawn it is shipped with cloudpickle, so functions and
@@ -103,13 +103,14 @@ def notebook_launcher(
         ValueError: a bad argument, before any process starts.
         LaunchError: a launch from inside a worker, or while another launch runs.
 
-    Example::
-
+    Example:
+        ```python
         def train(lr):
             ...
             return model.state_dict()
 
         state = notebook_launcher(train, args=(0.1,), nprocs=2, backend="gloo")
+        ```
     """
     if not callable(fn):
         raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")

@@ -2,12 +2,13 @@
 and hand off, as ipyparallel's do: a one-off cell to cells.run_distributed_cell, a session cell
 and the session's commands to sessions.py.
 
-Example::
-
+Example:
+    ```python
     %load_ext enot_nb
 
     %%enot_distributed -n 2 --backend gloo --seed 0
     model = train(model)          # runs on 2 processes; `model` is updated in the notebook
+    ```
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ class EnotMagics(Magics):
     )
     @line_magic
     def enot_session(self, line: str) -> Any:
-        """Workers that live across cells: ``%enot_session start -n 2``, ``%enot_session``
-        (their table), ``%enot_session restart``, ``%enot_session stop``."""
+        """Workers that live across cells: %enot_session start -n 2, %enot_session (their
+        table), %enot_session restart, %enot_session stop."""
         args = parse_argstring(EnotMagics.enot_session, line)
         given = given_options(EnotMagics.enot_session, line)
         try:
@@ -174,10 +175,10 @@ class EnotMagics(Magics):
 
     @line_magic
     def enot_pull(self, line: str) -> None:
-        """``%enot_pull NAME[,NAME] [--overwrite | --keep-notebook]``: bind the session master's
+        """%enot_pull NAME[,NAME] [--overwrite | --keep-notebook]: bind the session master's
         values in the notebook. Where a plain cell changed a stale name (the master changed it
-        too, and it did not come back), say which side wins: ``--overwrite`` takes rank 0's
-        value, ``--keep-notebook`` sends the notebook's to every rank."""
+        too, and it did not come back), say which side wins: --overwrite takes rank 0's value,
+        --keep-notebook sends the notebook's to every rank."""
         live = sessions.session()
         if live is None:
             raise UsageError("%enot_pull: no session is running; start one with `%enot_session start -n N`")

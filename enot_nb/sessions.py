@@ -3,8 +3,8 @@ of cells.py, which runs one-off cells). ``Session`` and ``session()`` are the pu
 session itself lives in _session/ (the kernel side: _session/kernel/session.py); what the magics
 ask of a session after parsing is here.
 
-Example::
-
+Example:
+    ```python
     %load_ext enot_nb
     %enot_session start -n 2 --backend gloo
 
@@ -13,6 +13,7 @@ Example::
     train(ddp, steps=50)              # `model` is updated in the notebook, in place
 
     %enot_session stop
+    ```
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ def last_notes() -> list[str]:
     Returns:
         Each note's text (a note shown by an earlier cell is not printed again, but is listed).
 
-    Example::
-
+    Example:
+        ```python
         enot_nb.last_notes()  # ["'ddp' was not brought back: DistributedDataParallel cannot be pickled ..."]
+        ```
     """
     return list(NOTES.last)

@@ -1,4 +1,4 @@
-"""The kernel's side of the workers' front end (see :mod:`enot_nb._worker.frontend`): what the shown
+"""The kernel's side of the workers' front end (see ``enot_nb._worker.frontend``): what the shown
 ranks display, clear and open as widgets is published by this kernel, under the cell it runs.
 
 A widget that comes back with a cell's state is adopted by the kernel's comm manager through

@@ -1,6 +1,6 @@
 """How messages travel: length-prefixed pickles over pipes and sockets, descriptors in batches.
 
-What the messages are is :mod:`enot_nb._processes.protocol`; this module only moves them. Only
+What the messages are is ``enot_nb._processes.protocol``; this module only moves them. Only
 processes that inherited the descriptors can write to them, so everything unpickled here comes
 from the launcher's own workers or fork server, never from a network socket.
 """

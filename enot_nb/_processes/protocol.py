@@ -1,7 +1,7 @@
 """What the launcher, its workers and its fork server say to each other: one record per message.
 
 How the records travel (framed pickles, descriptors in batches) is
-:mod:`enot_nb._processes.framing`. Each message is a NamedTuple, read with ``match`` on its
+``enot_nb._processes.framing``. Each message is a NamedTuple, read with ``match`` on its
 class: a kind and its fields cannot disagree, and a reader that forgets a kind fails the type
 check (``assert_never``), not a notebook.
 

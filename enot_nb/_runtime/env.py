@@ -1,6 +1,6 @@
 """The process layout (rank, local rank, world size) read from torchrun's environment variables.
 
-Kept apart from :mod:`enot_nb.distributed` so that the launcher can validate the same variables
+Kept apart from [enot_nb.distributed][] so that the launcher can validate the same variables
 without importing torch.distributed.
 """
 

@@ -74,10 +74,11 @@ def sync_model(
         DistributedRuntimeException: the model differs between ranks (names the first tensor
             that differs); raised on every rank.
 
-    Example::
-
+    Example:
+        ```python
         model = Net()
         sync_model(model, reduce_parameters=False)  # every rank starts from rank 0's weights
+        ```
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return

@@ -4,13 +4,13 @@ A worker started from a kernel must look like that kernel to display libraries (
 matplotlib, tqdm.auto, ipywidgets), yet never touch the kernel's ZMQ sockets: they are not
 fork-safe, and under fork a worker inherits the kernel's shell, publisher, comm functions and
 output streams, all of which write to them. Under spawn it inherits nothing, and tqdm.auto would
-fall back to a text bar. :func:`install` gives a worker the same front end under both:
+fall back to a text bar. ``install`` gives a worker the same front end under both:
 
 - an IPython shell (the inherited one, or under spawn a new one of the kernel's class) whose
   display publisher sends DISPLAY messages;
 - comms (``comm.create_comm``'s, and under fork the kernel's own, e.g. a widget displayed before
   the cell) whose messages (comm_open/msg/close) travel as COMM messages; the kernel publishes
-  them on iopub under the cell (see :mod:`enot_nb._launch.relay`);
+  them on iopub under the cell (see ``enot_nb._launch.relay``);
 - ``shell.kernel`` replaced by a stand-in that knows only the message the kernel is answering
   (ipywidgets' Output widget reads it to capture output);
 - ``input()`` and ``getpass()`` refused with a clear error (ipykernel's would ask the front end

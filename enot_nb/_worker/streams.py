@@ -5,11 +5,11 @@ A local cell's ``logging`` records and warnings follow what the notebook configu
 
 - under fork, handlers made in the kernel still hold the kernel's own output streams, which
   write to its ZMQ sockets (from every rank, unprefixed, or refused with "send message from
-  fork"): :func:`redirect_inherited` points them, and the old stream objects, at the worker's
+  fork"): ``redirect_inherited`` points them, and the old stream objects, at the worker's
   pipes, where the output mode decides who is shown;
-- under spawn, nothing is inherited: :func:`capture` (in the launcher) records logger levels, the
+- under spawn, nothing is inherited: ``capture`` (in the launcher) records logger levels, the
   root logger's stream handlers writing to stdout/stderr and the warning filters, and
-  :func:`recreate` (in the worker) sets them up again.
+  ``recreate`` (in the worker) sets them up again.
 """
 
 from __future__ import annotations

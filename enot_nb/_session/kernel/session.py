@@ -38,11 +38,12 @@ def session() -> Session | None:
     Returns:
         The Session started here (``%enot_session start`` or ``Session(...)``), or None.
 
-    Example::
-
+    Example:
+        ```python
         live = enot_nb.session()
         if live is not None:
             print(live.status())
+        ```
     """
     return _live[0] if _live else None
 
@@ -76,12 +77,13 @@ class Session:
         LaunchError: a session already runs in this process.
         WorkerFailedError: the workers could not start.
 
-    Example::
-
+    Example:
+        ```python
         with enot_nb.Session(nprocs=2, backend="gloo") as s:
             s.push(k=21)
             s.run("k2 = k * 2")
             print(s.pull("k2"))  # {'k2': 42}
+        ```
     """
 
     _enot_nb_stays_in_the_kernel = True  # its processes are this kernel's: never sent to a rank (registry)
@@ -133,9 +135,10 @@ class Session:
     def close(self) -> None:
         """Stop every worker (and their children); the notebook keeps what it holds.
 
-        Example::
-
+        Example:
+            ```python
             session.close()  # or leave the ``with Session(...)`` block
+            ```
         """
         workers, self.workers = self.workers, None
         if self in _live:
@@ -157,9 +160,10 @@ class Session:
         Raises:
             LaunchError: the session is closed.
 
-        Example::
-
+        Example:
+            ```python
             session.restart("asked for")
+            ```
         """
         if self.workers is None and self not in _live:
             raise LaunchError("this session is closed; start a new one (`%enot_session start -n N`)")
@@ -209,9 +213,10 @@ class Session:
             A row per rank: pid, device, state (a rank that died since its last task shows as
             dead), host memory, GPU memory, cells run, uptime; HTML in a notebook.
 
-        Example::
-
+        Example:
+            ```python
             session.status()
+            ```
         """
         return status_of(self.workers, self.plan, self.mirror_mode)
 
@@ -242,9 +247,10 @@ class Session:
                 the failure; the ranks stay, or the session restarts, saying so).
             SyntaxError: the code does not parse (nothing is sent).
 
-        Example::
-
-            session.run("x = dist.get_rank()\nx")  # 0, the master's
+        Example:
+            ```python
+            session.run("x = dist.get_rank()\\nx")  # 0, the master's
+            ```
         """
         return self.run_cell(code, CellRun(output or self.output, returns, no_return, sync))
 
@@ -269,9 +275,10 @@ class Session:
         Raises:
             WorkerFailedError: a rank raised or died.
 
-        Example::
-
+        Example:
+            ```python
             session.launch(lambda: __import__("os").environ["RANK"])  # "0"
+            ```
         """
         return self._task(lambda: self.flow.call(fn, args, kwargs), self.output, self.flow.after_call)
 
@@ -299,10 +306,11 @@ class Session:
                 side wins (a LaunchError).
             LaunchConfigError: both options given.
 
-        Example::
-
+        Example:
+            ```python
             session.pull("model")["model"]
             session.pull("log", keep_notebook=True)  # the notebook's log goes to the ranks
+            ```
         """
         if overwrite and keep_notebook:
             raise LaunchConfigError("pull: overwrite and keep_notebook exclude each other; say which side wins")
@@ -326,9 +334,10 @@ class Session:
         Raises:
             WorkerFailedError: a rank could not take them.
 
-        Example::
-
+        Example:
+            ```python
             session.push(lr=0.01)
+            ```
         """
         self._task(lambda: self.flow.push_values(values), self.output, self.flow.after_push)
 
