@@ -18,5 +18,8 @@ def _help(name: str) -> str:
     from enot_nb.magic import EnotMagics
 
     magic = getattr(EnotMagics, name)
-    text = magic.parser.format_help()
-    return f"```text\n{text.rstrip()}\n```"
+    # IPython writes the usage as a reStructuredText literal block for Sphinx ("::", then the
+    # usage indented by two); shown as text, only the usage belongs on the page.
+    usage, rest = magic.parser.format_help().removeprefix("::\n\n").split("\n\n", 1)
+    usage = "\n".join(line.removeprefix("  ") for line in usage.splitlines())
+    return f"```text\n{usage}\n\n{rest.rstrip()}\n```"
