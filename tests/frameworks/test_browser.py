@@ -35,9 +35,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright comes with the 'browser' extra")
 pytest.importorskip("jupyterlab", reason="jupyterlab comes with the 'browser' extra")
 
+# Where .ci/run installs Debian's Chromium, and its test for it: an executable file there.
 CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium)", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = "enot_browser.ipynb"
@@ -163,6 +162,16 @@ class Lab:
 
 
 @pytest.fixture
+def chromium() -> Path:
+    """Debian's Chromium, looked for when the test runs: not at collection, which may come before
+    it is installed (a skip then would say it is absent while it is there)."""
+    if not os.access(CHROMIUM, os.X_OK):
+        state = "is not executable" if CHROMIUM.exists() else "is absent"
+        pytest.skip(f"{CHROMIUM} {state} (apt-get install chromium; .ci/run installs it when run as root)")
+    return CHROMIUM
+
+
+@pytest.fixture
 def lab(tmp_path: Path) -> Iterator[Lab]:
     """A running JupyterLab serving ``tmp_path/root``. Always stopped, kernels and all."""
     root, home = tmp_path / "root", tmp_path / "home"
@@ -282,10 +291,10 @@ def check_figure(cell) -> None:
 # ----------------------------------------------------------------------------- the test
 
 
-def test_distributed_cell_shows_widget_and_figure_in_jupyterlab(lab: Lab, tmp_path: Path):
+def test_distributed_cell_shows_widget_and_figure_in_jupyterlab(chromium: Path, lab: Lab, tmp_path: Path):
     write_notebook(lab.root / NOTEBOOK)
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             with explained(page, tmp_path, "the notebook's kernel did not start"):
