@@ -286,3 +286,44 @@ class StaleError(LaunchError):
             f"`%enot_pull {name} --keep-notebook` (session.pull({name!r}, keep_notebook=True)) sends the "
             "notebook's value to every rank and drops rank 0's"
         )
+
+
+class NotHeldError(EnotNbError, NameError):
+    """A pull named variables the session's master does not hold (``%enot_pull`` shows it as a
+    usage error).
+
+    Attributes:
+        missing: the names asked for that rank 0 does not hold.
+        held: the names it holds.
+    """
+
+    FEW = 12
+    """Up to this many held names are listed; more, and the closest to each missing one."""
+
+    def __init__(self, missing: list[str], held: list[str]) -> None:
+        import difflib
+
+        self.missing, self.held = missing, held
+        names = ", ".join(map(repr, missing))
+        if not held:
+            hint = "it holds no variables yet"
+        elif len(held) <= self.FEW:
+            hint = f"it holds {', '.join(held)}"
+        else:
+            close = sorted({c for n in missing for c in difflib.get_close_matches(n, held, n=3)})
+            hint = f"it holds {len(held)} variables" + (f", among them {', '.join(close)}" if close else "")
+        super().__init__(
+            f"rank 0 holds no variable {names} ({hint}); check the name, or make it in a session cell first"
+        )
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.missing, self.held))
+
+
+class StaleWrapperError(EnotNbError, RuntimeError):
+    """A DDP wrapper on a session's ranks was used after a plain cell replaced parameters of the
+    module it wraps: it, and its optimizer, must be built again. Raised by the wrapper on every
+    rank; the notebook shows the message once, without the ranks' frames."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"StaleWrapperError: {self}"]

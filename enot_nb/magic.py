@@ -27,7 +27,7 @@ from enot_nb._launch.options import EngineOptions, LaunchOptions, in_magic_words
 from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._worker import preload
 from enot_nb.cells import check_cell_syntax, launch_options, option_names, run_distributed_cell
-from enot_nb.errors import LaunchConfigError, StaleError
+from enot_nb.errors import LaunchConfigError, NotHeldError, StaleError
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -193,7 +193,7 @@ class EnotMagics(Magics):
             )
         try:
             live.pull(*names, **{PULL_SIDES[f]: True for f in flags})
-        except StaleError as err:
+        except (StaleError, NotHeldError, LaunchConfigError) as err:
             raise UsageError(f"%enot_pull: {err}") from None
 
 

@@ -791,6 +791,68 @@ MUTATIONS = [
         "",
         ["tests/session/test_work_kept.py::test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was"],
     ),
+    Mutation(
+        "a-pull-of-a-missing-name-fails-the-rank",
+        "enot_nb/_session/worker/loop.py",
+        "        return NotHeld(missing, sorted(held))\n",
+        '        raise NameError(f"pull: rank 0 has no variable {missing}")\n',
+        [
+            "tests/session/test_messages.py::"
+            "test_a_pull_of_a_name_the_ranks_do_not_hold_is_a_usage_error_naming_it_and_what_they_hold"
+        ],
+    ),
+    Mutation(
+        "a-stale-ddp-wrapper-left-unguarded",
+        "enot_nb/_session/worker/loop.py",
+        "            wrappers.guard_stale(namespace)\n",
+        "            pass\n",
+        [
+            "tests/session/test_messages.py::"
+            "test_a_layer_replaced_under_a_live_ddp_wrapper_is_reported_once_saying_what_to_build_again"
+        ],
+    ),
+    Mutation(
+        "a-stale-wrapper-reported-by-every-rank",
+        "enot_nb/_session/kernel/session.py",
+        "        if len(stale) == 1 and all(",
+        "        if False and all(",
+        [
+            "tests/session/test_messages.py::"
+            "test_a_layer_replaced_under_a_live_ddp_wrapper_is_reported_once_saying_what_to_build_again"
+        ],
+    ),
+    Mutation(
+        # A Sphinx role back in a rendered docstring: mkdocstrings shows it as it is.
+        "a-sphinx-role-in-a-docstring",
+        "enot_nb/launcher.py",
+        "then runs [enot_nb.distributed.init_torch][] with",
+        "then runs :func:`enot_nb.distributed.init_torch` with",
+        ["tests/test_docs.py::test_no_page_shows_raw_restructuredtext"],
+    ),
+    Mutation(
+        "magic-options-keep-the-literal-marker",
+        "docs/hooks/magic_options.py",
+        '.format_help().removeprefix("::\\n\\n").split(',
+        '.format_help().removeprefix("").split(',
+        ["tests/test_docs.py::test_the_magics_options_show_no_raw_markup"],
+    ),
+    Mutation(
+        "notebook-pages-titled-by-their-headings",
+        "mkdocs.yml",
+        "ignore_h1_titles: true",
+        "ignore_h1_titles: false",
+        ["tests/test_docs.py::test_notebook_pages_keep_their_titles_from_mkdocs_yml"],
+    ),
+    Mutation(
+        # Chromium looked for at collection: a skip then may say "absent" of what CI installs later.
+        "chromium-looked-for-at-collection",
+        "tests/frameworks/test_browser.py",
+        'CHROMIUM = Path("/usr/bin/chromium")\n',
+        'CHROMIUM = Path("/usr/bin/chromium")\n'
+        "if not CHROMIUM.exists():\n"
+        '    pytest.skip(f"{CHROMIUM} is absent", allow_module_level=True)\n',
+        ["tests/frameworks/test_browser_collection.py::test_collecting_the_browser_test_leaves_chromium_to_the_test"],
+    ),
 ]
 
 
@@ -809,7 +871,10 @@ def scratch_copy() -> Path:
     target = Path(tempfile.mkdtemp(prefix="enot_nb-mutation-"))
     for name in filter(None, listed):
         source = ROOT / name
-        if source.is_file():
+        if source.is_symlink():  # docs/notebooks -> ../notebooks: the site is built from the copy
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(source), target / name)
+        elif source.is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
     return target

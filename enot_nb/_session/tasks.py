@@ -124,6 +124,14 @@ class PullTask:
     mirror: RegistrySpecs
 
 
+class NotHeld(NamedTuple):
+    """Rank 0's answer to a pull of names it does not hold: those, and the names it holds (its
+    variables, not modules nor names starting with an underscore)."""
+
+    missing: list[str]
+    held: list[str]
+
+
 @dataclass
 class SyncTask:
     """Only the push (``Session.push``, a sync before a pull, a restart's restore)."""

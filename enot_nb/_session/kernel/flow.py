@@ -26,13 +26,13 @@ from enot_nb._session.kernel.workers import CommandOutcome
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.mirror import Mirror, PickledTask, Push, SinceSync
 from enot_nb._session.mirror.record import TaskChanges
-from enot_nb._session.tasks import CallTask, CellTask, PullTask, SyncTask
+from enot_nb._session.tasks import CallTask, CellTask, NotHeld, PullTask, SyncTask
 from enot_nb._state import apply, reach
 from enot_nb._state.collect import Changes
 from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
 from enot_nb._worker import cell as _cell
-from enot_nb.errors import LaunchConfigError
+from enot_nb.errors import LaunchConfigError, NotHeldError
 
 MIRRORS = ("all", "none")
 
@@ -290,6 +290,8 @@ class NamespaceFlow:
         self.after_push(prepared, outcome)
         if outcome.failures or outcome.interrupted or prepared.registry is None:
             return {}
+        if isinstance(outcome.result, NotHeld):
+            raise NotHeldError(outcome.result.missing, outcome.result.held)
         pulled, not_returned, whole = outcome.result
         changes = apply.load(pulled, prepared.registry)
         for line in apply.apply_changes(self.namespace, prepared.registry, changes, None):

@@ -25,7 +25,7 @@ from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, s
 from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
 from enot_nb._state.kinds import held_still
 from enot_nb._worker import cell as _cell
-from enot_nb.errors import LaunchConfigError, LaunchError, WorkerFailedError
+from enot_nb.errors import LaunchConfigError, LaunchError, StaleWrapperError, WorkerFailedError
 
 __all__ = ["CellRun", "RankStatus", "Session", "SessionStatus", "session"]
 
@@ -301,7 +301,8 @@ class Session:
             Each name to its value (the notebook's, under ``keep_notebook``).
 
         Raises:
-            WorkerFailedError: the master has no such variable, or a rank failed.
+            NotHeldError: the master holds no variable of one of the names (a NameError).
+            WorkerFailedError: a rank failed.
             StaleError: a stale name was changed here too, and neither option says which
                 side wins (a LaunchError).
             LaunchConfigError: both options given.
@@ -367,6 +368,9 @@ def _raise_failure(outcome: CommandOutcome) -> None:
     if outcome.interrupted:
         raise CellInterrupted()
     if outcome.failures:
+        stale = {f.message for f in outcome.failures if f.error_type == StaleWrapperError.__name__}
+        if len(stale) == 1 and all(f.message in stale or f.released for f in outcome.failures):
+            raise StaleWrapperError(stale.pop())  # every rank raised it alike: once, in our words
         raise WorkerFailedError(outcome.failures)
 
 

@@ -49,8 +49,8 @@ from enot_nb._processes.protocol import (
 from enot_nb._serialize import result_file, shm
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.kept import KeptSnapshot
-from enot_nb._session.tasks import CallTask, CellTask, PullTask, RegistrySpecs, SyncTask, Task
-from enot_nb._session.worker import devices, groups, repair
+from enot_nb._session.tasks import CallTask, CellTask, NotHeld, PullTask, RegistrySpecs, SyncTask, Task
+from enot_nb._session.worker import devices, groups, repair, wrappers
 from enot_nb._state import apply, collect
 from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
@@ -209,6 +209,8 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
         if problems:
             raise PushRefused("the notebook's changes could not all be applied on this rank: " + "; ".join(problems))
         _to_module_devices(registry, task.push)
+        if task.push.objects:  # a layer replaced under a DDP wrapper: its next use says to build it again
+            wrappers.guard_stale(namespace)
     if confirm is not None:
         bootstrap.send(Pushed())
         command = framing.recv_message(session.sock, session.reader)
@@ -299,8 +301,13 @@ def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
     if _session().rank != 0:
         return None
     missing = [n for n in task.names if n not in namespace]
-    if missing:
-        raise NameError(f"pull: rank 0 has no variable {', '.join(map(repr, missing))}")
+    if missing:  # a typo, most often: the notebook says so as a usage error, not a rank's failure
+        held = [
+            n
+            for n, v in namespace.items()  # not the modules, nor get_ipython (a cell's runner binds it)
+            if not n.startswith("_") and n != "get_ipython" and not isinstance(v, types.ModuleType)
+        ]
+        return NotHeld(missing, sorted(held))
     registry = _mirror_registry(namespace, task.mirror)
     not_returned: dict[str, str] = {}
     changes = collect.as_whole_changes(registry, namespace, [n for n in task.names if n not in whole])
