@@ -83,7 +83,10 @@ def _handler(
     host, port = parsed.hostname or "", int(parsed.port or 0)
     if rank == 0:
         sock = listen(host, port)
-        store = TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.fileno())
+        try:
+            store = TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.fileno())
+        except NotImplementedError:  # torch 2.4's libuv store (its default) serves on no given socket
+            store = TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.fileno(), use_libuv=False)
         _LISTENING.append(sock)  # the store serves on it for the life of the process
     else:
         store = TCPStore(host, port, world_size, False, timeout)
