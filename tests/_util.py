@@ -10,8 +10,26 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 HELPERS = Path(__file__).parent / "helpers"
 METHODS = ["fork", "spawn"]  # the start methods every behaviour must hold under
+
+
+def _torch_has_public_fsdp2() -> bool:
+    # By version, not by importing torch.distributed.fsdp: forked workers would inherit it, and an
+    # imported FSDP makes every rank ask whether a module is sharded.
+    import torch
+
+    return torch.__version__ >= "2.6"
+
+
+needs_fsdp2 = pytest.mark.skipif(
+    not _torch_has_public_fsdp2(),
+    reason="FSDP2 (torch.distributed.fsdp.fully_shard, FSDPModule) is public from torch 2.6, which enot_nb's "
+    "support for sharded modules needs; this torch is older",
+)
+"""For the tests of FSDP2 modules: run on every torch from 2.6 (the compatibility job runs older ones)."""
 
 
 def press_before_line(k: int | None, in_scope, where: list[str] | None = None):

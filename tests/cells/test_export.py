@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import enot_nb
-from tests._util import clean_env, free_port, run_all, torchrun_cmd
+from tests._util import clean_env, free_port, needs_fsdp2, run_all, torchrun_cmd
 from tests.kernel import ROOT, running_kernel
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -178,6 +178,7 @@ def test_load_results_before_a_run_says_what_to_do(tmp_path):
         enot_nb.load_results(tmp_path / "never_run.py")
 
 
+@needs_fsdp2
 def test_an_exported_cell_brings_a_sharded_model_back_whole(tmp_path):
     """FSDP2 under torchrun: the results file holds the plain module (its own class, plain
     parameters with the full trained values), as a cell's notebook gets it."""

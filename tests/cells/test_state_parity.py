@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests._util import METHODS, record_figure
+from tests._util import METHODS, needs_fsdp2, record_figure
 from tests.kernel import running_kernel
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -780,6 +780,7 @@ FSDP_VALUES = [
 ]
 
 
+@needs_fsdp2
 @pytest.mark.parametrize("method", METHODS)
 def test_a_model_sharded_by_fsdp2_comes_back_whole(kernels, method):
     """FSDP2 (fully_shard, gloo on the CPU) left the notebook a half-converted module: some
@@ -864,6 +865,7 @@ def test_a_model_wrapped_by_fsdp1_comes_back_whole(kernels, method):
     assert results[1] == results[0]
 
 
+@needs_fsdp2
 def test_a_model_sharded_inside_a_notebook_function_comes_back_whole(kernel):
     """The cell names only train(); the module it shards is found through what the cell reaches."""
     _fresh(kernel)

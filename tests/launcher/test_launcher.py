@@ -18,7 +18,17 @@ import torch
 import enot_nb
 from enot_nb import WorkerFailedError
 from enot_nb.errors import LaunchError
-from tests._util import HELPERS, METHODS, alive, clean_env, descendants, free_port, record_figure, wait_gone
+from tests._util import (
+    HELPERS,
+    METHODS,
+    alive,
+    clean_env,
+    descendants,
+    free_port,
+    needs_fsdp2,
+    record_figure,
+    wait_gone,
+)
 from tests.helpers import jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -483,6 +493,7 @@ def test_no_multiprocessing_folder_is_left_by_dataloader_workers(method, job, ou
     assert [name for name in left if name.startswith("pymp-")] == []
 
 
+@needs_fsdp2
 @pytest.mark.parametrize("method", METHODS)
 def test_a_returned_sharded_model_comes_back_whole(method):
     """notebook_launcher's result as a cell's state: FSDP2's module plain again, with the full

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from enot_nb.errors import WorkerFailedError
+from tests._util import needs_fsdp2
 from tests.session.common import start
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), needs_fsdp2]
 
 
 def test_a_module_sharded_by_fsdp2_stays_sharded_on_the_ranks_and_plain_in_the_notebook():
