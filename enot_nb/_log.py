@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 DEBUG_VARIABLE = "ENOT_NB_DEBUG"
 
@@ -30,3 +33,15 @@ def _configure(logger: logging.Logger) -> None:
 
 
 _configure(log)
+
+
+@contextmanager
+def unwarned() -> Iterator[None]:
+    """Around what enot_nb does with the user's objects (walk, snapshot, compare, pickle, apply),
+    never around the user's own code nor a fork: reading an object can make it warn
+    (``torch.distributed.reduce_op`` warns on any attribute read, an isinstance check included), a
+    local cell never reads them so, and the warning would name our lines or ``<frozen abc>``.
+    (warnings.catch_warnings: the process's filters, for as long as this lasts.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -22,6 +22,7 @@ from enot_nb._launch.bring_back import CellInterrupted, bring_back
 from enot_nb._launch.notes import NOTES
 from enot_nb._launch.options import LaunchOptions, in_magic_words
 from enot_nb._launch.plan import LaunchPlan
+from enot_nb._log import unwarned
 from enot_nb._state import apply, reach
 from enot_nb._state.registry import Registry
 from enot_nb._worker import bootstrap, preload
@@ -83,15 +84,18 @@ def _run_cell_job(
     shell: InteractiveShell, code: str, args: argparse.Namespace, options: _cell.CellOptions, plan: LaunchPlan
 ) -> Any:
     namespace = shell.user_ns
-    job, registry = _cell_job(shell, code, options, plan.start_method)
+    with unwarned():
+        job, registry = _cell_job(shell, code, options, plan.start_method)
     failure: BaseException | None = None
     try:
         outcome: _cell.CellOutcome | None = launch_job(plan, job, namespace=namespace, on_message=relay.show)
     except LaunchInterrupted as err:
-        _after_interrupt(shell, registry, options, err.partial_result)
+        with unwarned():
+            _after_interrupt(shell, registry, options, err.partial_result)
         failure = CellInterrupted()
     except WorkerFailedError as err:
-        _after_failure(shell, registry, options, err.partial_result, code)
+        with unwarned():
+            _after_failure(shell, registry, options, err.partial_result, code)
         failure = err.with_traceback(None)  # the launcher's frames hold the job
     if failure is not None:
         # IPython keeps the traceback (sys.last_traceback) until the next error: it must not
@@ -102,7 +106,8 @@ def _run_cell_job(
         return None
     if args.no_return:
         print("enot_nb: --no-return: nothing came back; the notebook is as it was before the cell", file=sys.stderr)
-    return bring_back(shell.user_ns, registry, outcome, options).value
+    with unwarned():
+        return bring_back(shell.user_ns, registry, outcome, options).value
 
 
 def check_sync(namespace: dict[str, Any], names: list[str] | None) -> None:

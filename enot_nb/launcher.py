@@ -32,6 +32,7 @@ from enot_nb._launch import relay
 from enot_nb._launch.attempt import RECONNECTS, Attempt
 from enot_nb._launch.options import ConflictingFlagsError, LaunchOptions
 from enot_nb._launch.plan import LaunchPlan, plan_launch
+from enot_nb._log import unwarned
 from enot_nb._processes.interrupts import finish, interrupts_deferred
 from enot_nb._processes.protocol import FrontEndMessage
 from enot_nb._serialize import picklers, shm
@@ -165,7 +166,8 @@ def launch_job(
         try:
             shipped = None
             if plan.start_method == "spawn":
-                shipped = (_pickle_job(job, shared, namespace), shared)
+                with unwarned():  # pickling reads the user's objects (see unwarned)
+                    shipped = (_pickle_job(job, shared, namespace), shared)
             return run_plan(plan, job, shipped, on_message)
         finally:
             try:

@@ -822,6 +822,13 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        "our-reads-of-user-objects-warn",
+        "enot_nb/_log.py",
+        '        warnings.simplefilter("ignore")\n',
+        "        pass\n",
+        ["tests/session/test_messages.py::test_our_reads_of_a_users_object_show_no_warning_a_local_cell_would_not"],
+    ),
+    Mutation(
         # A Sphinx role back in a rendered docstring: mkdocstrings shows it as it is.
         "a-sphinx-role-in-a-docstring",
         "enot_nb/launcher.py",

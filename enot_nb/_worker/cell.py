@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from enot_nb._log import unwarned
 from enot_nb._processes.protocol import Imported
 from enot_nb._state import collect, reach
 from enot_nb._state.kinds import held_still, let_go
@@ -134,13 +135,16 @@ def run_cell(
     namespace.setdefault("get_ipython", lambda: shell)
     shell.user_ns = namespace  # line magics (%who, %run, ...) see the cell's variables
     used = reach.names_used(code)
-    _sync_models(namespace, used, options)
+    with unwarned():
+        _sync_models(namespace, used, options)
     tracker = None
     if rank == 0 and not options.no_return:  # only the master's state goes back
-        if registry is None:
-            registry = reach.reach(namespace, code, hidden).registry
-        reached = {n for n, v in list(namespace.items()) if registry.find(v) is not None}
-        tracker = Tracker(registry, namespace, hidden, sharded.originals(namespace, used | reached), scan_large, kept)
+        with unwarned():
+            if registry is None:
+                registry = reach.reach(namespace, code, hidden).registry
+            reached = {n for n, v in list(namespace.items()) if registry.find(v) is not None}
+            originals = sharded.originals(namespace, used | reached)
+            tracker = Tracker(registry, namespace, hidden, originals, scan_large, kept)
     figures_before = _open_figures()
     modules_before = list(sys.modules)  # a copy of its keys, in order: cheap to take and compare
     let_go()  # (a session master holds still from finding its registry to here)
@@ -154,15 +158,18 @@ def run_cell(
         if isinstance(exc, KeyboardInterrupt):
             _grad_mode_after_press(grad_before)
         if tracker is not None and (isinstance(exc, KeyboardInterrupt) or options.keep_on_error):
-            _send_partial(tracker, options)
+            with unwarned():
+                _send_partial(tracker, options)
         raise
     finally:
         if rank == 0:
             _report_imports(modules_before, body, last)
     if not options.no_return and options.gather_sharded and sharded.may_be_sharded():  # every rank
-        reached = used | set(reach.reach(namespace, code, hidden).names)  # train() may shard `model`
-        whole_before = tracker.sharded_before if tracker is not None else {}
-        for line in sharded.gather_whole(namespace, sorted(reached & set(namespace)), whole_before):
+        with unwarned():
+            reached = used | set(reach.reach(namespace, code, hidden).names)  # train() may shard `model`
+            whole_before = tracker.sharded_before if tracker is not None else {}
+            gathered = sharded.gather_whole(namespace, sorted(reached & set(namespace)), whole_before)
+        for line in gathered:
             print(f"enot_nb: {line}", file=sys.stderr)
     _show_new_figures(figures_before, rank == 0 and options.shown)
     has_value = last is not None and not suppressed and value is not None
@@ -171,8 +178,9 @@ def run_cell(
             return None
         # --no-return: nothing comes back, but the cell's value is shown, as a local cell shows it
         return CellOutcome(has_value=has_value, value_bundle=_bundle(value, shell) if has_value else None)
-    outcome = tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
-    tracker.keep()
+    with unwarned():
+        outcome = tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
+        tracker.keep()
     return outcome
 
 
@@ -262,8 +270,10 @@ def run_shipped_cell(
     namespace = objects[0]  # the worker's namespace dict (see picklers.WORKER_NAMESPACE)
     namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
     namespace.update(values)
+    with unwarned():
+        registry = Registry.of_objects(objects, parents)
     try:
-        return run_cell(code, namespace, options, Registry.of_objects(objects, parents))
+        return run_cell(code, namespace, options, registry)
     except NameError as err:
         if err.name in left_out:
             raise NameError(

@@ -80,3 +80,35 @@ def test_a_value_written_in_place_under_a_ddp_wrapper_leaves_it_usable(live):
     live.ok(DDP_AND_OPT)
     live.ok("model[0].weight.data.mul_(2)")
     live.ok(TRAIN)
+
+
+DEPRECATED = "import torch.distributed as dist\nops = dist.reduce_op  # torch warns on any read of its attributes"
+
+
+def test_our_reads_of_a_users_object_show_no_warning_a_local_cell_would_not(kernel):
+    """torch.distributed.reduce_op warns on any attribute read, an isinstance check included: the
+    walks, snapshots and pickles of a one-off cell and of a session read it, a local cell never."""
+    kernel.ok("%reset -f\n" + MODEL + "\n" + DEPRECATED)
+    local = kernel.ok("flag = ops is not None")
+    assert local.stderr == "" and local.stdout == ""
+    cells = [
+        "%%enot_distributed -n 2 --backend gloo\nflag = ops is not None",
+        "%%enot_distributed -n 2 --backend gloo --start-method spawn\nflag = ops is not None",
+    ]
+    for cell in cells:
+        run = kernel.ok(cell)
+        assert "Warning" not in run.stdout + run.stderr, (cell, run.stdout + run.stderr)
+    kernel.ok("%enot_session start -n 2 --backend gloo")
+    try:
+        for cell in ["%%enot_distributed\nflag = ops is not None", "flag = 2", "%%enot_distributed\nf = flag"]:
+            run = kernel.ok(cell)
+            assert "Warning" not in run.stdout + run.stderr, (cell, run.stdout + run.stderr)
+        assert "Warning" not in kernel.run("%enot_pull ops").stderr
+    finally:
+        kernel.ok("%enot_session stop")
+
+
+def test_the_users_own_warnings_still_show_in_a_distributed_cell(live):
+    """Only our reads are quiet: the cell's own code warns as it would locally, on the master."""
+    run = live.ok("%%enot_distributed\nimport warnings\nwarnings.warn('from the cell', UserWarning)")
+    assert "UserWarning: from the cell" in run.stderr, run.stderr

@@ -20,6 +20,7 @@ from enot_nb._launch import relay
 from enot_nb._launch.bring_back import CellInterrupted
 from enot_nb._launch.options import EngineOptions, LaunchOptions
 from enot_nb._launch.plan import LaunchPlan, plan_launch
+from enot_nb._log import unwarned
 from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, PreparedTask
 from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
@@ -350,11 +351,16 @@ class Session:
         replaced (from the notebook, which now holds what the master reached); its failure
         raised."""
         workers = self._ready()
-        with held_still():  # until the task is sent, nothing changes the notebook's objects
+        with held_still(), unwarned():  # until the task is sent, nothing changes the notebook's objects
             prepared = make()
             pickled = self.flow.pickle(prepared)
+
+        def applied(done: CommandOutcome) -> Any:
+            with unwarned():
+                return apply(prepared, done)
+
         try:
-            value = workers.run_task(pickled, output, lambda done: apply(prepared, done))
+            value = workers.run_task(pickled, output, applied)
         finally:
             self.last = workers.last
             if self.last is not None and self.last.restart is not None:

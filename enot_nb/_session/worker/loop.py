@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 from typing_extensions import assert_never
 
+from enot_nb._log import unwarned
 from enot_nb._memory.digests import before_long_lived_snapshot
 from enot_nb._processes import framing
 from enot_nb._processes.protocol import (
@@ -194,7 +195,7 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
     could (a Proceed of an earlier task, interrupted before it was read, is passed over)."""
     session = _session()
     namespace = session.namespace
-    with held_still():  # until the push is applied
+    with held_still(), unwarned():  # until the push is applied
         registry = paths.registry_at(namespace, list(specs), objects, storages, strict=True)
         state = result_file.read_result(session.task_fd, size, raw=True)
         task: Task = apply.load(collect.PickledState(*state), registry)  # type: ignore[assignment]
@@ -205,7 +206,8 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
     if not keep:  # before anything changes: a push, another task (see KeptSnapshot)
         _KEPT.drop()
     if task.push is not None:
-        problems = apply.apply_changes(namespace, registry, task.push, None)
+        with unwarned():
+            problems = apply.apply_changes(namespace, registry, task.push, None)
         if problems:
             raise PushRefused("the notebook's changes could not all be applied on this rank: " + "; ".join(problems))
         _to_module_devices(registry, task.push)
@@ -240,8 +242,9 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
     registry, scan = None, False
     with held_still():  # its registry found and its snapshot taken: a large container told plain once
         if task.mirror is not None and _session().rank == 0:
-            registry = _KEPT.registry_for(namespace, task.mirror) if keep else None
-            registry = registry or _mirror_registry(namespace, task.mirror)
+            with unwarned():
+                registry = _KEPT.registry_for(namespace, task.mirror) if keep else None
+                registry = registry or _mirror_registry(namespace, task.mirror)
             if registry.storages:  # the pages the cell writes are the master's own again (see shadow)
                 scan = before_long_lived_snapshot(registry.storages)
         kept = _KEPT if keep and registry is not None else None
@@ -251,7 +254,8 @@ def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
     if kept is not None and task.mirror is not None:
         kept.found_by(task.mirror.packed, task.mirror.specs)
     if isinstance(outcome, _cell.CellOutcome):  # the master's: what lives on its GPU
-        outcome.on_device = devices.names_on_device(namespace)
+        with unwarned():
+            outcome.on_device = devices.names_on_device(namespace)
     return outcome
 
 
@@ -260,19 +264,22 @@ def _call(namespace: dict[str, Any], task: CallTask) -> Any:
     fn = _in_namespace(task.fn, namespace)
     if task.mirror is None or _session().rank != 0:
         return fn(*task.args, **task.kwargs)  # (a sharded module in it stays sharded: see below)
-    registry = _mirror_registry(namespace, task.mirror)
-    scan = before_long_lived_snapshot(registry.storages) if registry.storages else False
-    tracker = _cell.Tracker(registry, namespace, (), {}, scan)
+    with unwarned():
+        registry = _mirror_registry(namespace, task.mirror)
+        scan = before_long_lived_snapshot(registry.storages) if registry.storages else False
+        tracker = _cell.Tracker(registry, namespace, (), {}, scan)
     options = _cell.CellOptions(keep_on_error=True)
     try:
         value = fn(*task.args, **task.kwargs)
         _cell.ignore_late_presses()
     except BaseException:
-        tracker.send_partial(options)
+        with unwarned():
+            tracker.send_partial(options)
         raise
     # A sharded module fn returns is the ranks' live one: it is not made whole in place, as a
     # one-off launch's is (a DTensor does not pickle, and the error says to pull it whole).
-    return value, tracker.outcome(options, None, False, None, None)
+    with unwarned():
+        return value, tracker.outcome(options, None, False, None, None)
 
 
 def _in_namespace(fn: Any, namespace: dict[str, Any]) -> Any:
@@ -297,6 +304,11 @@ def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
     changed (its whole state travels, into the notebook's object), the rest by value. A module
     sharded by FSDP2 or FSDP1 comes as its full values (every rank takes part in gathering
     them; the live module stays sharded), which the notebook loads into its own module."""
+    with unwarned():
+        return _pulled(namespace, task)
+
+
+def _pulled(namespace: dict[str, Any], task: PullTask) -> Any:
     whole = sharded.full_state_dicts(namespace, task.names)  # every rank: a collective, if any
     if _session().rank != 0:
         return None
