@@ -17,7 +17,7 @@ from typing import Any
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._serialize.tensors import bytes_view, storage_array, storage_of
 from enot_nb._state import salvage
-from enot_nb._state.collect import Changes, PickledState, StorageBytes
+from enot_nb._state.collect import Changes, PickledState, StorageBytes, item_at
 from enot_nb._state.kinds import OPS, Kind, apply_grad
 from enot_nb._state.registry import Registry
 
@@ -28,9 +28,11 @@ class StateUnpickler(pickle.Unpickler):
         self.registry = registry
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, at = pid
+        kind, at, *steps = pid
         if kind == "v":  # plain data, pickled whole (see collect.StatePickler)
             return pickle.loads(at)
+        if kind == "p":  # an item inside plain data (see collect.StatePickler._in_plain)
+            return item_at(self.registry.objects[at], steps[0])
         return self.registry.objects[at] if kind == "o" else self.registry.storages[at]
 
 

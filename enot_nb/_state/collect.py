@@ -205,6 +205,15 @@ class StatePickler(ResultPickler):
         super().__init__(file, buffer_callback=buffer_callback, namespace=registry.objects[0])
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
+        self._plain_items: dict[int, tuple[Any, int, tuple[Any, ...]]] | None = None
+        self._travelling: set[int] = set()
+        """The registered objects whose new state this pickle carries (see _in_plain)."""
+
+    def dump(self, obj: Any) -> None:
+        """Pickle ``obj``: Changes, or a task carrying them as its ``push``."""
+        changes = obj if isinstance(obj, Changes) else getattr(obj, "push", None)
+        self._travelling = {i for i, _ in changes.objects} if isinstance(changes, Changes) else set()
+        super().dump(obj)
 
     def known_arrays(self) -> list[Any]:
         return [obj for obj, kind in zip(self.registry.objects, self.registry.kinds) if kind is Kind.NDARRAY]
@@ -240,7 +249,42 @@ class StatePickler(ResultPickler):
             pickled = plain_pickle(obj)
             if pickled is not None:
                 return ("v", pickled)
+        if type(obj) in (list, dict, bytearray):
+            return self._in_plain(obj)
         return None
+
+    def _in_plain(self, obj: Any) -> Any:
+        """``("p", i, steps)`` where ``obj`` sits inside registered plain data ``i`` (kind PLAIN:
+        one object, its items not registered) at ``steps``: the loading side takes its own item
+        there, so ``last = log[-1]`` stays an alias (by value it would be a copy). Not inside
+        one whose new state travels in this pickle: its items go by value with it. The index of
+        the items is made once per pickle, when first needed."""
+        if self._plain_items is None:
+            self._plain_items = {}
+            for i, kind in enumerate(self.registry.kinds):
+                if kind is Kind.PLAIN and i not in self._travelling:
+                    _index_items(self.registry.objects[i], i, (), self._plain_items)
+        found = self._plain_items.get(id(obj))
+        return ("p", found[1], found[2]) if found is not None and found[0] is obj else None
+
+
+def _index_items(container: Any, i: int, steps: tuple[Any, ...], index: dict[int, Any]) -> None:
+    """Each list, dict and bytearray inside ``container`` (at any depth) by id: (it, i, steps)."""
+    todo = [(container, steps)]
+    while todo:
+        held, at = todo.pop()
+        for key, item in held.items() if type(held) is dict else enumerate(held):
+            if type(item) in (list, dict, bytearray) and id(item) not in index:
+                index[id(item)] = (item, i, (*at, key))
+                if type(item) is not bytearray:
+                    todo.append((item, (*at, key)))
+
+
+def item_at(container: Any, steps: tuple[Any, ...]) -> Any:
+    """The item ``_in_plain`` named: ``container[steps[0]][steps[1]]...``."""
+    for step in steps:
+        container = container[step]
+    return container
 
 
 def _extent(array: Any) -> tuple[int, int]:

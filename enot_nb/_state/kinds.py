@@ -359,12 +359,36 @@ def plain_pickle(obj: Any) -> bytes | None:
     out = io.BytesIO()
     try:
         _PlainPickler(out, protocol=5, buffer_callback=_refuse_buffer).dump(obj)
-        found: bytes | None = out.getvalue()
+        found: bytes | None = None if _held_from_outside(obj) else out.getvalue()
     except (_NotPlain, RecursionError):
         found = None
     if _still is not None:
         _still[id(obj)] = (obj, found)
     return found
+
+
+def _held_from_outside(obj: Any) -> bool:
+    """Whether a list, dict, set or bytearray inside ``obj`` (at any depth) is also held from
+    outside it (``last = log[-1]``) or twice inside: then ``obj`` is walked item by item, so the
+    alias stays one on every side (one pickle by value would copy the item). By reference
+    counts: an item held once is held by its container, the level's list and the count's argument."""
+    level = [obj]
+    while level:
+        items = itertools.chain.from_iterable(c.values() if type(c) is dict else c for c in level)
+        level = [x for x in items if type(x) in _IN_PLACE]
+        if level and max(map(sys.getrefcount, level)) > _REFS_HELD_ONCE:
+            return True
+    return False
+
+
+def _refs_held_once() -> int:
+    """What ``_held_from_outside`` counts for an item its container alone holds (this Python's)."""
+    holder = [{}]
+    level = [x for x in itertools.chain.from_iterable([holder]) if type(x) in _IN_PLACE]
+    return max(map(sys.getrefcount, level))
+
+
+_REFS_HELD_ONCE = _refs_held_once()
 
 
 def holds_plain_data(obj: Any) -> bool:

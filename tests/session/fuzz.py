@@ -449,7 +449,8 @@ def generate(seed: int, *, presses: bool = True) -> Program:
             name = f"_fuzz_cb{len(cells)}"
             body = rng.choice(writes)("plain")
             assert body is not None
-            cells.append(Cell("thread", f"def {name}():\n    {body}\n_fuzz_leave({name})"))
+            declared = "".join(f"    global {n}\n" for n in sorted(_bound(body)))
+            cells.append(Cell("thread", f"def {name}():\n{declared}    {body}\n_fuzz_leave({name})"))
             cells.append(Cell("session", ops.pick("session", binds=False)))
             cells.append(Cell("trigger", "", callback=name))
             continue

@@ -205,12 +205,12 @@ def diff(left: Any, right: Any, path: str = "") -> str | None:
                 return found
         return None
     if isinstance(left, list) and isinstance(right, list):
-        if len(left) != len(right):
-            return f"{path}: {_short(left)} != {_short(right)}"
         for i, (a, b) in enumerate(zip(left, right)):
             found = diff(a, b, f"{path}[{i}]")
             if found:
                 return found
+        if len(left) != len(right):
+            return f"{path}: {len(left)} items != {len(right)}, the last: {_short(left[-1:])} != {_short(right[-1:])}"
         return None
     return None if left == right else f"{path}: {_short(left)} != {_short(right)}"
 

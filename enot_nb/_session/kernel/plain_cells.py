@@ -19,6 +19,7 @@ deleted or rebound still counts: its old value is walked too (kept until the nex
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ class Outside:
     threads: dict[int, tuple[str, int]] = field(default_factory=dict)
     comms: int = 0
     silent: int = 0
+    started: int = 0
+    """User threads started so far (one may start and end between two samples)."""
 
     @classmethod
     def now(cls, comms: int, silent: int) -> Outside:
@@ -60,7 +63,7 @@ class Outside:
             except (OSError, AttributeError):  # gone meanwhile, or no per-thread clock here
                 cpu = -1
             threads[thread.ident] = (thread.name, cpu)
-        return cls(threads, comms, silent)
+        return cls(threads, comms, silent, THREAD_STARTS.count)
 
     def ran_since(self, before: Outside) -> str | None:
         """What ran outside the cells since ``before``, in words; None where nothing did."""
@@ -68,11 +71,44 @@ class Outside:
             return "a frontend ran code silently"
         if self.comms != before.comms:
             return "a comm message (a widget) was handled"
+        if self.started != before.started:
+            return "a thread started"
         for ident, (name, cpu) in self.threads.items():
             if cpu < 0 or before.threads.get(ident, ("", -2))[1] != cpu:
                 return f"thread {name!r} ran"
         ended = [name for ident, (name, _) in before.threads.items() if ident not in self.threads]
         return f"thread {ended[0]!r} ran to its end" if ended else None
+
+
+class ThreadStarts:
+    """Counts the user threads started while installed, by ``threading.setprofile``: each new
+    thread calls the hook once, which counts it and hands the thread the hook found before."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.users = 0
+        self.previous: Any = None
+
+    def install(self) -> None:
+        self.users += 1
+        if self.users == 1:
+            self.previous = getattr(threading, "_profile_hook", None)
+            threading.setprofile(self._hook)
+
+    def uninstall(self) -> None:
+        self.users -= 1
+        if self.users == 0 and getattr(threading, "_profile_hook", None) is self._hook:
+            threading.setprofile(self.previous)
+
+    def _hook(self, frame: Any, event: str, arg: Any) -> None:
+        sys.setprofile(self.previous)  # once per thread: it goes on as it would have
+        if _users(threading.current_thread()):
+            self.count += 1
+        if self.previous is not None:
+            self.previous(frame, event, arg)
+
+
+THREAD_STARTS = ThreadStarts()
 
 
 def _users(thread: threading.Thread) -> bool:
@@ -94,6 +130,7 @@ class PlainCells:
         self._before: dict[str, Any] = {}
         self._in_cell = True  # made in a cell (its post_execute is not a silent run's)
         self.silent_runs = self.comms = 0
+        THREAD_STARTS.install()
         self._sample = Outside.now(self.comms, self.silent_runs)
         self._outside: tuple[int, str | None] = (synced_at(), None)
         """The sync the verdict is for, and what ran outside the cells since it (see outside)."""
@@ -192,6 +229,7 @@ class PlainCells:
                 self.shell.events.unregister(event, callback)
             except ValueError:
                 pass
+        THREAD_STARTS.uninstall()
         kernel = getattr(self.shell, "kernel", None)
         for msg_type, handler in self._handlers.items():
             kernel.shell_handlers[msg_type] = handler

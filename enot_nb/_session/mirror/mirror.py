@@ -88,8 +88,8 @@ class _RecordingPickler(StatePickler):
 
     def persistent_id(self, obj: Any) -> Any:
         pid = super().persistent_id(obj)
-        if pid is not None:
-            (self.objects_used if pid[0] == "o" else self.storages_used).add(pid[1])
+        if pid is not None and pid[0] != "v":
+            (self.objects_used if pid[0] in ("o", "p") else self.storages_used).add(pid[1])
         return pid
 
 
