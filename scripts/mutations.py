@@ -596,6 +596,58 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        # The holder's __setstate__ made the new sub-object empty: without the copy's state it
+        # loses what the notebook's held before the cell (only the cell's change comes back).
+        "spawn-rebuilt-sub-object-without-the-notebooks-state",
+        "enot_nb/_state/registry.py",
+        "            apply(new, state, lambda _: None)\n",
+        "            pass\n",
+        [
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-sub-object-its-holders-setstate-rebuilds-without-its-state-spawn]"
+        ],
+    ),
+    Mutation(
+        "session-namespace-not-main",
+        "enot_nb/_worker/cell.py",
+        "    main.__dict__ = namespace\n",
+        "    return\n",
+        [
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell"
+            "[a-dataclass-defined-in-a-session-cell-over-a-notebook-class-fork]",
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell"
+            "[a-dataclass-defined-in-a-session-cell-over-a-notebook-class-spawn]",
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-dataclass-over-a-notebook-class-defined-in-the-cell-spawn]",
+        ],
+    ),
+    Mutation(
+        "cells-compiled-with-enot-nbs-future-annotations",
+        "enot_nb/_worker/cell.py",
+        "flags=options.future_flags, dont_inherit=True)",
+        "flags=options.future_flags, dont_inherit=False)",
+        [
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-dataclass-over-a-notebook-class-defined-in-the-cell-fork]"
+        ],
+    ),
+    Mutation(
+        "session-cells-compiled-without-the-notebooks-future-imports",
+        "enot_nb/_session/kernel/flow.py",
+        "        future_flags=run.future_flags,\n",
+        "",
+        ["tests/session/test_session_parity.py::test_a_future_import_in_the_notebook_holds_in_session_cells"],
+    ),
+    Mutation(
+        "one-off-cells-compiled-without-the-notebooks-future-imports",
+        "enot_nb/cells.py",
+        "        future_flags=_cell.notebook_future_flags(shell),\n",
+        "",
+        [
+            "tests/cells/test_state_parity_objects.py::test_a_future_import_in_the_notebook_holds_in_its_distributed_cells"
+        ],
+    ),
+    Mutation(
         "plain-cells-reach-nothing",
         "enot_nb/_session/kernel/plain_cells.py",
         "            names.update(found.names)\n",
