@@ -608,7 +608,7 @@ MUTATIONS = [
         ],
     ),
     Mutation(
-        "session-namespace-not-main",
+        "workers-namespace-not-main",
         "enot_nb/_worker/cell.py",
         "    main.__dict__ = namespace\n",
         "    return\n",
