@@ -596,6 +596,58 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        # The holder's __setstate__ made the new sub-object empty: without the copy's state it
+        # loses what the notebook's held before the cell (only the cell's change comes back).
+        "spawn-rebuilt-sub-object-without-the-notebooks-state",
+        "enot_nb/_state/registry.py",
+        "            apply(new, state, lambda _: None)\n",
+        "            pass\n",
+        [
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-sub-object-its-holders-setstate-rebuilds-without-its-state-spawn]"
+        ],
+    ),
+    Mutation(
+        "workers-namespace-not-main",
+        "enot_nb/_worker/cell.py",
+        "    main.__dict__ = namespace\n",
+        "    return\n",
+        [
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell"
+            "[a-dataclass-defined-in-a-session-cell-over-a-notebook-class-fork]",
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell"
+            "[a-dataclass-defined-in-a-session-cell-over-a-notebook-class-spawn]",
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-dataclass-over-a-notebook-class-defined-in-the-cell-spawn]",
+        ],
+    ),
+    Mutation(
+        "cells-compiled-with-enot-nbs-future-annotations",
+        "enot_nb/_worker/cell.py",
+        "flags=options.future_flags, dont_inherit=True)",
+        "flags=options.future_flags, dont_inherit=False)",
+        [
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-dataclass-over-a-notebook-class-defined-in-the-cell-fork]"
+        ],
+    ),
+    Mutation(
+        "session-cells-compiled-without-the-notebooks-future-imports",
+        "enot_nb/_session/kernel/flow.py",
+        "        future_flags=run.future_flags,\n",
+        "",
+        ["tests/session/test_session_parity.py::test_a_future_import_in_the_notebook_holds_in_session_cells"],
+    ),
+    Mutation(
+        "one-off-cells-compiled-without-the-notebooks-future-imports",
+        "enot_nb/cells.py",
+        "        future_flags=_cell.notebook_future_flags(shell),\n",
+        "",
+        [
+            "tests/cells/test_state_parity_objects.py::test_a_future_import_in_the_notebook_holds_in_its_distributed_cells"
+        ],
+    ),
+    Mutation(
         "plain-cells-reach-nothing",
         "enot_nb/_session/kernel/plain_cells.py",
         "            names.update(found.names)\n",
@@ -645,6 +697,124 @@ MUTATIONS = [
         [
             "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
             "tests/ray/test_ray_session.py::test_ranks_on_two_nodes_train_ddp_as_a_local_session_does",
+        ],
+    ),
+    Mutation(
+        # Ray's node ids sort in no order of placement: the node of bundle 0 must be node 0.
+        "ray-ranks-follow-sorted-node-ids",
+        "enot_nb/_launch/ray_layout.py",
+        "    ordered = [landing for node in nodes for landing in by_bundle if landing.node_id == node]\n",
+        "    nodes.sort()\n"
+        + "    ordered = [landing for node in nodes for landing in by_bundle if landing.node_id == node]\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        # The actors answer in any order; ranks follow the bundles.
+        "ray-ranks-in-answer-order",
+        "enot_nb/_launch/ray_layout.py",
+        "    by_bundle = sorted(landings, key=lambda landing: landing.bundle)\n",
+        "    by_bundle = list(landings)\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-local-world-size-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        "                local_world_size=len(mates),\n",
+        "                local_world_size=len(ordered),\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
+        ],
+    ),
+    Mutation(
+        "ray-node-rank-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        "                node_rank=nodes.index(landing.node_id),\n",
+        "                node_rank=rank,\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
+        ],
+    ),
+    Mutation(
+        "ray-nnodes-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        "                nnodes=len(nodes),\n",
+        "                nnodes=len(ordered),\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
+        ],
+    ),
+    Mutation(
+        # A rank binds cuda:LOCAL_RANK: its node's GPUs list each rank's own first, in rank order.
+        "ray-visible-gpus-sorted",
+        "enot_nb/_launch/ray_layout.py",
+        "visible_gpus=tuple(firsts + rest) if landing.gpu_ids else (),",
+        "visible_gpus=tuple(sorted(firsts + rest)) if landing.gpu_ids else (),",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_each_rank_binds_the_gpu_ray_assigned_it",
+        ],
+    ),
+    Mutation(
+        "ray-rank-is-the-bundle",
+        "enot_nb/_launch/ray_layout.py",
+        "    rank = str(place.rank)\n",
+        "    rank = str(place.landing.bundle)\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-local-rank-variable-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        '        "LOCAL_RANK": str(place.local_rank),\n',
+        '        "LOCAL_RANK": str(place.rank),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_spread_gives_each_rank_a_node_and_the_variables_follow",
+        ],
+    ),
+    Mutation(
+        "ray-local-world-size-variable-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        '        "LOCAL_WORLD_SIZE": str(place.local_world_size),\n',
+        '        "LOCAL_WORLD_SIZE": str(world_size),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_spread_gives_each_rank_a_node_and_the_variables_follow",
+        ],
+    ),
+    Mutation(
+        "ray-node-rank-variable-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        '        "NODE_RANK": str(place.node_rank),\n',
+        '        "NODE_RANK": str(place.rank),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-group-rank-variable-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        '        "GROUP_RANK": str(place.node_rank),\n',
+        '        "GROUP_RANK": str(place.rank),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-group-world-size-variable-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        '        "GROUP_WORLD_SIZE": str(place.nnodes),\n',
+        '        "GROUP_WORLD_SIZE": str(world_size),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
         ],
     ),
     Mutation(

@@ -17,6 +17,7 @@ import pytest
 
 from tests._util import METHODS
 from tests.cells.test_state_parity import PRELUDE, _fresh, _probe_code
+from tests.cells.test_state_parity_objects import DATACLASS_PROBES
 from tests.kernel import running_kernel
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -299,6 +300,20 @@ CASES = [
         ["log", "d", "a", "'m' in dir() and m", "'b' in dir() and b", "'m2' in dir() and m2"],
     ),
     (
+        "a-dataclass-defined-in-a-session-cell-over-a-notebook-class",
+        "import typing\nclass Cfg:\n    lr = 0.1\nscale = 3\n",
+        [
+            (
+                S,
+                "@dataclasses.dataclass\nclass Run:\n    cfg: Cfg\n    n: int = 0\n"
+                "    def twice(self):\n        return self.n * scale\nrun = Run(Cfg(), 2)",
+            ),
+            (P, "scale = 5\nhints = typing.get_type_hints(Run.__init__)"),
+            (S, "run.n += 1\nk = run.twice() + len(typing.get_type_hints(Run.__init__))"),
+        ],
+        [*DATACLASS_PROBES, "'k' in dir() and k"],
+    ),
+    (
         "a-cell-value-and-a-new-class",
         "",
         [
@@ -517,3 +532,16 @@ def test_a_session_cells_traceback_names_the_notebook_cell_and_line(live):
     text = run.traceback
     assert re.search(r"Cell In\[\d+\], line 3, in boom\n", text), text
     assert "raise ValueError('in boom')" in text and "<dynamic-code>" not in text
+
+
+def test_a_future_import_in_the_notebook_holds_in_session_cells(live):
+    """The ranks compile a session cell under the notebook's ``__future__`` features, as
+    IPython compiles a local cell after the import: a dataclass that names itself is made."""
+    live.ok("from __future__ import annotations")
+    try:
+        live.ok(
+            "%%enot_distributed\n@dataclasses.dataclass\nclass Node:\n    nxt: Node | None = None\nn = Node(Node())"
+        )
+        assert live.ok("print(Node.__annotations__, n.nxt.nxt)").stdout.strip() == "{'nxt': 'Node | None'} None"
+    finally:  # (the module's kernel goes on: its next cells compile without it)
+        live.ok("get_ipython().compile.flags &= ~__import__('__future__').annotations.compiler_flag")

@@ -47,6 +47,8 @@ class CellRun:
     sync: list[str] | None = None
     first_line: int = 1
     source_header: str = ""
+    future_flags: int = 0
+    """The notebook's ``from __future__`` features (see _cell.notebook_future_flags)."""
 
 
 @dataclass
@@ -358,6 +360,7 @@ def _cell_options(run: CellRun, back: bool, names_only: bool) -> _cell.CellOptio
         names_only=names_only,
         first_line=run.first_line,
         source_header=run.source_header,
+        future_flags=run.future_flags,
         shown=run.output != "none",
         keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
         gather_sharded=False,  # the ranks' FSDP modules live on, sharded

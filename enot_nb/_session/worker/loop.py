@@ -94,6 +94,7 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
 
     global _SESSION
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    _cell.make_main(namespace)  # for its whole life: a class a cell or a launched function defines
     assert bootstrap._message_fd is not None
     sock = socket.socket(fileno=os.dup(bootstrap._message_fd))
     reader: framing.MessageReader[SessionCommand] = framing.MessageReader()
