@@ -139,6 +139,9 @@ class TensorPickler(cloudpickle.Pickler):
         return lines
 
     def _reduce_storage(self, storage: Any) -> Reduction:
+        within = self._memory.storage_within(storage)
+        if within is not None:
+            return tensors._storage_over_storage, (*within, storage.nbytes())
         held = self._memory.array_holding(storage)
         if held is not None:
             return tensors._storage_of_array, (*held, storage.nbytes())
@@ -150,7 +153,9 @@ class TensorPickler(cloudpickle.Pickler):
 
     def _reduce_array(self, array: Any) -> Reduction:
         tensor = tensors.tensor_owned(array)
-        if tensor is not None:  # its memory is a storage: it travels over that storage
+        if tensor is not None and self.is_known(array, tensors.array_owner(array)) is None:
+            # its memory is a storage: it travels over that storage (a view of an array the
+            # receiver holds goes as that view below: the storage may be one it lacks)
             return tensors.array_over(tensor.untyped_storage(), array)
         view = tensors.reduce_numpy_view(array, self.is_known)
         if view is not None:

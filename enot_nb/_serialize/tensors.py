@@ -386,6 +386,15 @@ def _storage_of_array(root: numpy.ndarray, offset: int, nbytes: int) -> torch.Un
     return torch.from_numpy(flat).untyped_storage()
 
 
+def _storage_over_storage(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """A storage over part of another's memory (``torch.from_numpy(t.numpy())``), rebuilt over
+    the receiver's: one memory, as where it was made."""
+    import torch
+
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return torch.from_numpy(whole.numpy()[offset : offset + nbytes]).untyped_storage()
+
+
 def tensor_owned(array: numpy.ndarray) -> torch.Tensor | None:
     """The tensor whose memory a NumPy array views (``tensor.numpy()``, ``np.asarray(t)``), or
     None."""
@@ -454,6 +463,14 @@ class MemoryOwners:
         if held is None:
             self._storage_map().add(storage.data_ptr(), storage.nbytes(), storage)
         return held
+
+    def storage_within(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
+        """Another storage, met before or held by the receiver, whose memory holds all of this
+        one's (a storage ``torch.from_numpy`` made over a tensor's memory), and the offset."""
+        if storage.device.type != "cpu" or storage.resizable() or not storage.nbytes():
+            return None
+        held = self._storage_map().holding(storage.data_ptr(), storage.nbytes())
+        return held if held is not None and held[0] is not storage else None
 
     def storage_holding(self, memory: tuple[int, int]) -> tuple[Any, int] | None:
         """The storage met before, or held by the receiver, whose memory holds an array's

@@ -227,9 +227,9 @@ class StatePickler(ResultPickler):
             for obj in self.known_arrays():
                 if obj.flags.c_contiguous:
                     self._arrays.setdefault(id(array_owner(obj)), []).append(obj)
-        start, end = _extent(array)
+        start, end = array_extent(array)
         for known in self._arrays.get(id(root), ()):
-            known_start, known_end = _extent(known)
+            known_start, known_end = array_extent(known)
             if known_start <= start and end <= known_end:
                 return known
         return None
@@ -287,7 +287,7 @@ def item_at(container: Any, steps: tuple[Any, ...]) -> Any:
     return container
 
 
-def _extent(array: Any) -> tuple[int, int]:
+def array_extent(array: Any) -> tuple[int, int]:
     """The addresses of the first and after the last byte an array can reach."""
     start = end = array.__array_interface__["data"][0]
     for size, stride in zip(array.shape, array.strides):

@@ -35,8 +35,8 @@ from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._session.tasks import ShardedLoad
-from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect, whole_states
-from enot_nb._state.kinds import OPS
+from enot_nb._state.collect import Changes, StatePickler, StorageBytes, array_extent, collect, whole_states
+from enot_nb._state.kinds import OPS, Kind
 from enot_nb._state.registry import Registry, stays_in_the_kernel, user_variables
 from enot_nb.errors import StaleError
 
@@ -144,7 +144,9 @@ class Mirror:
         if reached is not None:
             baseline = record.baseline
             objects = {i for i in map(baseline.find, reached.objects[1:]) if i is not None}
-            within = (objects, {j for j in map(baseline.find_storage, reached.storages) if j is not None})
+            storages = {j for j in map(baseline.find_storage, reached.storages) if j is not None}
+            shared_objects, shared_storages = _sharing_memory(baseline, reached)
+            within = (objects | shared_objects, storages | shared_storages)
         changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden, within)
         storages = [record.baseline.storages[new.storage] for new in changes.storages]
         return SinceSync(changes, TaskChanges([record.baseline.objects[i] for i in changed], storages))
@@ -378,6 +380,42 @@ class Mirror:
             self.stale.pop(name, None)
             self.on_workers.pop(name, None)
             self.conflicts.discard(name)
+
+
+def _memory_of(registry: Registry) -> list[tuple[int, int, int, bool]]:
+    """The address ranges a registry's storages and NumPy arrays span: (start, end, index,
+    is_storage)."""
+    spans = [
+        (s.data_ptr(), s.data_ptr() + s.nbytes(), j, True)
+        for j, s in enumerate(registry.storages)
+        if s.device.type == "cpu" and s.nbytes()
+    ]
+    for i, (obj, kind) in enumerate(zip(registry.objects, registry.kinds)):
+        if kind is Kind.NDARRAY and obj.nbytes:
+            start, end = array_extent(obj)
+            spans.append((start, end, i, False))
+    return spans
+
+
+def _sharing_memory(baseline: Registry, reached: Registry) -> tuple[set[int], set[int]]:
+    """The baseline's arrays and storages whose memory overlaps memory that ``reached`` holds
+    (``a = t.numpy()`` written in a plain cell changes ``t``'s storage, which the ranks hold):
+    (object indices, storage indices). Only where ``reached`` holds a storage or an array the
+    baseline lacks."""
+    unknown = [
+        span
+        for span in _memory_of(reached)
+        if (baseline.find_storage(reached.storages[span[2]]) if span[3] else baseline.find(reached.objects[span[2]]))
+        is None
+    ]
+    objects: set[int] = set()
+    storages: set[int] = set()
+    if not unknown:
+        return objects, storages
+    for start, end, index, is_storage in _memory_of(baseline):
+        if any(start < other_end and other_start < end for other_start, other_end, _, _ in unknown):
+            (storages if is_storage else objects).add(index)
+    return objects, storages
 
 
 def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, held: list[str]) -> None:
