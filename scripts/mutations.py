@@ -467,7 +467,7 @@ MUTATIONS = [
     Mutation(
         "no-return-marks-every-read-name-stale",
         "enot_nb/_worker/cell.py",
-        "            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})\n",
+        "            outcome.left_out = sorted({*outcome.changed_names, *written, *changes.deleted})\n",
         "            outcome.left_out = sorted(set(self.names_before) | set(changes.bound))\n",
         ["tests/session/test_mirror.py::test_reads_never_make_a_name_stale"],
     ),

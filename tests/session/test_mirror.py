@@ -412,3 +412,30 @@ def test_a_plain_log_changed_by_the_cell_that_first_reaches_it_comes_back():
         log[4]["i"] = -4  # a plain cell's change: pushed, so the master finds its registry anew
         s.run("log[5]['i'] = -5")
         assert log[5] == {"i": -5} and s.run("log[4]['i']") == -4
+
+
+# ----------------------------------------------------------------------------- conflicts settled
+# (issue 43, items 2.4 and 2.5: a --no-return cell's tensor writes are stale as its NumPy writes
+# are; a pull of one name neither depends on nor clears another name's conflict)
+
+
+@pytest.mark.parametrize("write", ["t.add_(1)", "v = t[1:]\nv.add_(3)", "ddp.module.load_state_dict(ones)"])
+def test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is(write):
+    """An in-place tensor write (through the variable, a view, or DDP's ``.module``) in a
+    --no-return cell marks the variable stale: a plain write to it after is a conflict, never
+    pushed silently over (or merged page by page into) the master's newer value."""
+    torch.manual_seed(0)
+    ns = {"t": torch.zeros(4), "model": torch.nn.Linear(2, 2), "arr": __import__("numpy").zeros(2)}
+    with start("fork", namespace=ns) as s:
+        s.run(DDP_SETUP + "ones = {k: torch.ones_like(v) for k, v in model.state_dict().items()}\nn = len(t)")
+        s.run(write + "\narr += 1", no_return=True)
+        name = "model" if "ddp" in write else "t"
+        assert set(s.flow.mirror.stale) == {name, "arr"}, s.flow.mirror.stale
+        held = ns[name] if name == "t" else ns[name].weight
+        with torch.no_grad():
+            held[0] = 5.0  # a plain cell writes the stale copy
+        with pytest.raises(enot_nb.StaleError, match=f"'{name}'"):
+            s.run("pass")
+        master = s.pull(name, overwrite=True)[name]  # rank 0's value wins, whole
+        expected = [1.0, 1.0] if name == "model" else [1.0] * 4 if write == "t.add_(1)" else [0.0, 3.0, 3.0, 3.0]
+        assert (master.weight[0] if name == "model" else master).tolist() == expected
