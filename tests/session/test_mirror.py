@@ -439,3 +439,64 @@ def test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is(write):
         master = s.pull(name, overwrite=True)[name]  # rank 0's value wins, whole
         expected = [1.0, 1.0] if name == "model" else [1.0] * 4 if write == "t.add_(1)" else [0.0, 3.0, 3.0, 3.0]
         assert (master.weight[0] if name == "model" else master).tolist() == expected
+
+
+def test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone():
+    """``%enot_pull a --keep-notebook`` while ``b`` is in conflict too: ``a`` goes to every rank
+    (nothing of ``b`` with it), ``b`` is still asked about, and once settled neither side's ``a``
+    is a merge of both."""
+    ns = {"a": {"x": 0}, "b": torch.zeros(3)}
+    with start("fork", namespace=ns) as s:
+        s.run("n = len(a) + len(b)")
+        s.run("a['m'] = 1\nb.add_(1)", no_return=True)
+        ns["a"]["x"] = 5
+        ns["b"][0] = 7.0
+        assert s.pull("a", keep_notebook=True) == {"a": {"x": 5}}
+        assert "a" not in s.flow.mirror.stale and s.flow.mirror.conflicts == {"b"}
+        with pytest.raises(enot_nb.StaleError, match="'b'"):
+            s.run("pass")
+        assert s.pull("b", overwrite=True)["b"].tolist() == [1.0, 1.0, 1.0]
+        assert s.run("(dict(a), b.tolist())") == ({"x": 5}, [1.0, 1.0, 1.0])
+        ns["a"]["y"] = 2  # current again: a plain change reaches the ranks
+        assert s.launch(lambda: dict(a)) == {"x": 5, "y": 2}  # noqa: F821 - the rank's globals
+
+
+def test_a_keep_notebook_a_rank_refuses_settles_nothing():
+    """The notebook's value cannot be applied on rank 1 (its storage has another size): the
+    conflict it was to settle is still asked about, though the record takes the notebook's value."""
+    ns = {"w": torch.zeros(2)}
+    with start("fork", namespace=ns) as s:
+        s.run("import torch.distributed as dist\nn = len(w)")
+        s.run("w.add_(2)\nif dist.get_rank() == 1:\n    w.resize_(5)", no_return=True)
+        ns["w"][0] = 7.0
+        with pytest.raises(WorkerFailedError) as failed:
+            s.pull("w", keep_notebook=True)
+        assert failed.value.rank == 1
+        with pytest.raises(enot_nb.StaleError, match="'w'"):
+            s.run("pass")
+        assert s.pull("w", overwrite=True)["w"].tolist() == [7.0, 0.0]  # rank 0 had applied the push
+        assert s.run("w.tolist()") == [7.0, 0.0] and not s.flow.mirror.stale
+
+
+@pytest.mark.parametrize("bound", ["synced", "bound on the ranks alone"])
+def test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks(bound):
+    """A stale variable the notebook deleted: every session cell is refused, naming it, until
+    the user says which side wins; ``--keep-notebook`` deletes it on every rank, ``--overwrite``
+    brings the master's value back. Also where no sync sent it (a rank-only function bound it)."""
+    ns = {"a": [1]}
+    with start("fork", namespace=ns) as s:
+        if bound == "synced":
+            s.run("n = len(a)")
+            s.run("a.append(2)", no_return=True)
+        else:
+            s.run("def put(name, value):\n    put.__globals__[name] = value", no_return=True)  # rank-only
+            s.run("put('a', [9])", no_return=True)  # no name the notebook could send
+            assert "a" not in s.flow.mirror.record.synced
+        assert "a" in s.flow.mirror.stale
+        del ns["a"]
+        with pytest.raises(enot_nb.StaleError, match="'a'"):
+            s.run("m = 1")
+        assert s.pull("a", keep_notebook=True) == {}
+        assert not s.flow.mirror.stale and "a" not in ns
+        assert s.run("'a' in dir()") is False
+        assert s.launch(lambda: "a" in globals()) is False
