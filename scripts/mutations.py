@@ -791,6 +791,120 @@ MUTATIONS = [
         "",
         ["tests/session/test_work_kept.py::test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was"],
     ),
+    # ------------------------------------------------------------- conflicts settled (issue 43: 2.4, 2.5, --fresh)
+    Mutation(
+        "no-return-tensor-writes-leave-the-name-current",
+        "enot_nb/_worker/cell.py",
+        "            written = self.registry.names_holding({new.storage for new in changes.storages})\n",
+        "            written: set[str] = set()\n",
+        [
+            "tests/session/test_mirror.py::test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-no-return-tensor-write-then-a-plain-one-keep-notebook-fork]",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "ddp-weights-loaded-in-a-no-return-cell-then-a-plain-write-overwrite-spawn]",
+        ],
+    ),
+    Mutation(
+        "any-storage-written-makes-every-tensor-stale",
+        "enot_nb/_state/registry.py",
+        " and {self.find_storage(s) for s in tensor_storages(self.objects[i])} & storages:",
+        ":",
+        ["tests/session/test_mirror.py::test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is"],
+    ),
+    Mutation(
+        "keep-notebook-refused-by-another-names-conflict",
+        "enot_nb/_session/mirror/mirror.py",
+        "            if not pulling and not keeping:\n",
+        "            if not pulling:\n",
+        [
+            "tests/session/test_mirror.py::test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "keep-notebook-of-one-name-beside-another-conflict-fork]",
+        ],
+    ),
+    Mutation(
+        "a-kept-name-left-out-of-its-own-push",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changed_stale -= set(keeping)  # the notebook's side goes\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks-fork]",
+        ],
+    ),
+    Mutation(
+        "a-stale-name-the-ranks-alone-were-given-deleted-here-unseen",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changes.deleted += [n for n in sorted(self.stale) if n not in now and n not in synced]\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks"
+            "[bound on the ranks alone]"
+        ],
+    ),
+    Mutation(
+        "a-deleted-stale-name-cannot-be-kept",
+        "enot_nb/_session/kernel/flow.py",
+        "        missing = [n for n in names if n not in self.namespace and n not in stale]\n",
+        "        missing = [n for n in names if n not in self.namespace]\n",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks-spawn]",
+        ],
+    ),
+    Mutation(
+        "a-refused-keep-notebook-settles-its-conflict",
+        "enot_nb/_session/kernel/flow.py",
+        "                self.mirror.conflicts |= set(prepared.push.settles) & set(self.mirror.stale)\n",
+        "                pass\n",
+        ["tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing"],
+    ),
+    Mutation(
+        "keep-notebook-never-settles",
+        "enot_nb/_session/kernel/flow.py",
+        "        self.mirror.refreshed(names)\n\n",
+        "\n",
+        [
+            "tests/session/test_mirror.py::test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "keep-notebook-of-one-name-beside-another-conflict-fork]",
+        ],
+    ),
+    Mutation(
+        "fresh-cells-skipped-as-session-cells",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![^\\n]*--fresh)")\n',
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b")\n',
+        [
+            "tests/unit/test_plain_cells.py::test_a_fresh_cell_is_compared_as_a_plain_one_and_only_its_magic_line_says_so",
+            "tests/session/test_session_parity.py::"
+            "test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared",
+        ],
+    ),
+    Mutation(
+        "fresh-read-from-the-cell-body",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![^\\n]*--fresh)")\n',
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![\\s\\S]*--fresh)")\n',
+        [
+            "tests/unit/test_plain_cells.py::test_a_fresh_cell_is_compared_as_a_plain_one_and_only_its_magic_line_says_so"
+        ],
+    ),
+    Mutation(
+        "fresh-ignored-inside-a-session",
+        "enot_nb/magic.py",
+        "            if not args.fresh:\n",
+        "            if True:\n",
+        [
+            "tests/session/test_session_parity.py::"
+            "test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "fresh-cells-inside-a-session-change-what-the-ranks-hold-fork]",
+        ],
+    ),
 ]
 
 
