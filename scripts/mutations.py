@@ -841,7 +841,7 @@ MUTATIONS = [
         "",
         [
             "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks"
-            "[bound on the ranks alone]"
+            "[bound-on-the-ranks-alone]"
         ],
     ),
     Mutation(

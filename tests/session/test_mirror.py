@@ -478,7 +478,7 @@ def test_a_keep_notebook_a_rank_refuses_settles_nothing():
         assert s.run("w.tolist()") == [7.0, 0.0] and not s.flow.mirror.stale
 
 
-@pytest.mark.parametrize("bound", ["synced", "bound on the ranks alone"])
+@pytest.mark.parametrize("bound", ["synced", "bound-on-the-ranks-alone"])
 def test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks(bound):
     """A stale variable the notebook deleted: every session cell is refused, naming it, until
     the user says which side wins; ``--keep-notebook`` deletes it on every rank, ``--overwrite``
