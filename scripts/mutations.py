@@ -450,8 +450,8 @@ MUTATIONS = [
     Mutation(
         "session-graph-going-out-unnamed",
         "enot_nb/_session/mirror/mirror.py",
-        "        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))\n",
-        "        return Push(None if empty else changes, names, newly_kept, [])\n",
+        "        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound), settles)\n",
+        "        return Push(None if empty else changes, names, newly_kept, [], settles)\n",
         ["tests/session/test_mirror.py::test_a_tensor_with_a_graph_going_out_is_named_as_one_coming_back_is"],
     ),
     Mutation(
@@ -488,7 +488,7 @@ MUTATIONS = [
     Mutation(
         "a-conflict-refuses-pulls-of-other-names",
         "enot_nb/_session/mirror/mirror.py",
-        "            if not pulling:\n                raise StaleError",
+        "            if not pulling and not keeping:\n                raise StaleError",
         "            if True:\n                raise StaleError",
         [
             "tests/session/test_mirror.py::test_a_pull_of_another_name_is_never_refused_by_a_stale_one_and_the_conflict_stays"
@@ -854,6 +854,14 @@ MUTATIONS = [
             "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
             "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks-spawn]",
         ],
+    ),
+    Mutation(
+        "keep-notebook-settles-before-the-ranks-applied-it",
+        "enot_nb/_session/mirror/mirror.py",
+        "        for name in names:\n            if name not in namespace or baseline.objects[0] is not namespace:\n",
+        "        for name in names:\n            self.stale.pop(name, None)\n            self.conflicts.discard(name)\n"
+        "            if name not in namespace or baseline.objects[0] is not namespace:\n",
+        ["tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing"],
     ),
     Mutation(
         "a-refused-keep-notebook-settles-its-conflict",
