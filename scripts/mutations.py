@@ -866,9 +866,26 @@ MUTATIONS = [
     Mutation(
         "a-refused-keep-notebook-settles-its-conflict",
         "enot_nb/_session/kernel/flow.py",
-        "                self.mirror.conflicts |= set(prepared.push.settles) & set(self.mirror.stale)\n",
-        "                pass\n",
+        "            self.still_in_conflict(prepared, [])\n            return\n        self.mirror.refreshed(names)\n",
+        "            return\n        self.mirror.refreshed(names)\n",
         ["tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing"],
+    ),
+    Mutation(
+        "a-failed-pull-settles-its-conflict",
+        "enot_nb/_session/kernel/flow.py",
+        "            self.mirror.conflicts |= (set(prepared.push.settles) - set(settled)) & set(self.mirror.stale)\n",
+        "            pass\n",
+        [
+            "tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing",
+            "tests/session/test_mirror.py::test_an_overwrite_the_master_cannot_answer_settles_nothing",
+        ],
+    ),
+    Mutation(
+        "a-failed-pull-makes-a-conflict-of-what-it-pulled",
+        "enot_nb/_session/mirror/mirror.py",
+        "        settles = sorted(changed_stale & {*pulling, *keeping})\n",
+        "        settles = sorted({*pulling, *keeping} & set(self.stale))\n",
+        ["tests/session/test_mirror.py::test_a_failed_pull_of_a_stale_name_unchanged_here_leaves_no_conflict"],
     ),
     Mutation(
         "keep-notebook-never-settles",

@@ -500,3 +500,39 @@ def test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the
         assert not s.flow.mirror.stale and "a" not in ns
         assert s.run("'a' in dir()") is False
         assert s.launch(lambda: "a" in globals()) is False
+
+
+def test_an_overwrite_the_master_cannot_answer_settles_nothing():
+    """``%enot_pull a --overwrite`` where rank 0 deleted ``a`` (a --no-return cell) and the
+    notebook changed it: the pull fails, naming it, and the conflict is still asked about (the
+    record, walked again after the pull, no longer shows the notebook's change)."""
+    ns = {"a": [1], "b": [0]}
+    with start("fork", namespace=ns) as s:
+        s.run("n = len(a) + len(b)")
+        s.run("del a\nb.append(1)", no_return=True)
+        ns["a"].append(2)
+        ns["b"].append(3)
+        with pytest.raises(WorkerFailedError, match="rank 0 has no variable 'a'"):
+            s.pull("a", "b", overwrite=True)
+        with pytest.raises(enot_nb.StaleError, match="'a'"):
+            s.run("pass")
+        assert s.pull("b", overwrite=True) == {"b": [0, 1]}
+        with pytest.raises(WorkerFailedError, match="a: no such variable on this rank"):
+            s.pull("a", keep_notebook=True)  # (sent in place, where the ranks hold nothing: a limitation)
+        with pytest.raises(enot_nb.StaleError, match="'a'"):
+            s.run("pass")
+        del ns["a"]  # rank 0's side, by hand
+        assert s.pull("a", keep_notebook=True) == {}
+        assert s.run("('a' in dir(), list(b))") == (False, [0, 1]) and not s.flow.mirror.stale
+
+
+def test_a_failed_pull_of_a_stale_name_unchanged_here_leaves_no_conflict():
+    """Only a conflict the pull was to settle is kept after it fails: a stale name the notebook
+    never changed is still no conflict, and the next cell runs."""
+    ns = {"a": [1]}
+    with start("fork", namespace=ns) as s:
+        s.run("n = len(a)")
+        s.run("del a", no_return=True)
+        with pytest.raises(WorkerFailedError, match="rank 0 has no variable 'a'"):
+            s.pull("a", overwrite=True)
+        assert s.run("n + 1") == 2 and "a" in s.flow.mirror.stale and not s.flow.mirror.conflicts

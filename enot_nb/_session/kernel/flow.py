@@ -290,20 +290,26 @@ class NamespaceFlow:
             push.changes = changes
         return PreparedTask(SyncTask(push.changes, []), push)
 
+    def still_in_conflict(self, prepared: PreparedTask, settled: list[str]) -> None:
+        """After a pull: the conflicts it was to settle but did not (``settled``: the names now
+        the same on both sides) are still asked about, though the record now takes the
+        notebook's values (a refused push, a failed pull, a name that did not come back)."""
+        if prepared.push is not None:
+            self.mirror.conflicts |= (set(prepared.push.settles) - set(settled)) & set(self.mirror.stale)
+
     def after_keep_notebook(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> None:
         """The ranks hold the notebook's values of ``names``: they are current, their conflicts
-        settled, and only then: a push a rank refused settles nothing (its conflicts are still
-        asked about, though the record now takes the notebook's values)."""
+        settled, and only then (see still_in_conflict)."""
         self.after_push(prepared, outcome)
         if outcome.failures or outcome.interrupted or outcome.refused or outcome.restart is not None:
-            if prepared.push is not None and outcome.restart is None:
-                self.mirror.conflicts |= set(prepared.push.settles) & set(self.mirror.stale)
+            self.still_in_conflict(prepared, [])
             return
         self.mirror.refreshed(names)
 
     def after_pull(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:
         self.after_push(prepared, outcome)
         if outcome.failures or outcome.interrupted or prepared.registry is None:
+            self.still_in_conflict(prepared, [])
             return {}
         pulled, not_returned, whole = outcome.result
         changes = apply.load(pulled, prepared.registry)
@@ -315,6 +321,7 @@ class NamespaceFlow:
             print(f"enot_nb: {name!r} was not brought back: {why}", file=sys.stderr)
         came = [n for n in names if n not in not_returned and n in self.namespace]
         self.mirror.refreshed(came)
+        self.still_in_conflict(prepared, came)
         if self.mirrored and outcome.restart is None:
             self.mirror.synced_after(self.namespace, [*self.mirror.record.synced, *came], self._hidden())
         return {n: self.namespace[n] for n in came}

@@ -53,8 +53,9 @@ class Push:
     detached: list[str] = field(default_factory=list)
     """Variables bound to tensors with an autograd graph: they reach the ranks without it."""
     settles: list[str] = field(default_factory=list)
-    """The conflicts it settles the notebook's way (``keeping``): settled once the ranks applied
-    it, kept if they did not (see NamespaceFlow.after_keep_notebook)."""
+    """The conflicts the pull it goes with settles (``keeping``, or ``pulling`` with
+    ``overwrite``): settled once the winning side is on both, kept if not (see
+    NamespaceFlow.still_in_conflict)."""
 
 
 @dataclass
@@ -190,7 +191,7 @@ class Mirror:
         changes.deleted += [n for n in sorted(self.stale) if n not in now and n not in synced]
         changed_stale |= {n for n in [*changes.bound, *changes.deleted] if n in self.stale}
         changed_stale |= self.conflicts & set(self.stale)
-        settles = sorted(changed_stale & set(keeping))
+        settles = sorted(changed_stale & {*pulling, *keeping})
         changed_stale -= set(keeping)  # the notebook's side goes
         for name in sorted(changed_stale):
             if name in pulling and not overwrite:
