@@ -450,8 +450,8 @@ MUTATIONS = [
     Mutation(
         "session-graph-going-out-unnamed",
         "enot_nb/_session/mirror/mirror.py",
-        "        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))\n",
-        "        return Push(None if empty else changes, names, newly_kept, [])\n",
+        "        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound), settles)\n",
+        "        return Push(None if empty else changes, names, newly_kept, [], settles)\n",
         ["tests/session/test_mirror.py::test_a_tensor_with_a_graph_going_out_is_named_as_one_coming_back_is"],
     ),
     Mutation(
@@ -467,7 +467,7 @@ MUTATIONS = [
     Mutation(
         "no-return-marks-every-read-name-stale",
         "enot_nb/_worker/cell.py",
-        "            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})\n",
+        "            outcome.left_out = sorted({*outcome.changed_names, *written, *changes.deleted})\n",
         "            outcome.left_out = sorted(set(self.names_before) | set(changes.bound))\n",
         ["tests/session/test_mirror.py::test_reads_never_make_a_name_stale"],
     ),
@@ -488,7 +488,7 @@ MUTATIONS = [
     Mutation(
         "a-conflict-refuses-pulls-of-other-names",
         "enot_nb/_session/mirror/mirror.py",
-        "            if not pulling:\n                raise StaleError",
+        "            if not pulling and not keeping:\n                raise StaleError",
         "            if True:\n                raise StaleError",
         [
             "tests/session/test_mirror.py::test_a_pull_of_another_name_is_never_refused_by_a_stale_one_and_the_conflict_stays"
@@ -960,6 +960,145 @@ MUTATIONS = [
         "        if isinstance(exc, KeyboardInterrupt):\n            _grad_mode_after_press(grad_before)\n",
         "",
         ["tests/session/test_work_kept.py::test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was"],
+    ),
+    # ------------------------------------------------------------- conflicts settled (issue 43: 2.4, 2.5, --fresh)
+    Mutation(
+        "no-return-tensor-writes-leave-the-name-current",
+        "enot_nb/_worker/cell.py",
+        "            written = self.registry.names_holding({new.storage for new in changes.storages})\n",
+        "            written: set[str] = set()\n",
+        [
+            "tests/session/test_mirror.py::test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-no-return-tensor-write-then-a-plain-one-keep-notebook-fork]",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "ddp-weights-loaded-in-a-no-return-cell-then-a-plain-write-overwrite-spawn]",
+        ],
+    ),
+    Mutation(
+        "any-storage-written-makes-every-tensor-stale",
+        "enot_nb/_state/registry.py",
+        " and {self.find_storage(s) for s in tensor_storages(self.objects[i])} & storages:",
+        ":",
+        ["tests/session/test_mirror.py::test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is"],
+    ),
+    Mutation(
+        "keep-notebook-refused-by-another-names-conflict",
+        "enot_nb/_session/mirror/mirror.py",
+        "            if not pulling and not keeping:\n",
+        "            if not pulling:\n",
+        [
+            "tests/session/test_mirror.py::test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "keep-notebook-of-one-name-beside-another-conflict-fork]",
+        ],
+    ),
+    Mutation(
+        "a-kept-name-left-out-of-its-own-push",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changed_stale -= set(keeping)  # the notebook's side goes\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks-fork]",
+        ],
+    ),
+    Mutation(
+        "a-stale-name-the-ranks-alone-were-given-deleted-here-unseen",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changes.deleted += [n for n in sorted(self.stale) if n not in now and n not in synced]\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks"
+            "[bound-on-the-ranks-alone]"
+        ],
+    ),
+    Mutation(
+        "a-deleted-stale-name-cannot-be-kept",
+        "enot_nb/_session/kernel/flow.py",
+        "        missing = [n for n in names if n not in self.namespace and n not in stale]\n",
+        "        missing = [n for n in names if n not in self.namespace]\n",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks-spawn]",
+        ],
+    ),
+    Mutation(
+        "keep-notebook-settles-before-the-ranks-applied-it",
+        "enot_nb/_session/mirror/mirror.py",
+        "        for name in names:\n            if name not in namespace or baseline.objects[0] is not namespace:\n",
+        "        for name in names:\n            self.stale.pop(name, None)\n            self.conflicts.discard(name)\n"
+        "            if name not in namespace or baseline.objects[0] is not namespace:\n",
+        ["tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing"],
+    ),
+    Mutation(
+        "a-refused-keep-notebook-settles-its-conflict",
+        "enot_nb/_session/kernel/flow.py",
+        "            self.still_in_conflict(prepared, [])\n            return\n        self.mirror.refreshed(names)\n",
+        "            return\n        self.mirror.refreshed(names)\n",
+        ["tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing"],
+    ),
+    Mutation(
+        "a-failed-pull-settles-its-conflict",
+        "enot_nb/_session/kernel/flow.py",
+        "            self.mirror.conflicts |= (set(prepared.push.settles) - set(settled)) & set(self.mirror.stale)\n",
+        "            pass\n",
+        [
+            "tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing",
+            "tests/session/test_mirror.py::test_an_overwrite_the_master_cannot_answer_settles_nothing",
+        ],
+    ),
+    Mutation(
+        "a-failed-pull-makes-a-conflict-of-what-it-pulled",
+        "enot_nb/_session/mirror/mirror.py",
+        "        settles = sorted(changed_stale & {*pulling, *keeping})\n",
+        "        settles = sorted({*pulling, *keeping} & set(self.stale))\n",
+        ["tests/session/test_mirror.py::test_a_failed_pull_of_a_stale_name_unchanged_here_leaves_no_conflict"],
+    ),
+    Mutation(
+        "keep-notebook-never-settles",
+        "enot_nb/_session/kernel/flow.py",
+        "        self.mirror.refreshed(names)\n\n",
+        "\n",
+        [
+            "tests/session/test_mirror.py::test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "keep-notebook-of-one-name-beside-another-conflict-fork]",
+        ],
+    ),
+    Mutation(
+        "fresh-cells-skipped-as-session-cells",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![^\\n]*--fresh)")\n',
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b")\n',
+        [
+            "tests/unit/test_plain_cells.py::test_a_fresh_cell_is_compared_as_a_plain_one_and_only_its_magic_line_says_so",
+            "tests/session/test_session_parity.py::"
+            "test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared",
+        ],
+    ),
+    Mutation(
+        "fresh-read-from-the-cell-body",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![^\\n]*--fresh)")\n',
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![\\s\\S]*--fresh)")\n',
+        [
+            "tests/unit/test_plain_cells.py::test_a_fresh_cell_is_compared_as_a_plain_one_and_only_its_magic_line_says_so"
+        ],
+    ),
+    Mutation(
+        "fresh-ignored-inside-a-session",
+        "enot_nb/magic.py",
+        "            if not args.fresh:\n",
+        "            if True:\n",
+        [
+            "tests/session/test_session_parity.py::"
+            "test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "fresh-cells-inside-a-session-change-what-the-ranks-hold-fork]",
+        ],
     ),
 ]
 

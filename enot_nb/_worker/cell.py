@@ -365,7 +365,8 @@ class Tracker:
             set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
         )
         if options.names_only:  # a session's --no-return cell: the names of what changed, no state
-            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})
+            written = self.registry.names_holding({new.storage for new in changes.storages})
+            outcome.left_out = sorted({*outcome.changed_names, *written, *changes.deleted})
             outcome.value_bundle = _bundle(value, shell) if has_value else None
             return outcome
         if options.returns is not None:

@@ -24,6 +24,11 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 S, P, F = "session", "plain", "fails"  # F: a session cell that raises (in both kernels)
 # A session cell with options: S + " --no-return" runs `%%enot_distributed --no-return` there.
+R = "refused, naming"  # R + " x": a session cell the session refuses (UsageError) for x's conflict
+PULL = "pull"  # a line (%enot_pull ...) run in the session's kernel alone
+# A step is (kind, cell) or (kind, cell, reference): the reference kernel runs ``reference``
+# instead of the cell, the documented meaning of a step with no plain counterpart (a --no-return
+# cell, a pull that settles a conflict); R and PULL steps run nothing there unless given one.
 LINEAR = "model = torch.nn.Linear(2, 2)\n"
 STEP = "loss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()\nopt.zero_grad()"
 GRAD_STEP = "opt.zero_grad()\nloss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()"  # new .grad tensors
@@ -336,14 +341,20 @@ def _run_case(kernels, method, steps, setup, probes, start=None):
             kernel.ok(setup)
     dist.ok(start or f"%enot_session start -n 2 --backend gloo --start-method {method}", timeout=180)
     try:
-        for kind, cell in steps:
+        for kind, cell, *reference in steps:
             results = []
             for kernel in (local, dist):
                 options = kind[len(S) :] if kind.startswith(S) else ""
-                code = cell if kind == P or kernel is local else f"%%enot_distributed{options}\n" + cell
+                if kernel is local:
+                    code = reference[0] if reference else "" if kind.startswith((R, PULL)) else cell
+                else:
+                    code = cell if kind in (P, PULL) else f"%%enot_distributed{options}\n" + cell
                 run = kernel.run(code)
                 if kind == F:
                     assert run.error is not None, f"{cell!r} should fail in both kernels"
+                elif kind.startswith(R) and kernel is dist:
+                    name = kind[len(R) :].strip()
+                    assert _usage_error(run, f"'{name}'") and f"%enot_pull {name}" in run.stderr, run.stderr
                 else:
                     assert run.error is None, run.traceback + run.stderr
                 results.append((run.result or {}).get("text/plain"))
@@ -545,3 +556,114 @@ def test_a_future_import_in_the_notebook_holds_in_session_cells(live):
         assert live.ok("print(Node.__annotations__, n.nxt.nxt)").stdout.strip() == "{'nxt': 'Node | None'} None"
     finally:  # (the module's kernel goes on: its next cells compile without it)
         live.ok("get_ipython().compile.flags &= ~__import__('__future__').annotations.compiler_flag")
+
+
+# ----------------------------------------------------------------------------- conflicts settled
+# Issue 43, items 2.4 and 2.5, and the --fresh cells of its section 3. A --no-return cell's
+# change stays on the ranks; a later plain change to the same variable is a conflict, refused
+# by name until a pull says which side wins. The reference kernel runs what the winning side
+# means: --keep-notebook, the notebook's plain cells alone (the --no-return cell runs nothing
+# there); --overwrite, the master's change (at the pull), the plain change dropped.
+
+FRESH = S + " --fresh -n 2 --backend gloo"  # a one-off launch while the session runs
+NET_OF = "def net_of(w):\n    return getattr(w, 'module', w)\n"  # DDP's .module, the model itself here
+PARAMETERS = "[round(x, 4) for x in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()]"
+
+SETTLED_CASES = [
+    (
+        "a-no-return-tensor-write-then-a-plain-one-keep-notebook",
+        "t = torch.zeros(4)\nv = t[2:]\n",
+        [
+            (S, "t.add_(1)"),
+            (S + " --no-return", "v.add_(1)\nt[0] = 3", ""),
+            (P, "t[1] = 5"),
+            (R + " t", "r = t.tolist()"),
+            (PULL, "%enot_pull t,v --keep-notebook"),  # v holds the storage the cell wrote: stale too
+            (S, "r = t.tolist()\nt.mul_(2)"),
+            (P, "v[0] = -1"),
+            (S, "r2 = (t.tolist(), v.tolist())"),
+        ],
+        ["t.tolist()", "v.tolist()", "'r' in dir() and r", "'r2' in dir() and r2"],
+    ),
+    (
+        "ddp-weights-loaded-in-a-no-return-cell-then-a-plain-write-overwrite",
+        DDP_TRAINING + NET_OF + "target = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}\n",
+        [
+            (S, "ddp = wrap(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.05)"),
+            (S, "train(ddp, opt, 2)"),
+            (S + " --no-return", "net_of(ddp).load_state_dict(target);", ""),
+            (P, "model[0].weight.data[0, 0] = 7.0"),
+            (R + " model", "train(ddp, opt, 1)"),
+            (PULL, "%enot_pull model --overwrite", "model.load_state_dict(target);"),
+            (S, "train(ddp, opt, 2)"),
+        ],
+        [PARAMETERS, "[round(x, 4) for x in model[1].running_mean.tolist()]", "steps"],
+    ),
+    (
+        "keep-notebook-of-one-name-beside-another-conflict",
+        "a = {'x': 0}\nb = torch.zeros(3)\n",
+        [
+            (S, "n = len(a) + len(b)"),
+            (S + " --no-return", "b.add_(1)\na['m'] = 1", "master_b = b + 1"),
+            (P, "a['x'] = 5\nb[0] = 7"),
+            (PULL, "%enot_pull a --keep-notebook"),
+            (R + " b", "r = sorted(a.items())"),
+            (PULL, "%enot_pull b --overwrite", "b.copy_(master_b);"),
+            (S, "r = (sorted(a.items()), b.tolist())"),
+            (P, "a['y'] = 2"),
+            (S, "r2 = sorted(a.items())"),
+        ],
+        ["sorted(a.items())", "b.tolist()", "'r' in dir() and r", "'r2' in dir() and r2"],
+    ),
+    (
+        "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks",
+        "a = [1]\nkeep = [0]\n",
+        [
+            (S, "n = len(a) + len(keep)"),
+            (S + " --no-return", "a.append(2)\nkeep.append(1)", ""),
+            (P, "del a\nkeep.append(3)"),
+            (R + " a", "m = 1"),
+            (PULL, "%enot_pull a,keep --keep-notebook"),
+            (S, "e = 'a' in dir()\nk = list(keep)"),
+        ],
+        ["'a' in dir()", "keep", "globals().get('e', 'unset')", "globals().get('k', 'unset')"],
+    ),
+    (
+        "fresh-cells-inside-a-session-change-what-the-ranks-hold",
+        "xs = [0]\nt = torch.ones(2)\nk = 1\n",
+        [
+            (S, "n0 = len(xs) + int(t.sum()) + k"),
+            (FRESH, "xs.append(len(xs))\nt.mul_(3)\nk = 7"),
+            (S, "n = (list(xs), t.tolist(), k)"),
+            (S + " --no-return", "xs.append(-1)", ""),
+            (FRESH, "xs.append(5)"),
+            (R + " xs", "m = len(xs)"),
+            (PULL, "%enot_pull xs --keep-notebook"),
+            (S, "m = list(xs)"),
+        ],
+        ["xs", "t.tolist()", "k", "'n' in dir() and n", "'m' in dir() and m"],
+    ),
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case_id, setup, steps, probes", SETTLED_CASES, ids=[c[0] for c in SETTLED_CASES])
+def test_a_conflict_settled_is_the_side_that_won(kernels, method, case_id, setup, steps, probes):
+    _run_case(kernels, method, steps, setup, probes)
+
+
+def test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared(live):
+    """A --fresh cell inside a live session runs as a one-off launch (its own ranks, which may
+    change the worker options), and its changes to what the session's ranks hold reach them
+    before the next session cell, as a plain cell's do: only the cells since the last sync are
+    compared (the differential cases' probes read names dynamically, so there everything is)."""
+    live.ok("xs = [0]\nt = torch.ones(2)\nimport os")
+    session_pids = live.ok("%%enot_distributed --output all\nprint('pid', os.getpid())").stdout
+    live.ok("%%enot_distributed\nn = len(xs) + int(t.sum())")
+    fresh = "%%enot_distributed --fresh -n 2 --backend gloo --output all\n"
+    run = live.ok(fresh + "xs.append(1)\nt.mul_(3)\nprint('pid', os.getpid())")
+    one_off = set(re.findall(r"pid \d+", run.stdout))
+    assert len(one_off) == 2 and not one_off & set(re.findall(r"pid \d+", session_pids)), run.stdout
+    seen = live.ok("%%enot_distributed --output all\nprint(xs, t.tolist())").stdout
+    assert seen.count("[0, 1] [3.0, 3.0]") == 2, seen  # (a plain cell reaching them first would compare them)
+    assert live.ok("print(xs, t.tolist())").stdout.strip() == "[0, 1] [3.0, 3.0]"  # brought back

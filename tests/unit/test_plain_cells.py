@@ -50,3 +50,20 @@ def test_a_cell_that_ran_a_session_task_counts_after_its_sync(shell):
         assert reached is not None and reached.find(shell.user_ns["small"]) is not None
     finally:
         cells.close()
+
+
+def test_a_fresh_cell_is_compared_as_a_plain_one_and_only_its_magic_line_says_so(shell):
+    """``%%enot_distributed --fresh`` is a one-off launch whose changes come back into the
+    notebook: it counts as a plain cell does (a magic reads the namespace by name: everything is
+    compared); a session cell that only mentions ``--fresh`` in its body is still a session
+    cell (in the record)."""
+    sync = [0]
+    cells = PlainCells(shell, lambda: sync[0])
+    try:
+        ns = shell.user_ns
+        shell.run_cell("%%enot_distributed\nprint('--fresh')\nbig.append(1)")  # fails here: no magic
+        assert cells.reached(ns, shell.user_ns_hidden).find(ns["big"]) is None
+        shell.run_cell("%%enot_distributed -n 2 --fresh\nsmall.append(1)")
+        assert cells.reached(ns, shell.user_ns_hidden) is None
+    finally:
+        cells.close()

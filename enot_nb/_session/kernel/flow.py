@@ -114,12 +114,13 @@ class NamespaceFlow:
         pulling: list[str] | None = None,
         since: SinceSync | None = None,
         overwrite: bool = False,
+        keeping: list[str] | None = None,
     ) -> Push | None:
         self.kept = None  # the task may change what it was made from
         if not self.mirrored:
             return None
         since = since or self._compare()
-        return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since, overwrite)
+        return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since, overwrite, keeping)
 
     def after_push(
         self,
@@ -271,15 +272,18 @@ class NamespaceFlow:
 
     def keep_notebook(self, names: list[str]) -> PreparedTask:
         """``pull(names, keep_notebook=True)``: the notebook's values of ``names`` sent to every
-        rank in place of the master's (whole, in place: a conflict settled the notebook's way)."""
+        rank in place of the master's (whole, in place: a conflict settled the notebook's way);
+        a stale variable the notebook deleted is deleted on the ranks too. Another variable's
+        conflict refuses nothing (it stays, asked about at the next cell)."""
         _check_names(names)
-        missing = [n for n in names if n not in self.namespace]
+        stale = self.mirror.stale if self.mirrored else {}
+        missing = [n for n in names if n not in self.namespace and n not in stale]
         if missing:
             raise LaunchConfigError(f"keep_notebook: the notebook has no variable {missing[0]!r} to send")
         if not self.mirrored:
             return self.push_values({n: self.namespace[n] for n in names})
         whole = self.mirror.notebook_wins(self.namespace, names)
-        push = self._push(list(names))
+        push = self._push([n for n in names if n in self.namespace], keeping=list(names))
         assert push is not None
         changes = push.changes or Changes()
         changes.objects = list({**dict(changes.objects), **dict(whole.objects)}.items())
@@ -288,9 +292,26 @@ class NamespaceFlow:
             push.changes = changes
         return PreparedTask(SyncTask(push.changes, []), push)
 
+    def still_in_conflict(self, prepared: PreparedTask, settled: list[str]) -> None:
+        """After a pull: the conflicts it was to settle but did not (``settled``: the names now
+        the same on both sides) are still asked about, though the record now takes the
+        notebook's values (a refused push, a failed pull, a name that did not come back)."""
+        if prepared.push is not None:
+            self.mirror.conflicts |= (set(prepared.push.settles) - set(settled)) & set(self.mirror.stale)
+
+    def after_keep_notebook(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> None:
+        """The ranks hold the notebook's values of ``names``: they are current, their conflicts
+        settled, and only then (see still_in_conflict)."""
+        self.after_push(prepared, outcome)
+        if outcome.failures or outcome.interrupted or outcome.refused or outcome.restart is not None:
+            self.still_in_conflict(prepared, [])
+            return
+        self.mirror.refreshed(names)
+
     def after_pull(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:
         self.after_push(prepared, outcome)
         if outcome.failures or outcome.interrupted or prepared.registry is None:
+            self.still_in_conflict(prepared, [])
             return {}
         pulled, not_returned, whole = outcome.result
         changes = apply.load(pulled, prepared.registry)
@@ -302,6 +323,7 @@ class NamespaceFlow:
             print(f"enot_nb: {name!r} was not brought back: {why}", file=sys.stderr)
         came = [n for n in names if n not in not_returned and n in self.namespace]
         self.mirror.refreshed(came)
+        self.still_in_conflict(prepared, came)
         if self.mirrored and outcome.restart is None:
             self.mirror.synced_after(self.namespace, [*self.mirror.record.synced, *came], self._hidden())
         return {n: self.namespace[n] for n in came}
