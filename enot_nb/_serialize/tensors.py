@@ -331,6 +331,12 @@ def reduce_numpy_view(array: numpy.ndarray, is_known: Callable[[Any, Any], Any])
     return _numpy_view, (root, offset, array.shape, array.strides, array.dtype)
 
 
+def array_owning(view: numpy.ndarray) -> numpy.ndarray:
+    """The array that owns a view's memory, on the receiver: a view travels with all of its
+    owner's memory (reduce_numpy_view), so the owner sent later is that one."""
+    return array_owner(view)
+
+
 def array_owner(array: numpy.ndarray) -> numpy.ndarray:
     """The NumPy array that owns the memory ``array`` views (itself if it owns it)."""
     import numpy

@@ -122,6 +122,10 @@ class PullTask:
     push: collect.Changes | None
     names: list[str]
     mirror: RegistrySpecs
+    whole: tuple[int, int] | None = None
+    """How many of the registry's objects and storages are the pulled names' (their whole
+    states come back); past them, what the ranks hold of the rest of the notebook, found by
+    identity only (a pulled optimizer's params are the notebook's model's). None: all."""
 
 
 @dataclass

@@ -110,17 +110,24 @@ def collect(
     return changes, changed
 
 
-def as_whole_changes(registry: Registry, namespace: dict[str, Any], names: list[str]) -> Changes:
+def as_whole_changes(
+    registry: Registry, namespace: dict[str, Any], names: list[str], whole: tuple[int, int] | None = None
+) -> Changes:
     """``names`` as changes against a registry of the notebook's objects at their paths (see
     paths.registry_at): every object found here sends its whole state (into the notebook's own
-    object), every storage its bytes; a name the notebook does not hold in place travels by value."""
+    object), every storage its bytes; a name the notebook does not hold in place travels by value.
+    ``whole``: only the objects and storages below these indices send their states; the rest
+    are there to be referred to (see tasks.PullTask)."""
     changes = Changes()
-    at_top = {registry.parents[i][1] for i in range(1, len(registry.objects)) if registry.parents[i][0] == 0}
+    objects, storages = whole if whole is not None else (len(registry.objects), len(registry.storages))
+    at_top = {registry.parents[i][1] for i in range(1, objects) if registry.parents[i][0] == 0}
     changes.bound = {n: namespace[n] for n in names if n not in at_top or registry.find(namespace[n]) is None}
-    found = [i for i in range(1, len(registry.objects)) if registry.find(registry.objects[i]) == i]
+    found = [i for i in range(1, objects) if registry.find(registry.objects[i]) == i]
     # Only the storages found here: one with no counterpart on this rank stands as an empty
     # placeholder (see paths.registry_at), which would empty the notebook's.
-    found_here = [j for j, s in enumerate(registry.storages) if s is not None and registry.find_storage(s) == j]
+    found_here = [
+        j for j, s in enumerate(registry.storages[:storages]) if s is not None and registry.find_storage(s) == j
+    ]
     whole = whole_states(registry, found, found_here)
     changes.objects, changes.storages = whole.objects, whole.storages
     return changes
@@ -221,14 +228,21 @@ class StatePickler(ResultPickler):
     def known_storages(self) -> list[Any]:
         return list(self.registry.storages)
 
-    def is_known(self, array: Any, root: Any) -> Any:
+    def _known_by_owner(self) -> dict[int, list[Any]]:
         if self._arrays is None:
             self._arrays = {}
             for obj in self.known_arrays():
                 if obj.flags.c_contiguous:
                     self._arrays.setdefault(id(array_owner(obj)), []).append(obj)
+        return self._arrays
+
+    def view_of(self, owner: Any) -> Any:
+        known = self._known_by_owner().get(id(owner))
+        return known[0] if known else None
+
+    def is_known(self, array: Any, root: Any) -> Any:
         start, end = array_extent(array)
-        for known in self._arrays.get(id(root), ()):
+        for known in self._known_by_owner().get(id(root), ()):
             known_start, known_end = array_extent(known)
             if known_start <= start and end <= known_end:
                 return known

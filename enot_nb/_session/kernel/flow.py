@@ -265,10 +265,16 @@ class NamespaceFlow:
         """``pull(names)``; ``overwrite``: the master's values win over changes a plain cell made
         to stale ones (else those refuse it, see StaleError)."""
         _check_names(names)
-        registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
+        present = [n for n in names if n in self.namespace]
+        registry = Registry.of_namespace(self.namespace, present)
+        whole = (len(registry.objects), len(registry.storages))
+        if self.mirrored:  # what a pulled value shares with the rest of the notebook stays shared
+            held = sorted(n for n in self.mirror.record.synced if n in self.namespace and n not in present)
+            registry.extend(held, self.namespace)
         mirror = paths.mirrored(registry)
         push = self._push([], pulling=list(names), overwrite=overwrite)
-        return PreparedTask(PullTask(push.changes if push else None, list(names), mirror), push, registry)
+        task = PullTask(push.changes if push else None, list(names), mirror, whole)
+        return PreparedTask(task, push, registry)
 
     def keep_notebook(self, names: list[str]) -> PreparedTask:
         """``pull(names, keep_notebook=True)``: the notebook's values of ``names`` sent to every

@@ -304,7 +304,7 @@ def _pull(namespace: dict[str, Any], task: PullTask) -> Any:
         raise NameError(f"pull: rank 0 has no variable {', '.join(map(repr, missing))}")
     registry = _mirror_registry(namespace, task.mirror)
     not_returned: dict[str, str] = {}
-    changes = collect.as_whole_changes(registry, namespace, [n for n in task.names if n not in whole])
+    changes = collect.as_whole_changes(registry, namespace, [n for n in task.names if n not in whole], task.whole)
     sharded.left_sharded(registry, namespace, [], changes)  # their objects come as values, above
     state, _ = collect.dump(changes, registry, not_returned)
     return state, not_returned, whole
