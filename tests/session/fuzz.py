@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from tests.session import fuzz_dump
 
 PRELUDE = (
@@ -95,6 +97,12 @@ class Program:
     """The names the ranks must agree on after a press: DDP's module, its optimizer."""
     ddp_module: str | None = None
     """The module ``ddp`` wraps (the reference's ``ddp`` is that module)."""
+
+    def listing(self) -> str:
+        """The cells, one block each, as a person reads them."""
+        return "\n".join(
+            f"--- {i} {c.kind}{' ' + c.callback if c.callback else ''}\n{c.code}" for i, c in enumerate(self.cells)
+        )
 
     def notebook(self, method: str) -> str:
         """The program as a notebook (nbformat 4 JSON) that reproduces it."""
@@ -503,6 +511,11 @@ class Reference:
         from IPython.core.interactiveshell import InteractiveShell
 
         self.shell = InteractiveShell.instance()
+        self.threads = torch.get_num_threads()
+
+    def close(self) -> None:
+        """This process's torch threads as they were (the prelude sets one)."""
+        torch.set_num_threads(self.threads)
 
     def reset(self) -> None:
         self.shell.reset(new_session=False)
