@@ -336,6 +336,26 @@ MUTATIONS = [
         ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
     ),
     Mutation(
+        # The walk over the rank's variables skipped though the process holds DDP wrappers.
+        "repair-walk-skipped-while-ddp-is-held",
+        "enot_nb/_session/worker/repair.py",
+        "    held = reach(namespace, None if lost else found)\n",
+        "    held = reach(namespace, None if lost else [])\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # The walk ends at the first object it looks for (``opt``), before ``nets['G']``.
+        "repair-walk-ends-at-the-first-found",
+        "enot_nb/_session/worker/repair.py",
+        "            if not self.left:\n                raise _AllFound\n",
+        "            raise _AllFound\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
         # A wrapper a dict holds (``nets['G']``) is rebound but never compared.
         "repair-ddp-replicas-only-in-variables",
         "enot_nb/_session/worker/replicas.py",

@@ -25,10 +25,17 @@ import functools
 import gc
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from enot_nb._session.worker.groups import Subgroup
-from enot_nb._session.worker.replicas import Equalized, equalize, reached_through, replicated_by_construction
+from enot_nb._session.worker.replicas import (
+    Equalized,
+    equalize,
+    imported_classes,
+    reached_through,
+    replicated_by_construction,
+)
 from enot_nb._state.kinds import Kind, held_still
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.states import object_dict, slots
@@ -47,7 +54,9 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
 
     if not dist.is_initialized():
         return None
-    held = reach(namespace)
+    found = _tracked(imported_classes(*_WHAT_REPAIR_FINDS))
+    # Lost subgroups: every holder of each is wanted, so the walk goes to its end.
+    held = reach(namespace, None if lost else found)
     remade = _remade(lost, held)
     parts = []
     if remade.names:
@@ -58,9 +67,8 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
             f"FSDP module(s) {_listed(guarded)} were sharded over the groups that are gone: using one "
             "raises an error that says how to shard it again"
         )
-    ddp_type = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
-    if ddp_type is not None:
-        parts += _rebind(held, ddp_type, remade)
+    wrapper = imported_classes(_WHAT_REPAIR_FINDS[0])
+    parts += _rebind(held, [o for o in found if isinstance(o, wrapper)], remade)
     replication = replicated_by_construction(held)
     equalized = equalize(replication.replicas)  # every rank, whatever it holds: a collective
     parts += _equalized(equalized)
@@ -73,23 +81,79 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
     return "enot_nb: " + "; ".join(parts) if parts else None
 
 
-def reach(namespace: dict[str, Any]) -> Registry:
-    """Everything the rank's variables hold, at any depth, walked as a cell's registry is
-    (breadth first from the names in sorted order; a large plain container is one object): the
-    same objects at the same paths on every rank that ran the same cells."""
+def reach(namespace: dict[str, Any], looking_for: list[Any] | None = None) -> Registry:
+    """What the rank's variables hold, at any depth, walked as a cell's registry is (breadth
+    first from the names in sorted order; a large plain container is one object): the same
+    objects at the same paths on every rank that ran the same cells. ``looking_for``: the walk
+    stops once it has registered each of these (none: at once), None: it goes to its end."""
+    search = _Search.of_namespace(namespace, [])  # the namespace alone, at index 0
+    assert isinstance(search, _Search)
+    if looking_for is not None and not looking_for:
+        return search
+    search.left = None if looking_for is None else {id(o) for o in looking_for}
     with held_still():
-        return Registry.of_namespace(namespace, sorted(user_variables(namespace)))
+        try:
+            search.extend(sorted(user_variables(namespace)), namespace)
+        except _AllFound:
+            pass
+    return search
 
 
-def _rebind(held: Registry, ddp_type: Any, remade: _Remade) -> list[str]:
-    """Every DDP wrapper the process holds (a variable's or not: a wrapper left on a dead group
-    would fail the next collective) onto the group it now belongs on, its reducer reset; what
-    was done, a part of the line each."""
+class _AllFound(Exception):
+    pass
+
+
+@dataclass
+class _Search(Registry):
+    """A registry walk that ends once it has registered every object it looks for (their paths
+    are those of the whole walk: breadth first, a path is found before any longer one). With
+    the optimizer and the wrapper in variables, the walk ends among the variables, whatever
+    large data they also hold: a walk to its end costs about 13 us an object, 4 s over 300,000
+    small objects (docs/performance.md), and a rank that takes longer than the release wait to
+    repair makes the session restart."""
+
+    left: set[int] | None = None
+    """The ids of the objects not found yet; None: the walk goes to its end."""
+
+    def _add(self, obj: Any, kind: Kind, parent: int, step: str) -> int:
+        i = super()._add(obj, kind, parent, step)
+        if self.left is not None and id(obj) in self.left:
+            self.left.discard(id(obj))
+            if not self.left:
+                raise _AllFound
+        return i
+
+
+def _tracked(wanted: tuple[type, ...]) -> list[Any]:
+    """Every object of ``wanted`` (or a subclass) the collector tracks in this process: what
+    the walk looks for (see _Search), and a DDP wrapper that no variable holds is rebound too.
+    Found by type, once per type (a torch process tracks some 300,000 objects: 0.35 s asking
+    ``isinstance`` of each, which also asks a deprecated alias's ``__class__`` and warns)."""
+    if not wanted:
+        return []
+    objects = gc.get_objects()
+    hits = {t for t in set(map(type, objects)) if issubclass(t, wanted)}
+    return [o for o in objects if type(o) in hits] if hits else []
+
+
+_WHAT_REPAIR_FINDS = (
+    ("torch.nn.parallel.distributed", "DistributedDataParallel"),  # first: the wrappers rebound
+    ("torch.optim", "Optimizer"),
+    ("torch.distributed.fsdp", "FSDPModule"),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
+    ("torch.distributed.tensor", "DTensor"),
+)
+
+
+def _rebind(held: Registry, wrappers: list[Any], remade: _Remade) -> list[str]:
+    """Every DDP wrapper the process holds (``wrappers``: a variable's or not, a wrapper left on
+    a dead group would fail the next collective) onto the group it now belongs on, its reducer
+    reset; what was done, a part of the line each."""
     import torch.distributed as dist
 
     world = dist.distributed_c10d._get_default_group()
     rebound, left = [], []
-    for ddp in [o for o in gc.get_objects() if isinstance(o, ddp_type)]:
+    for ddp in wrappers:
         group = remade.new.get(id(ddp.process_group)) or _group_to_rebind(ddp.process_group, world)
         if group is None:
             left.append(_name_of(ddp, held))

@@ -127,20 +127,20 @@ class _ShardedTypes(NamedTuple):
 
 
 def _sharded_types() -> _ShardedTypes:
-    """DDP's, ZeRO's and FSDP's classes, where their modules are imported (never imported
-    here: a rank that has not imported one holds none of its objects)."""
-
-    def classes(*found: tuple[str, str]) -> tuple[type, ...]:
-        return tuple(c for module, name in found if isinstance(c := getattr(sys.modules.get(module), name, None), type))
-
     return _ShardedTypes(
-        ddp=classes(("torch.nn.parallel.distributed", "DistributedDataParallel")),
-        zero=classes(("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")),
-        fsdp=classes(
+        ddp=imported_classes(("torch.nn.parallel.distributed", "DistributedDataParallel")),
+        zero=imported_classes(("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")),
+        fsdp=imported_classes(
             ("torch.distributed.fsdp", "FSDPModule"),
             ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
         ),
     )
+
+
+def imported_classes(*found: tuple[str, str]) -> tuple[type, ...]:
+    """The classes named (module, name) whose modules are imported; never imported here: a rank
+    that has not imported one holds none of its objects."""
+    return tuple(c for module, name in found if isinstance(c := getattr(sys.modules.get(module), name, None), type))
 
 
 def _is_dtensor(obj: Any) -> bool:
