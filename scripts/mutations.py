@@ -356,6 +356,39 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        "repair-fsdp-guarded-only-in-variables",
+        "enot_nb/_session/worker/repair.py",
+        "        if isinstance(obj, sharded_type) and not reached_through(held, i, (sharded_type,)):\n",
+        "        if isinstance(obj, sharded_type) and held.parents[i][0] == 0:\n",
+        ["tests/session/test_sharded.py::test_an_fsdp2_module_held_in_a_dict_is_guarded_by_its_path"],
+    ),
+    Mutation(
+        # A guarded FSDP module named a second time, as sharded state to reload.
+        "repair-guarded-fsdp-named-twice",
+        "enot_nb/_session/worker/repair.py",
+        "    unsure = [str(s) for s in replication.sharded if s.where not in guarded]",
+        "    unsure = [str(s) for s in replication.sharded]",
+        ["tests/session/test_sharded.py::test_an_fsdp2_module_held_in_a_dict_is_guarded_by_its_path"],
+    ),
+    Mutation(
+        # Nothing tracked: no wrapper is rebound (and the walk finds nothing to look for).
+        "repair-no-wrapper-tracked",
+        "enot_nb/_session/worker/repair.py",
+        "    return [o for o in objects if type(o) in hits] if hits else []\n",
+        "    return []\n",
+        [
+            "tests/session/test_work_kept.py::test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer"
+        ],
+    ),
+    Mutation(
+        # A wrapper on the world group that was made again is taken for one on a lost subgroup.
+        "repair-wrapper-on-the-old-world-left",
+        "enot_nb/_session/worker/repair.py",
+        "    return world if spanned_the_world else None\n",
+        "    return None\n",
+        ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
+    ),
+    Mutation(
         # A wrapper a dict holds (``nets['G']``) is rebound but never compared.
         "repair-ddp-replicas-only-in-variables",
         "enot_nb/_session/worker/replicas.py",
@@ -415,7 +448,7 @@ MUTATIONS = [
     Mutation(
         "repair-sharded-state-never-named",
         "enot_nb/_session/worker/repair.py",
-        "    if replication.sharded and (destroyed or",
+        "    if unsure and (destroyed or",
         "    if False and (destroyed or",
         ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
     ),

@@ -72,9 +72,10 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
     replication = replicated_by_construction(held)
     equalized = equalize(replication.replicas)  # every rank, whatever it holds: a collective
     parts += _equalized(equalized)
-    if replication.sharded and (destroyed or equalized.taken or equalized.apart or equalized.apart_elsewhere):
+    unsure = [str(s) for s in replication.sharded if s.where not in guarded]  # guarded: said above
+    if unsure and (destroyed or equalized.taken or equalized.apart or equalized.apart_elsewhere):
         parts.append(
-            f"sharded state {_listed(replication.sharded)} was left as each rank holds it, and the cell stopped "
+            f"sharded state {_listed(unsure)} was left as each rank holds it, and the cell stopped "
             "where its shards may be out of step with each other: load it from a checkpoint, or make it again, "
             "before training on"
         )

@@ -44,13 +44,23 @@ class _Candidate(NamedTuple):
     tensor: Any
 
 
+class Sharded(NamedTuple):
+    """State sharded by design, left as each rank holds it."""
+
+    where: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.where} ({self.what})"
+
+
 class Replication(NamedTuple):
     """What a rank holds, as the repair sees it: the replicas, and the sharded state left alone."""
 
     replicas: list[Replica]
-    sharded: list[str]
-    """Where state sharded by design is held (a ZeRO optimizer, an FSDP module, a DTensor
-    ``Shard`` parameter outside one), each with what it is."""
+    sharded: list[Sharded]
+    """State sharded by design: a ZeRO optimizer, an FSDP module, a DTensor ``Shard``
+    parameter outside one."""
 
 
 def replicated_by_construction(held: Registry) -> Replication:
@@ -65,18 +75,18 @@ def replicated_by_construction(held: Registry) -> Replication:
     sharded_types = _sharded_types()
     params: dict[int, str] = {}  # a DDP replica's tensor -> its path
     inner: set[int] = set()  # ZeRO's per-rank optimizers
-    sharded: list[str] = []
+    sharded: list[Sharded] = []
     found: list[_Candidate] = []
     for i, obj in enumerate(held.objects):
         if isinstance(obj, sharded_types.ddp):
             found += _ddp_replicas(held, i, obj, params, sharded)
         elif isinstance(obj, sharded_types.zero):
-            sharded.append(f"{held.path(i)} (ZeroRedundancyOptimizer: each rank's shard of the state)")
+            sharded.append(Sharded(held.path(i), "ZeroRedundancyOptimizer: each rank's shard of the state"))
             inner.add(id(getattr(obj, "optim", None)))
         elif isinstance(obj, sharded_types.fsdp) and not reached_through(held, i, sharded_types.fsdp):
-            sharded.append(f"{held.path(i)} (FSDP: each rank's shard of the parameters)")
+            sharded.append(Sharded(held.path(i), "FSDP: each rank's shard of the parameters"))
         elif _is_sharded_tensor(obj) and not reached_through(held, i, sharded_types.fsdp):
-            sharded.append(f"{held.path(i)} (a DTensor sharded over the ranks)")
+            sharded.append(Sharded(held.path(i), "a DTensor sharded over the ranks"))
     for i, obj in enumerate(held.objects):
         if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, sharded_types.zero) and id(obj) not in inner:
             found += _optimizer_replicas(held.path(i), obj, params)
@@ -87,7 +97,7 @@ def replicated_by_construction(held: Registry) -> Replication:
     return Replication(list(replicas.values()), sharded)
 
 
-def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], sharded: list[str]) -> list[_Candidate]:
+def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], sharded: list[Sharded]) -> list[_Candidate]:
     """A DDP wrapper's module's parameters and buffers (``ddp.module.0.weight``); recorded in
     ``params`` by the tensor's id (a DTensor among them: in ``sharded``)."""
     ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
@@ -97,7 +107,7 @@ def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], shar
             continue
         where = f"{held.path(i)}.module.{name}"  # the wrapper's path: the same on every rank
         if _is_sharded_tensor(tensor) or _is_dtensor(tensor):
-            sharded.append(f"{where} (a DTensor in a DDP module)")
+            sharded.append(Sharded(where, "a DTensor in a DDP module"))
             continue
         params[id(tensor)] = where
         found.append(_Candidate(where, where, tensor))
