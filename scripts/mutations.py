@@ -430,8 +430,8 @@ MUTATIONS = [
         # a hand-made sharded optimizer's state does not match.
         "repair-keys-not-compared-across-ranks",
         "enot_nb/_session/worker/replicas.py",
-        "        held = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)\n",
-        "        held = torch.ones(len(keys), dtype=torch.int64, device=device)\n",
+        "        everywhere = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)\n",
+        "        everywhere = torch.ones(len(keys), dtype=torch.int64, device=device)\n",
         [
             "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten"
         ],

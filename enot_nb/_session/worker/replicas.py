@@ -31,7 +31,8 @@ class Replica(NamedTuple):
     """One storage this rank holds a copy of by construction."""
 
     where: str
-    """How the rank's variables reach it (``nets['G'].module._modules['0']._parameters['weight']``)."""
+    """How the rank's variables reach it (``nets['G'].module.0.weight``,
+    ``opt.state[nets['G'].module.0.weight]['momentum_buffer']``)."""
     key: str
     """What the ranks compare to know they hold the same replica: ``where``, its size, and for
     optimizer state which DDP parameters its optimizer steps."""
@@ -106,7 +107,7 @@ def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], shar
         if name in ignored:
             continue
         where = f"{held.path(i)}.module.{name}"  # the wrapper's path: the same on every rank
-        if _is_sharded_tensor(tensor) or _is_dtensor(tensor):
+        if _is_dtensor(tensor):  # DDP over a device mesh: not a whole replica
             sharded.append(Sharded(where, "a DTensor in a DDP module"))
             continue
         params[id(tensor)] = where
@@ -187,7 +188,7 @@ class Equalized(NamedTuple):
     apart: list[str]
     """Rank 0's replicas that another rank does not hold under the same key: left alone."""
     apart_elsewhere: int
-    """The most replicas a rank holds that rank 0 does not (left alone too)."""
+    """The most replicas any rank holds under a key that some rank lacks (left alone too)."""
 
 
 def equalize(replicas: list[Replica]) -> Equalized:
@@ -206,9 +207,9 @@ def equalize(replicas: list[Replica]) -> Equalized:
         mine = list(by_key) if dist.get_rank() == 0 else [0] * int(count)
         keys = torch.tensor(mine, dtype=torch.int64, device=device)
         dist.broadcast(keys, 0)  # rank 0's keys, in its order
-        held = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)
-        dist.all_reduce(held, op=dist.ReduceOp.MIN)
-        common = [by_key[k] for k, h in zip(keys.tolist(), held.tolist()) if h]
+        everywhere = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+        common = [by_key[k] for k, h in zip(keys.tolist(), everywhere.tolist()) if h]
     elsewhere = torch.tensor([len(by_key) - len(common)], dtype=torch.int64, device=device)
     dist.all_reduce(elsewhere, op=dist.ReduceOp.MAX)
     shared = {id(r) for r in common}
