@@ -389,6 +389,16 @@ MUTATIONS = [
         ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
     ),
     Mutation(
+        # A DDP wrapper's own process_group named as a place the user's subgroup was put back.
+        "repair-torch-holders-named",
+        "enot_nb/_session/worker/repair.py",
+        '.startswith("torch."):\n',
+        '.startswith("no such module."):\n',
+        [
+            "tests/session/test_faults.py::test_a_subgroup_held_in_a_dict_and_a_nested_list_is_made_again_where_it_was[fork]"
+        ],
+    ),
+    Mutation(
         # A wrapper a dict holds (``nets['G']``) is rebound but never compared.
         "repair-ddp-replicas-only-in-variables",
         "enot_nb/_session/worker/replicas.py",

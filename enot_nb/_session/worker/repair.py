@@ -216,15 +216,18 @@ def _remade(lost: Sequence[Subgroup], held: Registry) -> _Remade:
 
 def _put_back(old: Any, new: Any, held: Registry) -> list[str]:
     """Bind ``new`` wherever ``held`` bound ``old``: a variable, a dict's value, a list's item,
-    an object's attribute, at any depth; where (a tuple cannot take it: named, to be rebound)."""
+    an object's attribute, at any depth; where (a tuple cannot take it: named, to be rebound).
+    Torch's own holders (a DDP wrapper's or a ZeRO optimizer's ``process_group``) take it too,
+    unnamed: the user made the group, not those attributes."""
     where = []
     for i, obj in enumerate(held.objects):
         path = held.path(i)
         for step, put in _places_of(old, obj, held.kinds[i]):
             if put is None:
                 where.append(f"{path}{step} (a tuple's item: not put back, bind the new group there)")
-            else:
-                put(new)
+                continue
+            put(new)
+            if not (getattr(type(obj), "__module__", None) or "").startswith("torch."):
                 where.append(f"{path}{step}")
     return where
 
