@@ -399,6 +399,14 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        # ZeRO left on the world group that was made again: its next step fails.
+        "repair-zero-left-on-the-old-group",
+        "enot_nb/_session/worker/repair.py",
+        "            zero.process_group = group\n",
+        "            pass\n",
+        ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
+    ),
+    Mutation(
         # A wrapper a dict holds (``nets['G']``) is rebound but never compared.
         "repair-ddp-replicas-only-in-variables",
         "enot_nb/_session/worker/replicas.py",

@@ -239,8 +239,8 @@ def test_zeros_shards_are_left_as_each_rank_holds_them(start_method, capsys):
     """ZeroRedundancyOptimizer's inner optimizer holds each rank's own shard of the state (here
     of different sizes): after a failed cell the group is kept and training goes on exactly as
     the same training that never failed; after one that leaves a collective half done (the
-    groups made again) each rank's shard is still its own, and the line names it as possibly
-    out of step. The session never restarts."""
+    groups made again) each rank's shard is still its own, the line names it as possibly out
+    of step, and the optimizer, moved onto the new group, steps on. The session never restarts."""
     with start(start_method, namespace={}) as s:
         s.run(ZERO)
         s.run("train(ddp, zero, 3, 0)\ntrain(ref, ref_zero, 3, 0)")
@@ -259,6 +259,9 @@ def test_zeros_shards_are_left_as_each_rank_holds_them(start_method, capsys):
         assert "sharded state " in out and "zero (ZeroRedundancyOptimizer" in out, out
         assert [row.pid for row in s.status().rows] == pids
         assert _on_every_rank(s, "all(torch.equal(a, b) for a, b in zip(before, shard(zero)))") is True
+        assert "ZeroRedundancyOptimizer(s) ref_zero, zero moved onto the ranks' group" in out, out
+        s.run("train(ddp, zero, 2, 400)")  # on the group made again, not the old one's
+        assert _on_every_rank(s, "len(before) == len(shard(zero)) and not any(map(torch.equal, before, shard(zero)))")
 
 
 def test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten(capsys):

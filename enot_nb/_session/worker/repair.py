@@ -67,8 +67,9 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
             f"FSDP module(s) {_listed(guarded)} were sharded over the groups that are gone: using one "
             "raises an error that says how to shard it again"
         )
-    wrapper = imported_classes(_WHAT_REPAIR_FINDS[0])
+    wrapper, zero = imported_classes(_WHAT_REPAIR_FINDS[0]), imported_classes(_ZERO)
     parts += _rebind(held, [o for o in found if isinstance(o, wrapper)], remade)
+    parts += _move_zero(held, [o for o in found if isinstance(o, zero)], remade)
     replication = replicated_by_construction(held)
     equalized = equalize(replication.replicas)  # every rank, whatever it holds: a collective
     parts += _equalized(equalized)
@@ -168,6 +169,37 @@ def _rebind(held: Registry, wrappers: list[Any], remade: _Remade) -> list[str]:
         parts.append(
             f"DDP wrapper(s) {_listed(sorted(left))} were made on a subgroup that is gone: make them again "
             "(DistributedDataParallel(module, process_group=dist.new_group(...)))"
+        )
+    return parts
+
+
+_ZERO = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
+
+
+def _move_zero(held: Registry, optimizers: list[Any], remade: _Remade) -> list[str]:
+    """Each ZeroRedundancyOptimizer onto the group it now belongs on, as a DDP wrapper is: it
+    broadcasts each rank's shard of the parameters over its ``process_group`` at every step,
+    and a group made again leaves it holding the old one ("Group ... is not registered"). Its
+    shards stay as each rank holds them (see replicas)."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._get_default_group()
+    moved, left = [], []
+    for zero in optimizers:
+        old = zero.process_group
+        group = remade.new.get(id(old)) or _group_to_rebind(old, world)
+        if group is None:
+            left.append(_name_of(zero, held))
+        elif group is not old:
+            zero.process_group = group
+            moved.append(_name_of(zero, held))
+    parts = []
+    if moved:
+        parts.append(f"ZeroRedundancyOptimizer(s) {_listed(sorted(moved))} moved onto the ranks' group")
+    if left:
+        parts.append(
+            f"ZeroRedundancyOptimizer(s) {_listed(sorted(left))} were made on a subgroup that is gone: make them "
+            "again (ZeroRedundancyOptimizer(params, ..., process_group=dist.new_group(...)))"
         )
     return parts
 
