@@ -451,7 +451,7 @@ MUTATIONS = [
         "        everywhere = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)\n",
         "        everywhere = torch.ones(len(keys), dtype=torch.int64, device=device)\n",
         [
-            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten"
+            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten[fork]"
         ],
     ),
     Mutation(
@@ -460,7 +460,7 @@ MUTATIONS = [
         "    if done.apart or done.apart_elsewhere:\n",
         "    if False:\n",
         [
-            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten"
+            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten[fork]"
         ],
     ),
     Mutation(

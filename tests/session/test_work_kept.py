@@ -264,7 +264,7 @@ def test_zeros_shards_are_left_as_each_rank_holds_them(start_method, capsys):
         assert _on_every_rank(s, "len(before) == len(shard(zero)) and not any(map(torch.equal, before, shard(zero)))")
 
 
-def test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten(capsys):
+def test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten(start_method, capsys):
     """A hand-made sharded optimizer (each rank's Adam over its own half of the DDP parameters:
     as many state tensors on each rank, of different sizes) is not replicated by construction:
     the ranks' keys differ, so it is named and each rank's state kept; the DDP parameters are
@@ -284,7 +284,7 @@ def test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwr
         "        for i, p in enumerate(params):\n"
         "            dist.broadcast(p.data, src=i % 2)  # each rank's half, to the other\n"
     )
-    with start("fork", namespace={}) as s:
+    with start(start_method, namespace={}) as s:
         s.run(setup)
         pids = [row.pid for row in s.status().rows]
         with pytest.raises(WorkerFailedError):
