@@ -7,16 +7,17 @@ short fails its next step ("Expected to have finished reduction in the prior ite
 on a group made again, waits on the old group's closed connections ("Connection closed by
 peer"). So each rank moves every DDP wrapper it holds onto the current world group with its
 reducer reset (``DistributedDataParallel._update_process_group``: private, pinned by
-tests/session/test_work_kept.py), then compares the state replicated by construction (see
-replicas) with the master's by a checksum taken where the bytes live, and takes the master's
-bytes where they differ: a stop between one rank's optimizer step and another's leaves replicas
-that DDP assumes equal. Sharded state (ZeRO's per-rank shards, FSDP, DTensor shards) differs by
-design: it is left as each rank holds it, and named where the cell may have left the shards
-out of step.
+tests/session/test_work_kept.py), and every ZeroRedundancyOptimizer too, then compares the
+state replicated by construction (see replicas) with the master's by a checksum taken where the
+bytes live, and takes the master's bytes where they differ: a stop between one rank's optimizer
+step and another's leaves replicas that DDP assumes equal. Sharded state (ZeRO's per-rank
+shards, FSDP, DTensor shards) differs by design: it is left as each rank holds it, and named
+where the cell may have left the shards out of step.
 
 What a rank holds is walked at any depth, as a cell's registry is (``held``): a wrapper or a
 subgroup in a dict, a list or an object's attribute is found, named by its path
-(``nets['G']``) and put back there.
+(``nets['G']``) and put back there. The walk ends once it has found every object of the kinds
+it acts on that the process holds (see _Search).
 """
 
 from __future__ import annotations
