@@ -331,9 +331,173 @@ MUTATIONS = [
     Mutation(
         "session-replicas-left-unequal",
         "enot_nb/_session/worker/repair.py",
-        "    taken = equalize(_replicated(namespace, ddp_type))\n",
-        "    taken = 0\n",
+        "    equalized = equalize(replication.replicas)  # every rank, whatever it holds: a collective\n",
+        "    equalized = Equalized([], [], 0)\n",
         ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
+    ),
+    Mutation(
+        # The walk over the rank's variables skipped though the process holds DDP wrappers.
+        "repair-walk-skipped-while-ddp-is-held",
+        "enot_nb/_session/worker/repair.py",
+        "    held = reach(namespace, None if lost else found)\n",
+        "    held = reach(namespace, None if lost else [])\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # The walk ends at the first object it looks for (``opt``), before ``nets['G']``.
+        "repair-walk-ends-at-the-first-found",
+        "enot_nb/_session/worker/repair.py",
+        "            if not self.left:\n                raise _AllFound\n",
+        "            raise _AllFound\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-fsdp-guarded-only-in-variables",
+        "enot_nb/_session/worker/repair.py",
+        "        if isinstance(obj, sharded_type) and not reached_through(held, i, (sharded_type,)):\n",
+        "        if isinstance(obj, sharded_type) and held.parents[i][0] == 0:\n",
+        ["tests/session/test_sharded.py::test_an_fsdp2_module_held_in_a_dict_is_guarded_by_its_path"],
+    ),
+    Mutation(
+        # A guarded FSDP module named a second time, as sharded state to reload.
+        "repair-guarded-fsdp-named-twice",
+        "enot_nb/_session/worker/repair.py",
+        "    unsure = [str(s) for s in replication.sharded if s.where not in guarded]",
+        "    unsure = [str(s) for s in replication.sharded]",
+        ["tests/session/test_sharded.py::test_an_fsdp2_module_held_in_a_dict_is_guarded_by_its_path"],
+    ),
+    Mutation(
+        # Nothing tracked: no wrapper is rebound (and the walk finds nothing to look for).
+        "repair-no-wrapper-tracked",
+        "enot_nb/_session/worker/repair.py",
+        "    return [o for o in objects if type(o) in hits] if hits else []\n",
+        "    return []\n",
+        [
+            "tests/session/test_work_kept.py::test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer"
+        ],
+    ),
+    Mutation(
+        # A wrapper on the world group that was made again is taken for one on a lost subgroup.
+        "repair-wrapper-on-the-old-world-left",
+        "enot_nb/_session/worker/repair.py",
+        "    return world if spanned_the_world else None\n",
+        "    return None\n",
+        ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
+    ),
+    Mutation(
+        # A DDP wrapper's own process_group named as a place the user's subgroup was put back.
+        "repair-torch-holders-named",
+        "enot_nb/_session/worker/repair.py",
+        '.startswith("torch."):\n',
+        '.startswith("no such module."):\n',
+        [
+            "tests/session/test_faults.py::test_a_subgroup_held_in_a_dict_and_a_nested_list_is_made_again_where_it_was[fork]"
+        ],
+    ),
+    Mutation(
+        # ZeRO left on the world group that was made again: its next step fails.
+        "repair-zero-left-on-the-old-group",
+        "enot_nb/_session/worker/repair.py",
+        "            zero.process_group = group\n",
+        "            pass\n",
+        ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
+    ),
+    Mutation(
+        # A wrapper a dict holds (``nets['G']``) is rebound but never compared.
+        "repair-ddp-replicas-only-in-variables",
+        "enot_nb/_session/worker/replicas.py",
+        "        if isinstance(obj, sharded_types.ddp):\n",
+        "        if isinstance(obj, sharded_types.ddp) and held.parents[i][0] == 0:\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-ddp-buffers-not-compared",
+        "enot_nb/_session/worker/replicas.py",
+        "(*ddp.module.named_parameters(), *ddp.module.named_buffers())",
+        "(*ddp.module.named_parameters(),)",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-optimizer-state-not-compared",
+        "enot_nb/_session/worker/replicas.py",
+        "            if isinstance(value, torch.Tensor) and not _is_dtensor(value):\n",
+        "            if False:\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # ZeRO's per-rank inner optimizer taken for a replica: its keys differ on the ranks, so
+        # it is named as held differently, though the cell left it consistent.
+        "repair-zero-inner-optimizer-a-replica",
+        "enot_nb/_session/worker/replicas.py",
+        '            inner.add(id(getattr(obj, "optim", None)))\n',
+        "            pass\n",
+        ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
+    ),
+    Mutation(
+        # Keys not compared across ranks: each rank takes its replicas by rank 0's keys, which
+        # a hand-made sharded optimizer's state does not match.
+        "repair-keys-not-compared-across-ranks",
+        "enot_nb/_session/worker/replicas.py",
+        "        everywhere = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)\n",
+        "        everywhere = torch.ones(len(keys), dtype=torch.int64, device=device)\n",
+        [
+            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-replicas-held-apart-not-named",
+        "enot_nb/_session/worker/repair.py",
+        "    if done.apart or done.apart_elsewhere:\n",
+        "    if False:\n",
+        [
+            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-sharded-state-never-named",
+        "enot_nb/_session/worker/repair.py",
+        "    if unsure and (destroyed or",
+        "    if False and (destroyed or",
+        ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
+    ),
+    Mutation(
+        "repair-subgroup-in-a-dict-not-put-back",
+        "enot_nb/_session/worker/repair.py",
+        "    if kind is Kind.DICT:\n",
+        "    if False:\n",
+        [
+            "tests/session/test_faults.py::test_a_subgroup_held_in_a_dict_and_a_nested_list_is_made_again_where_it_was[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-names-by-type-only",
+        "enot_nb/_session/worker/repair.py",
+        '    return held.path(i) if i is not None else f"a {type(obj).__name__}"\n',
+        '    return f"a {type(obj).__name__}"\n',
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # The reducer left expecting the rest of a backward that every rank cut short, on a
+        # group that was kept: its next forward fails.
+        "repair-reducer-not-reset-on-a-kept-group",
+        "enot_nb/_session/worker/repair.py",
+        "        ddp._update_process_group(group)  # the reducer reset too\n",
+        "        if group is not ddp.process_group:\n            ddp._update_process_group(group)\n",
+        [
+            "tests/session/test_work_kept.py::test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer"
+        ],
     ),
     Mutation(
         "session-idle-deaths-unseen",
@@ -427,14 +591,14 @@ MUTATIONS = [
     Mutation(
         "session-subgroups-lost-after-a-regroup",
         "enot_nb/_session/worker/repair.py",
-        "    remade = _remade(lost, namespace)\n",
+        "    remade = _remade(lost, held)\n",
         "    remade = _Remade({}, [])\n",
         ["tests/session/test_faults.py::test_a_half_done_collective_on_a_subgroup_makes_the_groups_again"],
     ),
     Mutation(
         "session-fsdp-after-a-regroup-unguarded",
         "enot_nb/_session/worker/repair.py",
-        "    guarded = _guard_sharded(namespace) if destroyed else []\n",
+        "    guarded = _guard_sharded(held) if destroyed else []\n",
         "    guarded = []\n",
         [
             "tests/session/test_sharded.py::test_an_fsdp2_module_after_the_groups_were_made_again_says_how_to_shard_it_again"
