@@ -391,6 +391,18 @@ def _refs_held_once() -> int:
 _REFS_HELD_ONCE = _refs_held_once()
 
 
+def kind_of_state(kind: Kind, obj: Any, state: Any) -> Kind:
+    """The kind whose ``apply`` takes ``state``: the sender's. A large list or dict is plain data
+    on one side and walked item by item on the other where an item of it is held from outside
+    on one side only (``rec = log[5]`` came back, see _held_from_outside); its state says which."""
+    if kind in (Kind.LIST, Kind.DICT, Kind.PLAIN) and type(obj) in _PLAIN_CONTAINERS:
+        if type(state) is list:
+            return Kind.PLAIN
+        if kind is Kind.PLAIN:
+            return Kind.DICT if type(obj) is dict else Kind.LIST
+    return kind
+
+
 def holds_plain_data(obj: Any) -> bool:
     return plain_pickle(obj) is not None
 
@@ -405,10 +417,19 @@ def _plain_travels(obj: Any) -> Any:
     return list(obj.items()) if type(obj) is dict else list(obj)
 
 
+PLAIN_MADE: dict[int, Any] | None = None
+"""While changes are applied (apply.apply_changes): each new item of plain data that went into
+an old one in place, by the new one's id, so a name bound to the new item in the same changes
+(``log[5]['v'] = 1`` and ``rec = log[5]`` sent together) binds the old one it went into."""
+
+
 def _apply_plain(obj: Any, items: list[Any], note: Note) -> None:
     """In place, to the depth it holds: a dict, list, set or bytearray item that is one in both
     keeps its identity (``last = log[-1]`` still is ``log[-1]``), its contents replaced the same way."""
-    _into(obj, dict(items) if type(obj) is dict else items, _IN_PLACE_DEPTH, {}, {})
+    made: dict[int, Any] = {}
+    _into(obj, dict(items) if type(obj) is dict else items, _IN_PLACE_DEPTH, {}, made)
+    if PLAIN_MADE is not None:
+        PLAIN_MADE.update(made)
 
 
 def _into(old: Any, new: Any, depth: int, done: dict[int, Any], made: dict[int, Any]) -> Any:

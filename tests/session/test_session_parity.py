@@ -19,6 +19,7 @@ from tests._util import METHODS
 from tests.cells.test_state_parity import PRELUDE, _fresh, _probe_code
 from tests.cells.test_state_parity_objects import DATACLASS_PROBES
 from tests.kernel import running_kernel
+from tests.session import fuzz
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -667,3 +668,134 @@ def test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_comp
     seen = live.ok("%%enot_distributed --output all\nprint(xs, t.tolist())").stdout
     assert seen.count("[0, 1] [3.0, 3.0]") == 2, seen  # (a plain cell reaching them first would compare them)
     assert live.ok("print(xs, t.tolist())").stdout.strip() == "[0, 1] [3.0, 3.0]"  # brought back
+
+
+# ----------------------------------------------------------------------------- the fuzzer's finds
+# Issue 43, items 2.1 to 2.3 and what the fuzzer found beside them: each a program run by the
+# fuzzer's runner (tests/session/fuzz.py) in a kernel with a session and in a reference shell,
+# the whole namespaces compared after every cell. Its probe is a library function, so unlike the
+# probes above (which read names with eval, making every push compare everything) it leaves the
+# plain cells' tracker as a user's cells do.
+
+
+def _cells(*steps: tuple[str, str]) -> list[fuzz.Cell]:
+    return [fuzz.Cell(kind, code, callback=code if kind == "trigger" else "") for kind, code in steps]
+
+
+FOUND = [
+    (
+        "memory-shared-by-a-tensor-and-its-numpy-array",
+        [
+            (P, "t = torch.zeros(3); a = t.numpy()"),
+            (S, "t.add_(1)"),
+            (P, "a[0] = 5"),
+            (S, "s = float(t.sum()); t.add_(1)"),
+        ],
+    ),
+    (
+        "a-numpy-view-written-in-a-plain-cell",
+        [
+            (P, "arr = np.zeros((3, 2)); row = arr[1]"),
+            (S, "arr += 1"),
+            (P, "row += 10"),
+            (S, "s = float(arr.sum()); arr += 1"),
+        ],
+    ),
+    (
+        "writes-through-a-tensor-and-its-array-across-cells",
+        [
+            (P, "t = torch.zeros(3); a = t.numpy()"),
+            (S, "a[1] = 2; t.add_(1)"),
+            (P, "t[0] = 7"),
+            (S, "s = float(a.sum())"),
+            (P, "a[2] = -1"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "memory-shared-as-the-master-made-it",
+        [
+            (P, "t = torch.arange(6.); a = np.arange(4.); row = a[1:]"),
+            (S, "v = t[::2]"),
+            (S, "n = v.numpy(); u = torch.from_numpy(n); m = row[1:]"),
+            (P, "u[0] = 9; m[0] = 7"),
+            (S, "s = float(t.sum()) + float(a.sum())"),
+        ],
+    ),
+    (
+        "aliases-into-a-large-list-of-records",
+        [
+            (P, "log = [{'i': i, 'v': float(i)} for i in range(1200)]; last = log[-1]; rec = log[5]"),
+            (S, "s = sum(r['v'] for r in log); same = last is log[-1]"),
+            (P, "rec['v'] = 100.0"),
+            (S, "s2 = sum(r['v'] for r in log); rec7 = log[7]"),
+            (P, "rec7['v'] = -1.0"),
+            (S, "s3 = log[7]['v']"),
+        ],
+    ),
+    (
+        "a-thread-writes-between-cells",
+        [
+            (P, "t = torch.zeros(3)"),
+            (S, "s = float(t.sum())"),
+            ("thread", "def _fuzz_cb():\n    t.add_(1)\n_fuzz_leave(_fuzz_cb)"),
+            (S, "x = 1"),
+            ("trigger", "_fuzz_cb"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "a-silent-run-writes",
+        [(P, "t = torch.zeros(3)"), (S, "s = float(t.sum())"), ("silent", "t.add_(2)"), (S, "s2 = float(t.sum())")],
+    ),
+    (
+        "a-name-deleted-after-its-write",
+        [
+            (P, "t = torch.zeros(3); w = t[1:]"),
+            (S, "s = float(t.sum())"),
+            (P, "w.add_(5); del w"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "writes-through-ipythons-outputs",
+        [
+            (P, "t = torch.zeros(3)"),
+            (S, "s = float(t.sum())"),
+            (P, "t"),
+            (P, "_.add_(1)"),
+            (S, "s2 = float(t.sum())"),
+            (P, "t"),
+            (P, "Out[max(Out)].mul_(3)"),
+            (S, "s3 = float(t.sum())"),
+        ],
+    ),
+    (
+        "a-pulled-optimizer-steps-the-notebooks-model",
+        [
+            (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
+            (S, "y = net(torch.ones(1, 2))"),
+            ("no-return", "opt = torch.optim.SGD(net.parameters(), lr=0.1)"),
+            (P, "opt.zero_grad(); net(torch.ones(1, 2)).sum().backward(); opt.step()"),
+            (S, "w = net.weight.sum().item()"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def fuzz_kernel():
+    with running_kernel("%load_ext enot_nb") as k:
+        yield k
+        k.run("%enot_session stop", timeout=120)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case_id, steps", FOUND, ids=[c[0] for c in FOUND])
+def test_what_the_fuzzer_found_stays_found(fuzz_kernel, method, case_id, steps):
+    reference = fuzz.Reference()
+    try:
+        fuzz.Runner(fuzz_kernel, reference, method).run(fuzz.Program(-1, _cells(*steps)))
+    finally:
+        reference.close()
+        fuzz_kernel.run("%enot_session stop", timeout=120)

@@ -91,21 +91,24 @@ class ThreadStarts:
 
     def install(self) -> None:
         self.users += 1
-        if self.users == 1:
-            self.previous = getattr(threading, "_profile_hook", None)
+        current = getattr(threading, "_profile_hook", None)
+        if current != self._hook:  # never chained to itself (a bound method: compared by ==)
+            self.previous = current
             threading.setprofile(self._hook)
 
     def uninstall(self) -> None:
-        self.users -= 1
-        if self.users == 0 and getattr(threading, "_profile_hook", None) is self._hook:
+        self.users = max(0, self.users - 1)
+        if self.users == 0 and getattr(threading, "_profile_hook", None) == self._hook:
             threading.setprofile(self.previous)
+            self.previous = None
 
     def _hook(self, frame: Any, event: str, arg: Any) -> None:
-        sys.setprofile(self.previous)  # once per thread: it goes on as it would have
+        previous = self.previous
+        sys.setprofile(previous)  # once per thread: it goes on as it would have
         if _users(threading.current_thread()):
             self.count += 1
-        if self.previous is not None:
-            self.previous(frame, event, arg)
+        if previous is not None:
+            previous(frame, event, arg)
 
 
 THREAD_STARTS = ThreadStarts()
