@@ -28,6 +28,155 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "plain-cells-outside-runs-ignored",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        if self.outside() is not None:\n            return None\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-thread-writes-between-cells-fork]",
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-silent-run-writes-fork]",
+        ],
+    ),
+    Mutation(
+        "silent-runs-not-counted",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "            self.silent_runs += 1\n",
+        "            pass\n",
+        ["tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-silent-run-writes-fork]"],
+    ),
+    Mutation(
+        "comm-messages-not-counted",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        self.comms += 1\n",
+        "        pass\n",
+        ["tests/session/test_session_parity.py::test_a_widgets_callback_between_cells_reaches_the_ranks"],
+    ),
+    Mutation(
+        "thread-starts-not-counted",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        if self.started != before.started:\n",
+        "        if False:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-thread-started-and-joined-in-a-plain-cell-fork]"
+        ],
+    ),
+    Mutation(
+        "thread-cpu-time-not-compared",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '            if cpu < 0 or before.threads.get(ident, ("", -2))[1] != cpu:\n',
+        "            if cpu < 0:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-thread-writes-between-cells-fork]"
+        ],
+    ),
+    Mutation(
+        "thread-start-hook-chained-to-itself",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        if current != self._hook:",
+        "        if current is not self._hook:",
+        ["tests/unit/test_plain_cells.py::test_a_second_tracker_leaves_threads_running_and_counted"],
+    ),
+    Mutation(
+        "deleted-names-forgotten",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "            gone.update(deleted)\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-name-deleted-after-its-write-fork]"
+        ],
+    ),
+    Mutation(
+        "ipython-outputs-not-walked",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "            names.update(n for n in used.names if _OUTPUT_NAME.match(n))\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[writes-through-ipythons-outputs-fork]"
+        ],
+    ),
+    Mutation(
+        "memory-shared-across-kinds-not-compared",
+        "enot_nb/_session/mirror/mirror.py",
+        "            shared_objects, shared_storages = _sharing_memory(baseline, reached)\n",
+        "            shared_objects, shared_storages = set(), set()\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[memory-shared-by-a-tensor-and-its-numpy-array-fork]",
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-numpy-view-written-in-a-plain-cell-fork]",
+        ],
+    ),
+    Mutation(
+        "storage-over-a-tensors-memory-copied",
+        "enot_nb/_serialize/picklers.py",
+        "        if within is not None:\n            return tensors._storage_over_storage",
+        "        if False:\n            return tensors._storage_over_storage",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[memory-shared-as-the-master-made-it-fork]"
+        ],
+    ),
+    Mutation(
+        "view-of-a-known-array-over-its-tensor",
+        "enot_nb/_serialize/picklers.py",
+        "        if tensor is not None and self.is_known(array, tensors.array_owner(array)) is None:\n",
+        "        if tensor is not None:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[memory-shared-as-the-master-made-it-fork]"
+        ],
+    ),
+    Mutation(
+        "an-owner-sent-late-copied",
+        "enot_nb/_serialize/picklers.py",
+        "        if known_view is not None:  # ",
+        "        if False:  # ",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[an-arrays-owner-sent-after-its-view-fork]"
+        ],
+    ),
+    Mutation(
+        "plain-data-with-aliases-one-object",
+        "enot_nb/_state/kinds.py",
+        "        found: bytes | None = None if _held_from_outside(obj) else out.getvalue()\n",
+        "        found: bytes | None = out.getvalue()\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[aliases-into-a-large-list-of-records-fork]"
+        ],
+    ),
+    Mutation(
+        "items-of-plain-data-by-value",
+        "enot_nb/_state/collect.py",
+        "        if type(obj) in (list, dict, bytearray):\n            return self._in_plain(obj)\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[aliases-into-a-large-list-of-records-fork]"
+        ],
+    ),
+    Mutation(
+        "plain-data-applied-by-the-receivers-kind",
+        "enot_nb/_state/kinds.py",
+        "        if type(state) is list:\n            return Kind.PLAIN\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-large-list-walked-on-one-side-only-fork]"
+        ],
+    ),
+    Mutation(
+        "a-bound-item-keeps-the-new-copy",
+        "enot_nb/_state/apply.py",
+        "            namespace[name] = made.get(id(value), value)\n",
+        "            namespace[name] = value\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-record-bound-beside-its-lists-change-fork]"
+        ],
+    ),
+    Mutation(
+        "a-pull-registry-of-the-pulled-names-alone",
+        "enot_nb/_session/kernel/flow.py",
+        "        if self.mirrored:  # what a pulled value shares",
+        "        if False:  # what a pulled value shares",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-pulled-optimizer-steps-the-notebooks-model-fork]"
+        ],
+    ),
+    Mutation(
         "no-storage-copy-back",
         "enot_nb/_state/apply.py",
         "    for new in changes.storages:\n",

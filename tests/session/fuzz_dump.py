@@ -121,7 +121,7 @@ class _Dumper:
             digest,
             memory,
             offset,
-            self.value(t.grad) if t.grad is not None else None,
+            self.value(t.grad) if t.is_leaf and t.grad is not None else None,
         ]
 
     def _array(self, a: np.ndarray, number: int) -> list[Any]:

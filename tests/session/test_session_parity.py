@@ -719,7 +719,20 @@ FOUND = [
             (S, "v = t[::2]"),
             (S, "n = v.numpy(); u = torch.from_numpy(n); m = row[1:]"),
             (P, "u[0] = 9; m[0] = 7"),
-            (S, "s = float(t.sum()) + float(a.sum())"),
+            (S, "s = float(t.sum()) + float(a.sum()); n2 = t.numpy()"),
+            (S, "r = n2[1:]"),
+            (P, "r[0] = 5"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "an-arrays-owner-sent-after-its-view",
+        [
+            (P, "a = np.arange(3.); row = a[1:]"),
+            (S, "r = row[1:]"),
+            (S, "s = float(a.sum())"),
+            (P, "a[2] = 9"),
+            (S, "s2 = float(row.sum())"),
         ],
     ),
     (
@@ -731,6 +744,35 @@ FOUND = [
             (S, "s2 = sum(r['v'] for r in log); rec7 = log[7]"),
             (P, "rec7['v'] = -1.0"),
             (S, "s3 = log[7]['v']"),
+        ],
+    ),
+    (
+        "a-large-list-walked-on-one-side-only",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]"),
+            (S, "rec = log[5]"),
+            (P, "log[-1]['v'] = -8.0"),
+            (S, "s = log[-1]['v']"),
+        ],
+    ),
+    (
+        "a-record-bound-beside-its-lists-change",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]"),
+            (P, "log[5]['v'] += 1"),
+            (P, "rec = log[0]"),
+            (S, "same = rec is log[0]"),
+        ],
+    ),
+    (
+        "a-thread-started-and-joined-in-a-plain-cell",
+        [
+            (P, "t = torch.zeros(3)"),
+            (S, "s = float(t.sum())"),
+            (P, "_fuzz_th = threading.Thread(target=t.add_, args=(1,))"),
+            (S, "x = 1"),
+            (P, "_fuzz_th.start(); _fuzz_th.join()"),
+            (S, "s2 = float(t.sum())"),
         ],
     ),
     (
@@ -799,3 +841,30 @@ def test_what_the_fuzzer_found_stays_found(fuzz_kernel, method, case_id, steps):
     finally:
         reference.close()
         fuzz_kernel.run("%enot_session stop", timeout=120)
+
+
+def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):
+    """A comm message the kernel handles (a widget's callback) runs outside any cell: the next
+    push compares everything, and its write reaches the ranks."""
+    k = fuzz_kernel
+    k.ok("%reset -f\nimport torch")
+    k.ok("%enot_session start -n 2 --backend gloo")
+    try:
+        k.ok(
+            "t = torch.zeros(3)\nget_ipython().kernel.comm_manager.register_target('enot-test', lambda c, m: t.add_(1))"
+        )
+        k.ok("%%enot_distributed\ns = float(t.sum())")
+        opened = k.client.session.msg("comm_open", {"comm_id": "c0ffee", "target_name": "enot-test", "data": {}})
+        k.client.shell_channel.send(opened)
+        while True:  # the kernel is idle again once it handled the message
+            msg = k.client.get_iopub_msg(timeout=60)
+            if (
+                msg["parent_header"].get("msg_id") == opened["header"]["msg_id"]
+                and msg["content"].get("execution_state") == "idle"
+            ):
+                break
+        # (no plain cell reaches t before the session cell: the comm alone must make it compared)
+        seen = k.ok("%%enot_distributed --output all\nprint(t.tolist())").stdout
+        assert seen.count("[1.0, 1.0, 1.0]") == 2, seen
+    finally:
+        k.run("%enot_session stop", timeout=120)
