@@ -540,17 +540,20 @@ class Leaving:
         os.mkfifo(self.done)
 
     def code(self) -> str:
-        """The kernel's ``_fuzz_leave(callback)``: a daemon thread runs it once told."""
+        """The kernel's ``_fuzz_leave(callback)``: a daemon thread runs it each time it is told,
+        and lives on between (as a widget's thread does) until told to end."""
         return (
             "def _fuzz_leave(callback):\n"
             "    def run():\n"
-            f"        with open({self.go!r}) as go:\n"
-            "            go.read()\n"
-            "        try:\n"
-            "            callback()\n"
-            "        finally:\n"
-            f"            with open({self.done!r}, 'w') as done:\n"
-            "                done.write('x')\n"
+            "        while True:\n"
+            f"            with open({self.go!r}) as go:\n"
+            "                if go.read() != 'x':\n"
+            "                    return\n"
+            "            try:\n"
+            "                callback()\n"
+            "            finally:\n"
+            f"                with open({self.done!r}, 'w') as done:\n"
+            "                    done.write('x')\n"
             "    threading.Thread(target=run, daemon=True).start()\n"
         )
 
@@ -570,6 +573,14 @@ class Leaving:
             raise Mismatch("the kernel's callback thread did not run")
 
     def close(self) -> None:
+        """Tell a waiting thread to end (if one waits), and remove the FIFOs."""
+        try:
+            end = os.open(self.go, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where no thread waits
+        except OSError:
+            pass
+        else:
+            os.write(end, b"q")
+            os.close(end)
         for path in (self.go, self.done):
             os.unlink(path)
         os.rmdir(self.folder)
