@@ -61,7 +61,7 @@ def main() -> int:
                 programs += 1
                 try:
                     runner.run(program)
-                except fuzz.Mismatch as mismatch:
+                except (fuzz.Mismatch, fuzz.Invalid) as mismatch:
                     found += 1
                     print(f"seed {program.seed}: {mismatch}\n{program.listing()}", flush=True)
                     small, why = shrink(runner, program)

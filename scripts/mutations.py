@@ -28,6 +28,16 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "plain-data-walked-as-the-receiver-sees-it",
+        "enot_nb/_session/mirror/paths.py",
+        "    return Kind.PLAIN if spec.plain and kind in (Kind.LIST, Kind.DICT) else kind\n",
+        "    return kind\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-large-list-the-master-walks-item-by-item-fork]"
+        ],
+    ),
+    Mutation(
         "plain-cells-outside-runs-ignored",
         "enot_nb/_session/kernel/plain_cells.py",
         "        if self.outside() is not None:\n            return None\n",

@@ -28,6 +28,9 @@ class ObjectSpec(NamedTuple):
     sizes: tuple[int, ...] = ()
     """The bytes of each of its storages where the notebook's and the rank's should agree: a
     tensor of another shape on a rank must not take the notebook's bytes."""
+    plain: bool = False
+    """The sender walked it as plain data (one object, its items not registered): the receiver
+    treats its own so too, whatever holds its items there (see kinds._held_from_outside)."""
 
 
 @dataclass

@@ -30,7 +30,11 @@ Excluded, as the docs list them as limits (each with its doc line):
 * a change made only through a reference a library holds (README, "What comes back");
 * a layer replaced under a live DDP wrapper (docs/guide/sessions.md, "build ddp again"): the
   wrapped module and its optimizer are never rebound or deleted while ``ddp`` lives;
-* rank-dependent values outside a failing cell (every rank runs the same cell on the same data).
+* rank-dependent values outside a failing cell (every rank runs the same cell on the same data);
+* a ``--no-return`` cell that rebinds a name, then pulled: the pull writes the master's value into
+  the notebook's object at that path, in place (docs/guide/sessions.md, "binds the master's values
+  in the notebook (in place where an object of the same type sits at that path)"), where a local
+  rebinding leaves the old object (and its views) as it was.
 """
 
 from __future__ import annotations
@@ -408,6 +412,8 @@ class _Ops:
         return f"{self.rng.choice(opts)}.param_groups[0]['lr'] = {self.rng.choice([0.05, 0.01, 0.2])}"
 
     def op_rebind(self, where: str) -> str | None:
+        if where == "no-return":
+            return None  # the pull writes the master's new value into the old object (see the module's docstring)
         ts = [t for t in self.m.of("tensor", "scalar", "array") if t not in self.m.protected()]
         if not ts:
             return None
@@ -504,6 +510,10 @@ class Mismatch(AssertionError):
     """The session's notebook (or its ranks) and the reference differ after a cell."""
 
 
+class Invalid(Exception):
+    """The program cannot run plainly (a shrunk one that lost a cell a later one needs)."""
+
+
 class Reference:
     """The plain run: an IPython shell in this process."""
 
@@ -523,8 +533,9 @@ class Reference:
 
     def run(self, code: str, silent: bool = False) -> None:
         result = self.shell.run_cell(code, store_history=not silent, silent=silent)
-        if result.error_in_exec is not None or result.error_before_exec is not None:
-            raise Mismatch(f"the reference failed on {code!r}: {result.error_in_exec or result.error_before_exec!r}")
+        error = result.error_in_exec or result.error_before_exec
+        if error is not None:
+            raise Invalid(f"the plain run failed on {code!r}: {error!r}")
 
     def dump(self) -> dict[str, Any]:
         return fuzz_dump.dump(self.shell.user_ns, WORKER_ONLY | set(self.shell.user_ns_hidden))
@@ -628,16 +639,20 @@ class Runner:
     def _cell(self, cell: Cell, leaving: Leaving, program: Program, where: str) -> None:
         kernel, reference = self.kernel, self.reference
         if cell.kind == "trigger":
+            try:
+                reference.shell.user_ns[cell.callback]()
+            except Exception as err:  # noqa: BLE001 - the callback's names are gone: no finding
+                raise Invalid(f"the callback {cell.callback} fails plainly: {err!r}") from err
             leaving.run_one()
-            reference.shell.user_ns[cell.callback]()
             return
         if cell.kind == "press":
             self._press(cell, program, where)
             return
         if cell.kind == "silent":
-            _silent(kernel, cell.code)
             reference.run(cell.code, silent=True)
+            _silent(kernel, cell.code)
             return
+        reference.run(cell.code)  # first: a program that cannot run plainly is no finding
         run = kernel.run(cell.source(), timeout=120)
         if cell.kind == "fails":
             if (
@@ -650,7 +665,6 @@ class Runner:
             raise Mismatch(
                 f"{where}: the cell failed in the session's kernel only:\n{run.traceback}\n{run.stderr[-3000:]}"
             )
-        reference.run(cell.code)
         if cell.kind == "no-return":  # what the cell changed (stale) and bound: pulled
             pulled = sorted(set(_json_line(kernel, "_fuzz_stale()")) | _bound(cell.code))
             if pulled:

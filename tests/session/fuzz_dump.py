@@ -42,16 +42,21 @@ def user_names(ns: dict[str, Any], skip: Any = frozenset()) -> list[str]:
     )
 
 
-def dump(ns: dict[str, Any], skip: Any = frozenset(), names: list[str] | None = None) -> dict[str, Any]:
-    """The namespace's user variables (or ``names``), dumped (see the module's docstring)."""
-    dumper = _Dumper()
+def dump(
+    ns: dict[str, Any], skip: Any = frozenset(), names: list[str] | None = None, grads: bool = True
+) -> dict[str, Any]:
+    """The namespace's user variables (or ``names``), dumped (see the module's docstring).
+    ``grads``: with each tensor's ``.grad`` (a stop press between one rank's backward and
+    another's leaves them apart; the replicas are their values and optimizer state)."""
+    dumper = _Dumper(grads)
     out = {name: dumper.value(ns[name]) for name in (names if names is not None else user_names(ns, skip))}
     dumper.number_memory()
     return out
 
 
 class _Dumper:
-    def __init__(self) -> None:
+    def __init__(self, grads: bool = True) -> None:
+        self.grads = grads
         self.seen: dict[int, int] = {}
         self.keep: list[Any] = []  # keeps ids unique while dumping
         self.memory: list[tuple[int, int, list[Any]]] = []  # (lo, hi, the slot to fill)
@@ -102,7 +107,8 @@ class _Dumper:
         if data.is_sparse or data.layout != torch.strided:
             digest = repr(data)
         else:
-            raw = data.contiguous().reshape(-1).view(torch.uint8) if data.numel() else data.new_empty(0)
+            dense = torch.empty(data.shape, dtype=data.dtype).copy_(data)  # strides of its own
+            raw = dense.reshape(-1).view(torch.uint8) if data.numel() else data.new_empty(0)
             digest = hashlib.sha1(raw.cpu().numpy().tobytes()).hexdigest()[:16]
         memory: list[Any] = [None]
         storage = t.untyped_storage()
@@ -121,7 +127,7 @@ class _Dumper:
             digest,
             memory,
             offset,
-            self.value(t.grad) if t.is_leaf and t.grad is not None else None,
+            self.value(t.grad) if self.grads and t.is_leaf and t.grad is not None else None,
         ]
 
     def _array(self, a: np.ndarray, number: int) -> list[Any]:
@@ -156,7 +162,9 @@ class _Dumper:
         ]
 
     def _optimizer(self, opt: torch.optim.Optimizer, number: int) -> list[Any]:
-        groups = [[[k, self.value(v)] for k, v in g.items()] for g in opt.param_groups]
+        groups = [
+            [[k, self.value(v)] for k, v in sorted(g.items())] for g in opt.param_groups
+        ]  # load_state_dict reorders
         state = [
             [self.value(p), self.value(dict(opt.state[p]))]
             for g in opt.param_groups
@@ -310,7 +318,7 @@ def ranks_report(ns: dict[str, Any], names: list[str], replicated: list[str] | N
     keys = sorted(ns_key for ns_key in (replicated if replicated is not None else user_names(ns)) if ns_key in ns)
     shown = {n: getattr(ns[n], "module", ns[n]) if n == "ddp" else ns[n] for n in keys}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dump(shown))
+    dist.all_gather_object(everyone, dump(shown, grads=replicated is None))
     apart = next((f"rank {r}: {d}" for r, other in enumerate(everyone) if (d := diff(everyone[0], other))), None)
     if dist.get_rank() == 0:
         print(json.dumps({"master": mine, "apart": apart}))

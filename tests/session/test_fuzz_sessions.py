@@ -38,7 +38,7 @@ def _run(method: str, seconds: float, at_least: int, first_seed: int, reports: P
                     program = fuzz.generate(first_seed + programs)
                     try:
                         runner.run(program)
-                    except fuzz.Mismatch as mismatch:
+                    except (fuzz.Mismatch, fuzz.Invalid) as mismatch:
                         book = reports / f"fuzz-{method}-seed-{program.seed}.ipynb"
                         book.write_text(program.notebook(method))
                         pytest.fail(

@@ -756,6 +756,14 @@ FOUND = [
         ],
     ),
     (
+        "a-large-list-the-master-walks-item-by-item",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]; t = torch.arange(3.)"),
+            (S, "s = float(t.sum()); s2 = sum(r['v'] for r in log)"),
+            (S, "log[-1]['v'] = -4.0"),
+        ],
+    ),
+    (
         "a-record-bound-beside-its-lists-change",
         [
             (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]"),
