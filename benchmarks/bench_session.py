@@ -343,7 +343,8 @@ def costs(kernel, repeats: int) -> list[Row]:
     """What a session cell costs after earlier cells reached large state (issue 34's targets):
     ``x = 1`` after a cell read a 1 GiB NumPy array, and after one read 300k small dicts, each
     beside ``x = 1`` in the same session before; the first cell that reads the dicts beside a
-    local cloudpickle round trip of them; a cell that appends one tensor to a list of 10, and
+    local cloudpickle round trip of them; ``x = 1`` after a thread of the user's ran (the plain
+    cells' tracker then compares everything the ranks hold); a cell that appends one tensor to a list of 10, and
     of 1,400, tensors. Each cell is a cell of its own, as in a notebook (a cell that runs others
     from its own code reads the namespace by name, and every push after it compares it all),
     timed in the kernel from its start to its end (``pre_run_cell`` to ``post_run_cell``)."""
@@ -376,6 +377,12 @@ def costs(kernel, repeats: int) -> list[Row]:
     )
     first = timed("%%enot_distributed\nk = len(records)", 1)
     after_dicts = timed(x, n)
+    # A thread of the user's that ran since the last sync: everything the ranks hold is compared.
+    kernel.ok("import threading\ntook.clear()")
+    for _ in range(n):
+        kernel.ok("_th = threading.Thread(target=len, args=((),)); _th.start(); _th.join()")
+        kernel.ok(x)
+    after_thread = kernel_json(kernel, "print('RESULT', statistics.median(took[2::2]))")  # the session cells
     kernel.ok("del records")
     kernel.ok("tensors = [torch.zeros(4) for _ in range(10)]")
     kernel.ok("%%enot_distributed\nk = len(tensors)")
@@ -406,6 +413,16 @@ def costs(kernel, repeats: int) -> list[Row]:
             "x = 1 before",
             after_dicts / empty,
             "<= reference + 20 ms",
+            n,
+        ),
+        Row(
+            bench,
+            "x = 1 after a thread ran, beside the 300k dicts (all compared)",
+            after_thread,
+            "s",
+            "x = 1 before",
+            after_thread / empty,
+            "",
             n,
         ),
         Row(
