@@ -324,10 +324,6 @@ def reduce_numpy_view(array: numpy.ndarray, is_known: Callable[[Any, Any], Any])
     array the notebook already holds (aliasing kept); None: ``array`` is no such view."""
     root = array_owner(array)
     known = is_known(array, root)
-    if known is not None and not known.flags.c_contiguous and array is not known and root.flags.c_contiguous:
-        # ``known`` went as a view of all of this owner (below), so the receiver holds the owner
-        offset = array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-        return _numpy_view_in_owner, (known, offset, array.shape, array.strides, array.dtype)
     root = root if known is None else known
     if root is array or not root.flags.c_contiguous:
         return None
@@ -348,13 +344,6 @@ def array_owner(array: numpy.ndarray) -> numpy.ndarray:
     while isinstance(array.base, numpy.ndarray):
         array = array.base
     return array
-
-
-def _numpy_view_in_owner(
-    known: numpy.ndarray, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: numpy.dtype
-) -> numpy.ndarray:
-    """A view at ``offset`` of the array that owns ``known``'s memory, on the receiver."""
-    return _numpy_view(array_owner(known), offset, shape, strides, dtype)
 
 
 def _numpy_view(

@@ -232,7 +232,8 @@ class StatePickler(ResultPickler):
         if self._arrays is None:
             self._arrays = {}
             for obj in self.known_arrays():
-                self._arrays.setdefault(id(array_owner(obj)), []).append(obj)
+                if obj.flags.c_contiguous:
+                    self._arrays.setdefault(id(array_owner(obj)), []).append(obj)
         return self._arrays
 
     def view_of(self, owner: Any) -> Any:
@@ -240,16 +241,14 @@ class StatePickler(ResultPickler):
         return known[0] if known else None
 
     def is_known(self, array: Any, root: Any) -> Any:
-        """A contiguous array the receiver holds whose memory holds ``array``'s; else any it
-        holds over the same owner (``array`` then goes as a view of the receiver's owner)."""
+        """A contiguous array the receiver holds whose memory holds ``array``'s, or None."""
         start, end = array_extent(array)
         known = self._known_by_owner().get(id(root), ())
         for candidate in known:
-            if candidate.flags.c_contiguous:
-                known_start, known_end = array_extent(candidate)
-                if known_start <= start and end <= known_end:
-                    return candidate
-        return known[0] if known else None
+            known_start, known_end = array_extent(candidate)
+            if known_start <= start and end <= known_end:
+                return candidate
+        return None
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) in VALUE_TYPES:  # never registered: skip the lookups
