@@ -343,7 +343,8 @@ def costs(kernel, repeats: int) -> list[Row]:
     """What a session cell costs after earlier cells reached large state (issue 34's targets):
     ``x = 1`` after a cell read a 1 GiB NumPy array, and after one read 300k small dicts, each
     beside ``x = 1`` in the same session before; the first cell that reads the dicts beside a
-    local cloudpickle round trip of them; a cell that appends one tensor to a list of 10, and
+    local cloudpickle round trip of them; ``x = 1`` after a thread of the user's ran (the plain
+    cells' tracker then compares everything the ranks hold); a cell that appends one tensor to a list of 10, and
     of 1,400, tensors. Each cell is a cell of its own, as in a notebook (a cell that runs others
     from its own code reads the namespace by name, and every push after it compares it all),
     timed in the kernel from its start to its end (``pre_run_cell`` to ``post_run_cell``)."""
@@ -376,6 +377,12 @@ def costs(kernel, repeats: int) -> list[Row]:
     )
     first = timed("%%enot_distributed\nk = len(records)", 1)
     after_dicts = timed(x, n)
+    # A thread of the user's that ran since the last sync: everything the ranks hold is compared.
+    kernel.ok("import threading\ntook.clear()")
+    for _ in range(n):
+        kernel.ok("_th = threading.Thread(target=len, args=((),)); _th.start(); _th.join()")
+        kernel.ok(x)
+    after_thread = kernel_json(kernel, "print('RESULT', statistics.median(took[2::2]))")  # the session cells
     kernel.ok("del records")
     kernel.ok("tensors = [torch.zeros(4) for _ in range(10)]")
     kernel.ok("%%enot_distributed\nk = len(tensors)")
@@ -384,8 +391,9 @@ def costs(kernel, repeats: int) -> list[Row]:
     kernel.ok("tensors.extend(torch.zeros(4) for _ in range(1400 - len(tensors)))")
     kernel.ok("%%enot_distributed\nk = len(tensors)")
     at_1400 = timed(append, n)
+    repair = _repair_rows(kernel, bench, max(3, repeats))
     kernel.ok("%enot_session stop")
-    return [
+    return repair + [
         Row(bench, "x = 1 in the session before (reference)", empty, "s", "x = 1 before", 1.0, "", n),
         Row(
             bench,
@@ -409,6 +417,16 @@ def costs(kernel, repeats: int) -> list[Row]:
         ),
         Row(
             bench,
+            "x = 1 after a thread ran, beside the 300k dicts (all compared)",
+            after_thread,
+            "s",
+            "x = 1 before",
+            after_thread / empty,
+            "",
+            n,
+        ),
+        Row(
+            bench,
             "local cloudpickle round trip of the 300k dicts (reference)",
             round_trip,
             "s",
@@ -422,6 +440,61 @@ def costs(kernel, repeats: int) -> list[Row]:
         ),
         Row(bench, "append a tensor to a list of 10 (reference)", at_10, "s", "at 10", 1.0, "", n),
         Row(bench, "append a tensor to a list of 1,400", at_1400, "s", "at 10", at_1400 / at_10, "<= 2x", n),
+    ]
+
+
+REPAIR_TOOK = """%%enot_distributed
+import time, torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from enot_nb._session.worker import repair as _repair
+class Rec:
+    def __init__(self, i):
+        self.i, self.tag = i, 'a'
+def repair_took(held, times):
+    took = []
+    for _ in range(times):
+        start = time.perf_counter()
+        _repair.repair(held)
+        took.append(time.perf_counter() - start)
+    return took
+"""
+
+
+def _repair_rows(kernel, bench: str, n: int) -> list[Row]:
+    """What the repair after a failed or stopped cell costs on a rank (``repair.repair`` timed in
+    a session cell, the variables given to it): a DDP model and its optimizer in variables, and
+    beside them 300k small dicts (one plain list) or 300k small objects (the walk ends among the
+    variables); the optimizer behind the objects (``trainer['opt']``: the walk visits each
+    object); and the objects where the process holds no DDP wrapper or optimizer (no walk). The
+    data is made on the ranks, never sent back."""
+    kernel.ok(REPAIR_TOOK)
+
+    def took(held: str) -> float:
+        kernel.ok(f"%%enot_distributed\ntook_repair = statistics.median(repair_took({held}, {n}))")
+        return kernel_json(kernel, "print('RESULT', took_repair)")
+
+    kernel.ok("import statistics")
+    kernel.ok("%%enot_distributed\nimport statistics")
+    objects = "'objs': [Rec(i) for i in range(300_000)]"
+    nothing = took("{" + objects + "}")
+    kernel.ok(
+        "%%enot_distributed\ntorch.manual_seed(0)\nddp = DDP(torch.nn.Linear(64, 64))\n"
+        "opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)\n"
+        "ddp(torch.ones(2, 64)).sum().backward()\nopt.step()"
+    )
+    alone = took("{'ddp': ddp, 'opt': opt}")
+    dicts = took("{'ddp': ddp, 'opt': opt, 'records': [{'i': i, 'tag': 'a'} for i in range(300_000)]}")
+    beside = took("{'ddp': ddp, 'opt': opt, " + objects + "}")
+    behind = took("{" + objects + ", 'trainer': {'ddp': ddp, 'opt': opt}}")
+    variants = [
+        ("and 300k small dicts (one plain list)", dicts),
+        ("and 300k small objects (the walk ends among the variables)", beside),
+        ("the same two behind 300k small objects (trainer['opt']: each object walked)", behind),
+        ("300k small objects, no DDP wrapper or optimizer in the process (no walk)", nothing),
+    ]
+    reference = "repair on a rank: a DDP model and its optimizer in variables (reference)"
+    return [Row(bench, reference, alone, "s", "alone", 1.0, "", n)] + [
+        Row(bench, f"repair: {variant}", value, "s", "alone", value / alone, "", n) for variant, value in variants
     ]
 
 

@@ -71,6 +71,7 @@ def run_distributed_cell(
         source_header=f"%%enot_distributed {line}\n",
         shown=args.output != "none",
         keep_on_error=args.on_error == "keep",
+        future_flags=_cell.notebook_future_flags(shell),
     )
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
     check_sync(shell.user_ns, options.sync)

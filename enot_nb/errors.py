@@ -280,11 +280,11 @@ class StaleError(LaunchError):
     def __init__(self, name: str, why: str) -> None:
         self.name = name
         super().__init__(
-            f"{name!r} (or an object it holds) was changed in the notebook, but rank 0 changed it too and "
+            f"{name!r} (or an object it holds) was changed or deleted in the notebook, but rank 0 changed it too and "
             f"its value did not come back ({why}). Say which side wins: `%enot_pull {name} --overwrite` "
             f"(session.pull({name!r}, overwrite=True)) takes rank 0's value and drops the notebook's change; "
             f"`%enot_pull {name} --keep-notebook` (session.pull({name!r}, keep_notebook=True)) sends the "
-            "notebook's value to every rank and drops rank 0's"
+            "notebook's value (or its deletion) to every rank and drops rank 0's"
         )
 
 

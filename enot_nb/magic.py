@@ -177,8 +177,8 @@ class EnotMagics(Magics):
     def enot_pull(self, line: str) -> None:
         """%enot_pull NAME[,NAME] [--overwrite | --keep-notebook]: bind the session master's
         values in the notebook. Where a plain cell changed a stale name (the master changed it
-        too, and it did not come back), say which side wins: --overwrite takes rank 0's value,
-        --keep-notebook sends the notebook's to every rank."""
+        too, and it did not come back), say which side wins: --overwrite takes rank 0's
+        value, --keep-notebook sends the notebook's (or its deletion) to every rank."""
         live = sessions.session()
         if live is None:
             raise UsageError("%enot_pull: no session is running; start one with `%enot_session start -n N`")

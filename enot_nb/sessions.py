@@ -27,6 +27,7 @@ from enot_nb._launch.notes import NOTES
 from enot_nb._launch.options import EngineOptions, LaunchOptions
 from enot_nb._session.kernel.flow import CellRun
 from enot_nb._session.kernel.session import RankStatus, Session, SessionStatus, plan_session, session
+from enot_nb._worker import cell as _cell
 from enot_nb.cells import check_sync, option_names, transformed
 from enot_nb.errors import LaunchError, WorkerFailedError
 
@@ -50,6 +51,7 @@ def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args:
         sync=None if args.no_sync else option_names(args.sync),
         first_line=2,
         source_header=f"%%enot_distributed {line}\n",
+        future_flags=_cell.notebook_future_flags(shell),
     )
     check_sync(shell.user_ns, run.sync)
     failure: BaseException | None = None

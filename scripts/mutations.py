@@ -28,6 +28,165 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "plain-data-walked-as-the-receiver-sees-it",
+        "enot_nb/_session/mirror/paths.py",
+        "    return Kind.PLAIN if spec.plain and kind in (Kind.LIST, Kind.DICT) else kind\n",
+        "    return kind\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-large-list-the-master-walks-item-by-item-fork]"
+        ],
+    ),
+    Mutation(
+        "plain-cells-outside-runs-ignored",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        if self.outside() is not None:\n            return None\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-thread-writes-between-cells-fork]",
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-silent-run-writes-fork]",
+        ],
+    ),
+    Mutation(
+        "silent-runs-not-counted",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "            self.silent_runs += 1\n",
+        "            pass\n",
+        ["tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-silent-run-writes-fork]"],
+    ),
+    Mutation(
+        "comm-messages-not-counted",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        self.comms += 1\n",
+        "        pass\n",
+        ["tests/session/test_session_parity.py::test_a_widgets_callback_between_cells_reaches_the_ranks"],
+    ),
+    Mutation(
+        "thread-starts-not-counted",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        if self.started != before.started:\n",
+        "        if False:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-thread-started-and-joined-in-a-plain-cell-fork]"
+        ],
+    ),
+    Mutation(
+        "thread-cpu-time-not-compared",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '            if cpu < 0 or before.threads.get(ident, ("", -2))[1] != cpu:\n',
+        "            if cpu < 0:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-thread-writes-between-cells-fork]"
+        ],
+    ),
+    Mutation(
+        "thread-start-hook-chained-to-itself",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "        if current != self._hook:",
+        "        if current is not self._hook:",
+        ["tests/unit/test_plain_cells.py::test_a_second_tracker_leaves_threads_running_and_counted"],
+    ),
+    Mutation(
+        "deleted-names-forgotten",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "            gone.update(deleted)\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-name-deleted-after-its-write-fork]"
+        ],
+    ),
+    Mutation(
+        "ipython-outputs-not-walked",
+        "enot_nb/_session/kernel/plain_cells.py",
+        "            names.update(n for n in used.names if _OUTPUT_NAME.match(n))\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[writes-through-ipythons-outputs-fork]"
+        ],
+    ),
+    Mutation(
+        "memory-shared-across-kinds-not-compared",
+        "enot_nb/_session/mirror/mirror.py",
+        "            shared_objects, shared_storages = _sharing_memory(baseline, reached)\n",
+        "            shared_objects, shared_storages = set(), set()\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[memory-shared-by-a-tensor-and-its-numpy-array-fork]",
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-numpy-view-written-in-a-plain-cell-fork]",
+        ],
+    ),
+    Mutation(
+        "storage-over-a-tensors-memory-copied",
+        "enot_nb/_serialize/picklers.py",
+        "        if within is not None:\n            return tensors._storage_over_storage",
+        "        if False:\n            return tensors._storage_over_storage",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[memory-shared-as-the-master-made-it-fork]"
+        ],
+    ),
+    Mutation(
+        "view-of-a-known-array-over-its-tensor",
+        "enot_nb/_serialize/picklers.py",
+        "        if tensor is not None and self.is_known(array, tensors.array_owner(array)) is None:\n",
+        "        if tensor is not None:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[memory-shared-as-the-master-made-it-fork]"
+        ],
+    ),
+    Mutation(
+        "an-owner-sent-late-copied",
+        "enot_nb/_serialize/picklers.py",
+        "        if known_view is not None:  # ",
+        "        if False:  # ",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[an-arrays-owner-sent-after-its-view-fork]"
+        ],
+    ),
+    Mutation(
+        "plain-data-with-aliases-one-object",
+        "enot_nb/_state/kinds.py",
+        "        found: bytes | None = None if _held_from_outside(obj) else out.getvalue()\n",
+        "        found: bytes | None = out.getvalue()\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[aliases-into-a-large-list-of-records-fork]"
+        ],
+    ),
+    Mutation(
+        "items-of-plain-data-by-value",
+        "enot_nb/_state/collect.py",
+        "        if type(obj) in (list, dict, bytearray):\n            return self._in_plain(obj)\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-large-list-walked-on-one-side-only-fork]"
+        ],
+    ),
+    Mutation(
+        "plain-data-applied-by-the-receivers-kind",
+        "enot_nb/_state/kinds.py",
+        "        if type(state) is list:\n            return Kind.PLAIN\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-large-list-walked-on-one-side-only-fork]"
+        ],
+    ),
+    Mutation(
+        "a-bound-item-keeps-the-new-copy",
+        "enot_nb/_state/apply.py",
+        "            namespace[name] = made.get(id(value), value)\n",
+        "            namespace[name] = value\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-record-bound-beside-its-lists-change-fork]"
+        ],
+    ),
+    Mutation(
+        "a-pull-registry-of-the-pulled-names-alone",
+        "enot_nb/_session/kernel/flow.py",
+        "        if self.mirrored:  # what a pulled value shares",
+        "        if False:  # what a pulled value shares",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-pulled-optimizer-steps-the-notebooks-model-fork]"
+        ],
+    ),
+    Mutation(
         "no-storage-copy-back",
         "enot_nb/_state/apply.py",
         "    for new in changes.storages:\n",
@@ -331,9 +490,173 @@ MUTATIONS = [
     Mutation(
         "session-replicas-left-unequal",
         "enot_nb/_session/worker/repair.py",
-        "    taken = equalize(_replicated(namespace, ddp_type))\n",
-        "    taken = 0\n",
+        "    equalized = equalize(replication.replicas)  # every rank, whatever it holds: a collective\n",
+        "    equalized = Equalized([], [], 0)\n",
         ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
+    ),
+    Mutation(
+        # The walk over the rank's variables skipped though the process holds DDP wrappers.
+        "repair-walk-skipped-while-ddp-is-held",
+        "enot_nb/_session/worker/repair.py",
+        "    held = reach(namespace, None if lost else found)\n",
+        "    held = reach(namespace, None if lost else [])\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # The walk ends at the first object it looks for (``opt``), before ``nets['G']``.
+        "repair-walk-ends-at-the-first-found",
+        "enot_nb/_session/worker/repair.py",
+        "            if not self.left:\n                raise _AllFound\n",
+        "            raise _AllFound\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-fsdp-guarded-only-in-variables",
+        "enot_nb/_session/worker/repair.py",
+        "        if isinstance(obj, sharded_type) and not reached_through(held, i, (sharded_type,)):\n",
+        "        if isinstance(obj, sharded_type) and held.parents[i][0] == 0:\n",
+        ["tests/session/test_sharded.py::test_an_fsdp2_module_held_in_a_dict_is_guarded_by_its_path"],
+    ),
+    Mutation(
+        # A guarded FSDP module named a second time, as sharded state to reload.
+        "repair-guarded-fsdp-named-twice",
+        "enot_nb/_session/worker/repair.py",
+        "    unsure = [str(s) for s in replication.sharded if s.where not in guarded]",
+        "    unsure = [str(s) for s in replication.sharded]",
+        ["tests/session/test_sharded.py::test_an_fsdp2_module_held_in_a_dict_is_guarded_by_its_path"],
+    ),
+    Mutation(
+        # Nothing tracked: no wrapper is rebound (and the walk finds nothing to look for).
+        "repair-no-wrapper-tracked",
+        "enot_nb/_session/worker/repair.py",
+        "    return [o for o in objects if type(o) in hits] if hits else []\n",
+        "    return []\n",
+        [
+            "tests/session/test_work_kept.py::test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer"
+        ],
+    ),
+    Mutation(
+        # A wrapper on the world group that was made again is taken for one on a lost subgroup.
+        "repair-wrapper-on-the-old-world-left",
+        "enot_nb/_session/worker/repair.py",
+        "    return world if spanned_the_world else None\n",
+        "    return None\n",
+        ["tests/session/test_work_kept.py::test_an_exception_on_one_rank_mid_epoch_leaves_ddp_and_opt_training[fork]"],
+    ),
+    Mutation(
+        # A DDP wrapper's own process_group named as a place the user's subgroup was put back.
+        "repair-torch-holders-named",
+        "enot_nb/_session/worker/repair.py",
+        '.startswith("torch."):\n',
+        '.startswith("no such module."):\n',
+        [
+            "tests/session/test_faults.py::test_a_subgroup_held_in_a_dict_and_a_nested_list_is_made_again_where_it_was[fork]"
+        ],
+    ),
+    Mutation(
+        # ZeRO left on the world group that was made again: its next step fails.
+        "repair-zero-left-on-the-old-group",
+        "enot_nb/_session/worker/repair.py",
+        "            zero.process_group = group\n",
+        "            pass\n",
+        ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
+    ),
+    Mutation(
+        # A wrapper a dict holds (``nets['G']``) is rebound but never compared.
+        "repair-ddp-replicas-only-in-variables",
+        "enot_nb/_session/worker/replicas.py",
+        "        if isinstance(obj, sharded_types.ddp):\n",
+        "        if isinstance(obj, sharded_types.ddp) and held.parents[i][0] == 0:\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-ddp-buffers-not-compared",
+        "enot_nb/_session/worker/replicas.py",
+        "(*ddp.module.named_parameters(), *ddp.module.named_buffers())",
+        "(*ddp.module.named_parameters(),)",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-optimizer-state-not-compared",
+        "enot_nb/_session/worker/replicas.py",
+        "            if isinstance(value, torch.Tensor) and not _is_dtensor(value):\n",
+        "            if False:\n",
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # ZeRO's per-rank inner optimizer taken for a replica: its keys differ on the ranks, so
+        # it is named as held differently, though the cell left it consistent.
+        "repair-zero-inner-optimizer-a-replica",
+        "enot_nb/_session/worker/replicas.py",
+        '            inner.add(id(getattr(obj, "optim", None)))\n',
+        "            pass\n",
+        ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
+    ),
+    Mutation(
+        # Keys not compared across ranks: each rank takes its replicas by rank 0's keys, which
+        # a hand-made sharded optimizer's state does not match.
+        "repair-keys-not-compared-across-ranks",
+        "enot_nb/_session/worker/replicas.py",
+        "        everywhere = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)\n",
+        "        everywhere = torch.ones(len(keys), dtype=torch.int64, device=device)\n",
+        [
+            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-replicas-held-apart-not-named",
+        "enot_nb/_session/worker/repair.py",
+        "    if done.apart or done.apart_elsewhere:\n",
+        "    if False:\n",
+        [
+            "tests/session/test_work_kept.py::test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-sharded-state-never-named",
+        "enot_nb/_session/worker/repair.py",
+        "    if unsure and (destroyed or",
+        "    if False and (destroyed or",
+        ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
+    ),
+    Mutation(
+        "repair-subgroup-in-a-dict-not-put-back",
+        "enot_nb/_session/worker/repair.py",
+        "    if kind is Kind.DICT:\n",
+        "    if False:\n",
+        [
+            "tests/session/test_faults.py::test_a_subgroup_held_in_a_dict_and_a_nested_list_is_made_again_where_it_was[fork]"
+        ],
+    ),
+    Mutation(
+        "repair-names-by-type-only",
+        "enot_nb/_session/worker/repair.py",
+        '    return held.path(i) if i is not None else f"a {type(obj).__name__}"\n',
+        '    return f"a {type(obj).__name__}"\n',
+        [
+            "tests/session/test_work_kept.py::test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # The reducer left expecting the rest of a backward that every rank cut short, on a
+        # group that was kept: its next forward fails.
+        "repair-reducer-not-reset-on-a-kept-group",
+        "enot_nb/_session/worker/repair.py",
+        "        ddp._update_process_group(group)  # the reducer reset too\n",
+        "        if group is not ddp.process_group:\n            ddp._update_process_group(group)\n",
+        [
+            "tests/session/test_work_kept.py::test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer"
+        ],
     ),
     Mutation(
         "session-idle-deaths-unseen",
@@ -427,14 +750,14 @@ MUTATIONS = [
     Mutation(
         "session-subgroups-lost-after-a-regroup",
         "enot_nb/_session/worker/repair.py",
-        "    remade = _remade(lost, namespace)\n",
+        "    remade = _remade(lost, held)\n",
         "    remade = _Remade({}, [])\n",
         ["tests/session/test_faults.py::test_a_half_done_collective_on_a_subgroup_makes_the_groups_again"],
     ),
     Mutation(
         "session-fsdp-after-a-regroup-unguarded",
         "enot_nb/_session/worker/repair.py",
-        "    guarded = _guard_sharded(namespace) if destroyed else []\n",
+        "    guarded = _guard_sharded(held) if destroyed else []\n",
         "    guarded = []\n",
         [
             "tests/session/test_sharded.py::test_an_fsdp2_module_after_the_groups_were_made_again_says_how_to_shard_it_again"
@@ -450,8 +773,8 @@ MUTATIONS = [
     Mutation(
         "session-graph-going-out-unnamed",
         "enot_nb/_session/mirror/mirror.py",
-        "        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))\n",
-        "        return Push(None if empty else changes, names, newly_kept, [])\n",
+        "        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound), settles)\n",
+        "        return Push(None if empty else changes, names, newly_kept, [], settles)\n",
         ["tests/session/test_mirror.py::test_a_tensor_with_a_graph_going_out_is_named_as_one_coming_back_is"],
     ),
     Mutation(
@@ -467,7 +790,7 @@ MUTATIONS = [
     Mutation(
         "no-return-marks-every-read-name-stale",
         "enot_nb/_worker/cell.py",
-        "            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})\n",
+        "            outcome.left_out = sorted({*outcome.changed_names, *written, *changes.deleted})\n",
         "            outcome.left_out = sorted(set(self.names_before) | set(changes.bound))\n",
         ["tests/session/test_mirror.py::test_reads_never_make_a_name_stale"],
     ),
@@ -488,7 +811,7 @@ MUTATIONS = [
     Mutation(
         "a-conflict-refuses-pulls-of-other-names",
         "enot_nb/_session/mirror/mirror.py",
-        "            if not pulling:\n                raise StaleError",
+        "            if not pulling and not keeping:\n                raise StaleError",
         "            if True:\n                raise StaleError",
         [
             "tests/session/test_mirror.py::test_a_pull_of_another_name_is_never_refused_by_a_stale_one_and_the_conflict_stays"
@@ -596,6 +919,58 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        # The holder's __setstate__ made the new sub-object empty: without the copy's state it
+        # loses what the notebook's held before the cell (only the cell's change comes back).
+        "spawn-rebuilt-sub-object-without-the-notebooks-state",
+        "enot_nb/_state/registry.py",
+        "            apply(new, state, lambda _: None)\n",
+        "            pass\n",
+        [
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-sub-object-its-holders-setstate-rebuilds-without-its-state-spawn]"
+        ],
+    ),
+    Mutation(
+        "workers-namespace-not-main",
+        "enot_nb/_worker/cell.py",
+        "    main.__dict__ = namespace\n",
+        "    return\n",
+        [
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell"
+            "[a-dataclass-defined-in-a-session-cell-over-a-notebook-class-fork]",
+            "tests/session/test_session_parity.py::test_a_session_cell_is_a_local_cell"
+            "[a-dataclass-defined-in-a-session-cell-over-a-notebook-class-spawn]",
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-dataclass-over-a-notebook-class-defined-in-the-cell-spawn]",
+        ],
+    ),
+    Mutation(
+        "cells-compiled-with-enot-nbs-future-annotations",
+        "enot_nb/_worker/cell.py",
+        "flags=options.future_flags, dont_inherit=True)",
+        "flags=options.future_flags, dont_inherit=False)",
+        [
+            "tests/cells/test_state_parity_objects.py::test_distributed_cell_is_a_local_cell"
+            "[a-dataclass-over-a-notebook-class-defined-in-the-cell-fork]"
+        ],
+    ),
+    Mutation(
+        "session-cells-compiled-without-the-notebooks-future-imports",
+        "enot_nb/_session/kernel/flow.py",
+        "        future_flags=run.future_flags,\n",
+        "",
+        ["tests/session/test_session_parity.py::test_a_future_import_in_the_notebook_holds_in_session_cells"],
+    ),
+    Mutation(
+        "one-off-cells-compiled-without-the-notebooks-future-imports",
+        "enot_nb/cells.py",
+        "        future_flags=_cell.notebook_future_flags(shell),\n",
+        "",
+        [
+            "tests/cells/test_state_parity_objects.py::test_a_future_import_in_the_notebook_holds_in_its_distributed_cells"
+        ],
+    ),
+    Mutation(
         "plain-cells-reach-nothing",
         "enot_nb/_session/kernel/plain_cells.py",
         "            names.update(found.names)\n",
@@ -645,6 +1020,124 @@ MUTATIONS = [
         [
             "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
             "tests/ray/test_ray_session.py::test_ranks_on_two_nodes_train_ddp_as_a_local_session_does",
+        ],
+    ),
+    Mutation(
+        # Ray's node ids sort in no order of placement: the node of bundle 0 must be node 0.
+        "ray-ranks-follow-sorted-node-ids",
+        "enot_nb/_launch/ray_layout.py",
+        "    ordered = [landing for node in nodes for landing in by_bundle if landing.node_id == node]\n",
+        "    nodes.sort()\n"
+        + "    ordered = [landing for node in nodes for landing in by_bundle if landing.node_id == node]\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        # The actors answer in any order; ranks follow the bundles.
+        "ray-ranks-in-answer-order",
+        "enot_nb/_launch/ray_layout.py",
+        "    by_bundle = sorted(landings, key=lambda landing: landing.bundle)\n",
+        "    by_bundle = list(landings)\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-local-world-size-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        "                local_world_size=len(mates),\n",
+        "                local_world_size=len(ordered),\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
+        ],
+    ),
+    Mutation(
+        "ray-node-rank-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        "                node_rank=nodes.index(landing.node_id),\n",
+        "                node_rank=rank,\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
+        ],
+    ),
+    Mutation(
+        "ray-nnodes-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        "                nnodes=len(nodes),\n",
+        "                nnodes=len(ordered),\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
+        ],
+    ),
+    Mutation(
+        # A rank binds cuda:LOCAL_RANK: its node's GPUs list each rank's own first, in rank order.
+        "ray-visible-gpus-sorted",
+        "enot_nb/_launch/ray_layout.py",
+        "visible_gpus=tuple(firsts + rest) if landing.gpu_ids else (),",
+        "visible_gpus=tuple(sorted(firsts + rest)) if landing.gpu_ids else (),",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_each_rank_binds_the_gpu_ray_assigned_it",
+        ],
+    ),
+    Mutation(
+        "ray-rank-is-the-bundle",
+        "enot_nb/_launch/ray_layout.py",
+        "    rank = str(place.rank)\n",
+        "    rank = str(place.landing.bundle)\n",
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-local-rank-variable-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        '        "LOCAL_RANK": str(place.local_rank),\n',
+        '        "LOCAL_RANK": str(place.rank),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_spread_gives_each_rank_a_node_and_the_variables_follow",
+        ],
+    ),
+    Mutation(
+        "ray-local-world-size-variable-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        '        "LOCAL_WORLD_SIZE": str(place.local_world_size),\n',
+        '        "LOCAL_WORLD_SIZE": str(world_size),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+            "tests/unit/test_ray_layout.py::test_spread_gives_each_rank_a_node_and_the_variables_follow",
+        ],
+    ),
+    Mutation(
+        "ray-node-rank-variable-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        '        "NODE_RANK": str(place.node_rank),\n',
+        '        "NODE_RANK": str(place.rank),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-group-rank-variable-is-the-rank",
+        "enot_nb/_launch/ray_layout.py",
+        '        "GROUP_RANK": str(place.node_rank),\n',
+        '        "GROUP_RANK": str(place.rank),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
+        ],
+    ),
+    Mutation(
+        "ray-group-world-size-variable-is-the-world",
+        "enot_nb/_launch/ray_layout.py",
+        '        "GROUP_WORLD_SIZE": str(place.nnodes),\n',
+        '        "GROUP_WORLD_SIZE": str(world_size),\n',
+        [
+            "tests/unit/test_ray_layout.py::test_node_ids_that_sort_against_placement_number_ranks_by_placement",
         ],
     ),
     Mutation(
@@ -790,6 +1283,145 @@ MUTATIONS = [
         "        if isinstance(exc, KeyboardInterrupt):\n            _grad_mode_after_press(grad_before)\n",
         "",
         ["tests/session/test_work_kept.py::test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was"],
+    ),
+    # ------------------------------------------------------------- conflicts settled (issue 43: 2.4, 2.5, --fresh)
+    Mutation(
+        "no-return-tensor-writes-leave-the-name-current",
+        "enot_nb/_worker/cell.py",
+        "            written = self.registry.names_holding({new.storage for new in changes.storages})\n",
+        "            written: set[str] = set()\n",
+        [
+            "tests/session/test_mirror.py::test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-no-return-tensor-write-then-a-plain-one-keep-notebook-fork]",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "ddp-weights-loaded-in-a-no-return-cell-then-a-plain-write-overwrite-spawn]",
+        ],
+    ),
+    Mutation(
+        "any-storage-written-makes-every-tensor-stale",
+        "enot_nb/_state/registry.py",
+        " and {self.find_storage(s) for s in tensor_storages(self.objects[i])} & storages:",
+        ":",
+        ["tests/session/test_mirror.py::test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is"],
+    ),
+    Mutation(
+        "keep-notebook-refused-by-another-names-conflict",
+        "enot_nb/_session/mirror/mirror.py",
+        "            if not pulling and not keeping:\n",
+        "            if not pulling:\n",
+        [
+            "tests/session/test_mirror.py::test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "keep-notebook-of-one-name-beside-another-conflict-fork]",
+        ],
+    ),
+    Mutation(
+        "a-kept-name-left-out-of-its-own-push",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changed_stale -= set(keeping)  # the notebook's side goes\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks-fork]",
+        ],
+    ),
+    Mutation(
+        "a-stale-name-the-ranks-alone-were-given-deleted-here-unseen",
+        "enot_nb/_session/mirror/mirror.py",
+        "        changes.deleted += [n for n in sorted(self.stale) if n not in now and n not in synced]\n",
+        "",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks"
+            "[bound-on-the-ranks-alone]"
+        ],
+    ),
+    Mutation(
+        "a-deleted-stale-name-cannot-be-kept",
+        "enot_nb/_session/kernel/flow.py",
+        "        missing = [n for n in names if n not in self.namespace and n not in stale]\n",
+        "        missing = [n for n in names if n not in self.namespace]\n",
+        [
+            "tests/session/test_mirror.py::test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks-spawn]",
+        ],
+    ),
+    Mutation(
+        "keep-notebook-settles-before-the-ranks-applied-it",
+        "enot_nb/_session/mirror/mirror.py",
+        "        for name in names:\n            if name not in namespace or baseline.objects[0] is not namespace:\n",
+        "        for name in names:\n            self.stale.pop(name, None)\n            self.conflicts.discard(name)\n"
+        "            if name not in namespace or baseline.objects[0] is not namespace:\n",
+        ["tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing"],
+    ),
+    Mutation(
+        "a-refused-keep-notebook-settles-its-conflict",
+        "enot_nb/_session/kernel/flow.py",
+        "            self.still_in_conflict(prepared, [])\n            return\n        self.mirror.refreshed(names)\n",
+        "            return\n        self.mirror.refreshed(names)\n",
+        ["tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing"],
+    ),
+    Mutation(
+        "a-failed-pull-settles-its-conflict",
+        "enot_nb/_session/kernel/flow.py",
+        "            self.mirror.conflicts |= (set(prepared.push.settles) - set(settled)) & set(self.mirror.stale)\n",
+        "            pass\n",
+        [
+            "tests/session/test_mirror.py::test_a_keep_notebook_a_rank_refuses_settles_nothing",
+            "tests/session/test_mirror.py::test_an_overwrite_the_master_cannot_answer_settles_nothing",
+        ],
+    ),
+    Mutation(
+        "a-failed-pull-makes-a-conflict-of-what-it-pulled",
+        "enot_nb/_session/mirror/mirror.py",
+        "        settles = sorted(changed_stale & {*pulling, *keeping})\n",
+        "        settles = sorted({*pulling, *keeping} & set(self.stale))\n",
+        ["tests/session/test_mirror.py::test_a_failed_pull_of_a_stale_name_unchanged_here_leaves_no_conflict"],
+    ),
+    Mutation(
+        "keep-notebook-never-settles",
+        "enot_nb/_session/kernel/flow.py",
+        "        self.mirror.refreshed(names)\n\n",
+        "\n",
+        [
+            "tests/session/test_mirror.py::test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "keep-notebook-of-one-name-beside-another-conflict-fork]",
+        ],
+    ),
+    Mutation(
+        "fresh-cells-skipped-as-session-cells",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![^\\n]*--fresh)")\n',
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b")\n',
+        [
+            "tests/unit/test_plain_cells.py::test_a_fresh_cell_is_compared_as_a_plain_one_and_only_its_magic_line_says_so",
+            "tests/session/test_session_parity.py::"
+            "test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared",
+        ],
+    ),
+    Mutation(
+        "fresh-read-from-the-cell-body",
+        "enot_nb/_session/kernel/plain_cells.py",
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![^\\n]*--fresh)")\n',
+        '_SESSION_CELL = re.compile(r"\\s*%%enot_distributed\\b(?![\\s\\S]*--fresh)")\n',
+        [
+            "tests/unit/test_plain_cells.py::test_a_fresh_cell_is_compared_as_a_plain_one_and_only_its_magic_line_says_so"
+        ],
+    ),
+    Mutation(
+        "fresh-ignored-inside-a-session",
+        "enot_nb/magic.py",
+        "            if not args.fresh:\n",
+        "            if True:\n",
+        [
+            "tests/session/test_session_parity.py::"
+            "test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared",
+            "tests/session/test_session_parity.py::test_a_conflict_settled_is_the_side_that_won["
+            "fresh-cells-inside-a-session-change-what-the-ranks-hold-fork]",
+        ],
     ),
     Mutation(
         "a-pull-of-a-missing-name-fails-the-rank",

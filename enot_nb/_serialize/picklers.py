@@ -74,6 +74,11 @@ class TensorPickler(cloudpickle.Pickler):
         """The NumPy arrays the receiver already holds (they travel as references)."""
         return []
 
+    def view_of(self, owner: Any) -> Any:
+        """An array the receiver holds that views ``owner``'s memory (``owner`` owns it), or
+        None: the receiver holds all of ``owner``'s memory as that view's root."""
+        return None
+
     def known_storages(self) -> list[Any]:
         """The torch storages the receiver already holds (they travel as references)."""
         return []
@@ -139,6 +144,9 @@ class TensorPickler(cloudpickle.Pickler):
         return lines
 
     def _reduce_storage(self, storage: Any) -> Reduction:
+        within = self._memory.storage_within(storage)
+        if within is not None:
+            return tensors._storage_over_storage, (*within, storage.nbytes())
         held = self._memory.array_holding(storage)
         if held is not None:
             return tensors._storage_of_array, (*held, storage.nbytes())
@@ -150,11 +158,16 @@ class TensorPickler(cloudpickle.Pickler):
 
     def _reduce_array(self, array: Any) -> Reduction:
         tensor = tensors.tensor_owned(array)
-        if tensor is not None:  # its memory is a storage: it travels over that storage
+        if tensor is not None and self.is_known(array, tensors.array_owner(array)) is None:
+            # its memory is a storage: it travels over that storage (a view of an array the
+            # receiver holds goes as that view below: the storage may be one it lacks)
             return tensors.array_over(tensor.untyped_storage(), array)
         view = tensors.reduce_numpy_view(array, self.is_known)
         if view is not None:
             return view
+        known_view = self.view_of(array) if tensors.array_owner(array) is array else None
+        if known_view is not None:  # ``row = a[1]`` went first, with all of ``a``'s memory
+            return tensors.array_owning, (known_view,)
         memory = tensors.contiguous_memory(array)
         reduced = None if memory is None else self._reduce_array_memory(array, memory)
         return array.__reduce_ex__(PROTOCOL) if reduced is None else reduced

@@ -331,6 +331,12 @@ def reduce_numpy_view(array: numpy.ndarray, is_known: Callable[[Any, Any], Any])
     return _numpy_view, (root, offset, array.shape, array.strides, array.dtype)
 
 
+def array_owning(view: numpy.ndarray) -> numpy.ndarray:
+    """The array that owns a view's memory, on the receiver: a view travels with all of its
+    owner's memory (reduce_numpy_view), so the owner sent later is that one."""
+    return array_owner(view)
+
+
 def array_owner(array: numpy.ndarray) -> numpy.ndarray:
     """The NumPy array that owns the memory ``array`` views (itself if it owns it)."""
     import numpy
@@ -384,6 +390,15 @@ def _storage_of_array(root: numpy.ndarray, offset: int, nbytes: int) -> torch.Un
     if not flat.flags.writeable:  # torch would warn; the memory cannot be shared anyway
         flat = flat.copy()
     return torch.from_numpy(flat).untyped_storage()
+
+
+def _storage_over_storage(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """A storage over part of another's memory (``torch.from_numpy(t.numpy())``), rebuilt over
+    the receiver's: one memory, as where it was made."""
+    import torch
+
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return torch.from_numpy(whole.numpy()[offset : offset + nbytes]).untyped_storage()
 
 
 def tensor_owned(array: numpy.ndarray) -> torch.Tensor | None:
@@ -454,6 +469,14 @@ class MemoryOwners:
         if held is None:
             self._storage_map().add(storage.data_ptr(), storage.nbytes(), storage)
         return held
+
+    def storage_within(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
+        """Another storage, met before or held by the receiver, whose memory holds all of this
+        one's (a storage ``torch.from_numpy`` made over a tensor's memory), and the offset."""
+        if storage.device.type != "cpu" or storage.resizable() or not storage.nbytes():
+            return None
+        held = self._storage_map().holding(storage.data_ptr(), storage.nbytes())
+        return held if held is not None and held[0] is not storage else None
 
     def storage_holding(self, memory: tuple[int, int]) -> tuple[Any, int] | None:
         """The storage met before, or held by the receiver, whose memory holds an array's

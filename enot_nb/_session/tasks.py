@@ -28,6 +28,9 @@ class ObjectSpec(NamedTuple):
     sizes: tuple[int, ...] = ()
     """The bytes of each of its storages where the notebook's and the rank's should agree: a
     tensor of another shape on a rank must not take the notebook's bytes."""
+    plain: bool = False
+    """The sender walked it as plain data (one object, its items not registered): the receiver
+    treats its own so too, whatever holds its items there (see kinds._held_from_outside)."""
 
 
 @dataclass
@@ -122,6 +125,10 @@ class PullTask:
     push: collect.Changes | None
     names: list[str]
     mirror: RegistrySpecs
+    whole: tuple[int, int] | None = None
+    """How many of the registry's objects and storages are the pulled names' (their whole
+    states come back); past them, what the ranks hold of the rest of the notebook, found by
+    identity only (a pulled optimizer's params are the notebook's model's). None: all."""
 
 
 class NotHeld(NamedTuple):

@@ -16,9 +16,9 @@ from typing import Any
 
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._serialize.tensors import bytes_view, storage_array, storage_of
-from enot_nb._state import salvage
-from enot_nb._state.collect import Changes, PickledState, StorageBytes
-from enot_nb._state.kinds import OPS, Kind, apply_grad
+from enot_nb._state import kinds, salvage
+from enot_nb._state.collect import Changes, PickledState, StorageBytes, item_at
+from enot_nb._state.kinds import OPS, Kind, apply_grad, kind_of_state
 from enot_nb._state.registry import Registry
 
 
@@ -28,9 +28,11 @@ class StateUnpickler(pickle.Unpickler):
         self.registry = registry
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, at = pid
+        kind, at, *steps = pid
         if kind == "v":  # plain data, pickled whole (see collect.StatePickler)
             return pickle.loads(at)
+        if kind == "p":  # an item inside plain data (see collect.StatePickler._in_plain)
+            return item_at(self.registry.objects[at], steps[0])
         return self.registry.objects[at] if kind == "o" else self.registry.storages[at]
 
 
@@ -84,7 +86,7 @@ def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, 
             problems.append(f"{what} could not be updated in place ({type(err).__name__}: {err})")
 
     def apply(i: int, state: Any) -> None:
-        change = OPS[registry.kinds[i]].apply
+        change = OPS[kind_of_state(registry.kinds[i], registry.objects[i], state)].apply
         if change is None:  # a kind that is never tracked, so never changed
             return
         path = registry.path(i)
@@ -101,13 +103,18 @@ def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, 
         apply(i, state)
     for i, state in tensors:  # after every tensor has its new shape: grads must match it
         attempt(f"{registry.path(i)}.grad", apply_grad, registry.objects[i], state)
-    for i, state in changes.objects:
-        if registry.kinds[i] is not Kind.TENSOR:
-            apply(i, state)
+    kinds.PLAIN_MADE = {}
+    try:
+        for i, state in changes.objects:
+            if registry.kinds[i] is not Kind.TENSOR:
+                apply(i, state)
+        made = kinds.PLAIN_MADE
+    finally:
+        kinds.PLAIN_MADE = None
     wanted = (lambda name: True) if returns is None else set(returns).__contains__
     for name, value in changes.bound.items():
         if wanted(name):
-            namespace[name] = value
+            namespace[name] = made.get(id(value), value)
     for name in changes.deleted:
         if wanted(name):
             namespace.pop(name, None)

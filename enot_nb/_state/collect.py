@@ -110,17 +110,24 @@ def collect(
     return changes, changed
 
 
-def as_whole_changes(registry: Registry, namespace: dict[str, Any], names: list[str]) -> Changes:
+def as_whole_changes(
+    registry: Registry, namespace: dict[str, Any], names: list[str], whole: tuple[int, int] | None = None
+) -> Changes:
     """``names`` as changes against a registry of the notebook's objects at their paths (see
     paths.registry_at): every object found here sends its whole state (into the notebook's own
-    object), every storage its bytes; a name the notebook does not hold in place travels by value."""
+    object), every storage its bytes; a name the notebook does not hold in place travels by value.
+    ``whole``: only the objects and storages below these indices send their states; the rest
+    are there to be referred to (see tasks.PullTask)."""
     changes = Changes()
-    at_top = {registry.parents[i][1] for i in range(1, len(registry.objects)) if registry.parents[i][0] == 0}
+    objects, storages = whole if whole is not None else (len(registry.objects), len(registry.storages))
+    at_top = {registry.parents[i][1] for i in range(1, objects) if registry.parents[i][0] == 0}
     changes.bound = {n: namespace[n] for n in names if n not in at_top or registry.find(namespace[n]) is None}
-    found = [i for i in range(1, len(registry.objects)) if registry.find(registry.objects[i]) == i]
+    found = [i for i in range(1, objects) if registry.find(registry.objects[i]) == i]
     # Only the storages found here: one with no counterpart on this rank stands as an empty
     # placeholder (see paths.registry_at), which would empty the notebook's.
-    found_here = [j for j, s in enumerate(registry.storages) if s is not None and registry.find_storage(s) == j]
+    found_here = [
+        j for j, s in enumerate(registry.storages[:storages]) if s is not None and registry.find_storage(s) == j
+    ]
     whole = whole_states(registry, found, found_here)
     changes.objects, changes.storages = whole.objects, whole.storages
     return changes
@@ -205,6 +212,15 @@ class StatePickler(ResultPickler):
         super().__init__(file, buffer_callback=buffer_callback, namespace=registry.objects[0])
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
+        self._plain_items: dict[int, tuple[Any, int, tuple[Any, ...]]] | None = None
+        self._travelling: set[int] = set()
+        """The registered objects whose new state this pickle carries (see _in_plain)."""
+
+    def dump(self, obj: Any) -> None:
+        """Pickle ``obj``: Changes, or a task carrying them as its ``push``."""
+        changes = obj if isinstance(obj, Changes) else getattr(obj, "push", None)
+        self._travelling = {i for i, _ in changes.objects} if isinstance(changes, Changes) else set()
+        super().dump(obj)
 
     def known_arrays(self) -> list[Any]:
         return [obj for obj, kind in zip(self.registry.objects, self.registry.kinds) if kind is Kind.NDARRAY]
@@ -212,17 +228,26 @@ class StatePickler(ResultPickler):
     def known_storages(self) -> list[Any]:
         return list(self.registry.storages)
 
-    def is_known(self, array: Any, root: Any) -> Any:
+    def _known_by_owner(self) -> dict[int, list[Any]]:
         if self._arrays is None:
             self._arrays = {}
             for obj in self.known_arrays():
                 if obj.flags.c_contiguous:
                     self._arrays.setdefault(id(array_owner(obj)), []).append(obj)
-        start, end = _extent(array)
-        for known in self._arrays.get(id(root), ()):
-            known_start, known_end = _extent(known)
+        return self._arrays
+
+    def view_of(self, owner: Any) -> Any:
+        known = self._known_by_owner().get(id(owner))
+        return known[0] if known else None
+
+    def is_known(self, array: Any, root: Any) -> Any:
+        """A contiguous array the receiver holds whose memory holds ``array``'s, or None."""
+        start, end = array_extent(array)
+        known = self._known_by_owner().get(id(root), ())
+        for candidate in known:
+            known_start, known_end = array_extent(candidate)
             if known_start <= start and end <= known_end:
-                return known
+                return candidate
         return None
 
     def persistent_id(self, obj: Any) -> Any:
@@ -240,10 +265,45 @@ class StatePickler(ResultPickler):
             pickled = plain_pickle(obj)
             if pickled is not None:
                 return ("v", pickled)
+        if type(obj) in (list, dict, bytearray):
+            return self._in_plain(obj)
         return None
 
+    def _in_plain(self, obj: Any) -> Any:
+        """``("p", i, steps)`` where ``obj`` sits inside registered plain data ``i`` (kind PLAIN:
+        one object, its items not registered) at ``steps``: the loading side takes its own item
+        there, so ``last = log[-1]`` stays an alias (by value it would be a copy). Not inside
+        one whose new state travels in this pickle: its items go by value with it. The index of
+        the items is made once per pickle, when first needed."""
+        if self._plain_items is None:
+            self._plain_items = {}
+            for i, kind in enumerate(self.registry.kinds):
+                if kind is Kind.PLAIN and i not in self._travelling:
+                    _index_items(self.registry.objects[i], i, (), self._plain_items)
+        found = self._plain_items.get(id(obj))
+        return ("p", found[1], found[2]) if found is not None and found[0] is obj else None
 
-def _extent(array: Any) -> tuple[int, int]:
+
+def _index_items(container: Any, i: int, steps: tuple[Any, ...], index: dict[int, Any]) -> None:
+    """Each list, dict and bytearray inside ``container`` (at any depth) by id: (it, i, steps)."""
+    todo = [(container, steps)]
+    while todo:
+        held, at = todo.pop()
+        for key, item in held.items() if type(held) is dict else enumerate(held):
+            if type(item) in (list, dict, bytearray) and id(item) not in index:
+                index[id(item)] = (item, i, (*at, key))
+                if type(item) is not bytearray:
+                    todo.append((item, (*at, key)))
+
+
+def item_at(container: Any, steps: tuple[Any, ...]) -> Any:
+    """The item ``_in_plain`` named: ``container[steps[0]][steps[1]]...``."""
+    for step in steps:
+        container = container[step]
+    return container
+
+
+def array_extent(array: Any) -> tuple[int, int]:
     """The addresses of the first and after the last byte an array can reach."""
     start = end = array.__array_interface__["data"][0]
     for size, stride in zip(array.shape, array.strides):

@@ -359,12 +359,48 @@ def plain_pickle(obj: Any) -> bytes | None:
     out = io.BytesIO()
     try:
         _PlainPickler(out, protocol=5, buffer_callback=_refuse_buffer).dump(obj)
-        found: bytes | None = out.getvalue()
+        found: bytes | None = None if _held_from_outside(obj) else out.getvalue()
     except (_NotPlain, RecursionError):
         found = None
     if _still is not None:
         _still[id(obj)] = (obj, found)
     return found
+
+
+def _held_from_outside(obj: Any) -> bool:
+    """Whether a list, dict, set or bytearray inside ``obj`` (at any depth) is also held from
+    outside it (``last = log[-1]``) or twice inside: then ``obj`` is walked item by item, so the
+    alias stays one on every side (one pickle by value would copy the item). By reference
+    counts: an item held once is held by its container, the level's list and the count's argument."""
+    level = [obj]
+    while level:
+        items = itertools.chain.from_iterable(c.values() if type(c) is dict else c for c in level)
+        level = [x for x in items if type(x) in _IN_PLACE]
+        if level and max(map(sys.getrefcount, level)) > _REFS_HELD_ONCE:
+            return True
+    return False
+
+
+def _refs_held_once() -> int:
+    """What ``_held_from_outside`` counts for an item its container alone holds (this Python's)."""
+    holder = [{}]
+    level = [x for x in itertools.chain.from_iterable([holder]) if type(x) in _IN_PLACE]
+    return max(map(sys.getrefcount, level))
+
+
+_REFS_HELD_ONCE = _refs_held_once()
+
+
+def kind_of_state(kind: Kind, obj: Any, state: Any) -> Kind:
+    """The kind whose ``apply`` takes ``state``: the sender's. A large list or dict is plain data
+    on one side and walked item by item on the other where an item of it is held from outside
+    on one side only (``rec = log[5]`` came back, see _held_from_outside); its state says which."""
+    if kind in (Kind.LIST, Kind.DICT, Kind.PLAIN) and type(obj) in _PLAIN_CONTAINERS:
+        if type(state) is list:
+            return Kind.PLAIN
+        if kind is Kind.PLAIN:
+            return Kind.DICT if type(obj) is dict else Kind.LIST
+    return kind
 
 
 def holds_plain_data(obj: Any) -> bool:
@@ -381,10 +417,19 @@ def _plain_travels(obj: Any) -> Any:
     return list(obj.items()) if type(obj) is dict else list(obj)
 
 
+PLAIN_MADE: dict[int, Any] | None = None
+"""While changes are applied (apply.apply_changes): each new item of plain data that went into
+an old one in place, by the new one's id, so a name bound to the new item in the same changes
+(``log[5]['v'] = 1`` and ``rec = log[5]`` sent together) binds the old one it went into."""
+
+
 def _apply_plain(obj: Any, items: list[Any], note: Note) -> None:
     """In place, to the depth it holds: a dict, list, set or bytearray item that is one in both
     keeps its identity (``last = log[-1]`` still is ``log[-1]``), its contents replaced the same way."""
-    _into(obj, dict(items) if type(obj) is dict else items, _IN_PLACE_DEPTH, {}, {})
+    made: dict[int, Any] = {}
+    _into(obj, dict(items) if type(obj) is dict else items, _IN_PLACE_DEPTH, {}, made)
+    if PLAIN_MADE is not None:
+        PLAIN_MADE.update(made)
 
 
 def _into(old: Any, new: Any, depth: int, done: dict[int, Any], made: dict[int, Any]) -> Any:

@@ -97,6 +97,15 @@ class Registry:
             i = parent
         return None
 
+    def names_holding(self, storages: set[int]) -> set[str]:
+        """The variables (root names) of every registered tensor that holds one of ``storages``
+        (by index): where an in-place write to a storage is seen, whatever alias made it."""
+        names: set[str | None] = set()
+        for i, kind in enumerate(self.kinds if storages else []):
+            if OPS[kind].has_storage and {self.find_storage(s) for s in tensor_storages(self.objects[i])} & storages:
+                names.add(self.root_name(i))
+        return {n for n in names if n}  # (a rank's placeholder has no path: "")
+
     def _add(self, obj: Any, kind: Kind, parent: int, step: str) -> int:
         i = len(self.objects)
         self.objects.append(obj)

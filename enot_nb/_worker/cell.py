@@ -14,12 +14,16 @@ in place, so that other references to them stay valid.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
+import functools
 import linecache
+import operator
 import sys
+import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from enot_nb._log import unwarned
 from enot_nb._processes.protocol import Imported
@@ -59,6 +63,8 @@ class CellOptions:
     gather_sharded: bool = True
     """Make sharded modules whole on the master after the cell (in place: right for a one-off
     cell's workers, which end; a session's live FSDP modules must stay sharded)."""
+    future_flags: int = 0
+    """The ``from __future__`` features the notebook's cells compile with (see notebook_future_flags)."""
 
 
 @dataclass
@@ -150,8 +156,8 @@ def run_cell(
     let_go()  # (a session master holds still from finding its registry to here)
     grad_before = _grad_enabled()
     try:
-        exec(compile(body, CELL_FILENAME, "exec"), namespace)  # running the user's cell is the point
-        value = eval(compile(last, CELL_FILENAME, "eval"), namespace) if last else None
+        exec(_compiled(body, "exec", options), namespace)  # running the user's cell is the point
+        value = eval(_compiled(last, "eval", options), namespace) if last else None
         if late_presses_ignored:
             ignore_late_presses()  # in the try: a press that came before it is the cell's own
     except BaseException as exc:
@@ -239,6 +245,43 @@ def _report_imports(before: list[str], *trees: ast.AST | None) -> None:
         bootstrap.send(Imported(modules))
 
 
+_FUTURE_FEATURES = functools.reduce(
+    operator.or_, (getattr(__future__, name).compiler_flag for name in __future__.all_feature_names)
+)
+
+
+def notebook_future_flags(shell: Any) -> int:
+    """Return the ``from __future__`` features the notebook's next cell compiles with: IPython's
+    compiler keeps those a cell imported for every cell after it."""
+    return getattr(getattr(shell, "compile", None), "flags", 0) & _FUTURE_FEATURES
+
+
+def _compiled(tree: ast.Module | ast.Expression, mode: str, options: CellOptions) -> types.CodeType:
+    """The cell's code, compiled as the notebook compiles it: with the notebook's ``__future__``
+    features and no others (``compile`` would add this module's own ``annotations``, and a
+    dataclass's fields would become strings that only this module's globals resolve)."""
+    return compile(tree, CELL_FILENAME, mode, flags=options.future_flags, dont_inherit=True)
+
+
+class _MainModule:
+    """The ``__main__`` module over a namespace that is no module's, as IPython's ``DummyMod``
+    is over the notebook's: its ``__dict__`` is the namespace itself."""
+
+    __spec__ = None  # (multiprocessing's spawn reads it: nothing to import in a child, as in Jupyter)
+
+
+def make_main(namespace: dict[str, Any]) -> None:
+    """Make ``namespace`` this process's ``__main__``, as the notebook's namespace is the
+    kernel's: what looks ``__main__`` up finds the cell's names (a dataclass's generated methods
+    take its ``__dict__`` as their globals, ``typing.get_type_hints`` and pickle by name read it).
+    A forked one-off worker's namespace is already the kernel's ``__main__``: left as it is."""
+    if getattr(sys.modules.get("__main__"), "__dict__", None) is namespace:
+        return
+    main = _MainModule()
+    main.__dict__ = namespace
+    sys.modules["__main__"] = cast(types.ModuleType, main)
+
+
 def _bundle(value: Any, shell: Any) -> tuple[dict, dict] | None:
     return shell.display_formatter.format(value) if shell else None
 
@@ -270,6 +313,7 @@ def run_shipped_cell(
     namespace = objects[0]  # the worker's namespace dict (see picklers.WORKER_NAMESPACE)
     namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
     namespace.update(values)
+    make_main(namespace)
     with unwarned():
         registry = Registry.of_objects(objects, parents)
     try:
@@ -331,7 +375,8 @@ class Tracker:
             set(changes.bound) | {name for name in map(self.registry.root_name, changed) if name in self.namespace}
         )
         if options.names_only:  # a session's --no-return cell: the names of what changed, no state
-            outcome.left_out = sorted({*outcome.changed_names, *changes.deleted})
+            written = self.registry.names_holding({new.storage for new in changes.storages})
+            outcome.left_out = sorted({*outcome.changed_names, *written, *changes.deleted})
             outcome.value_bundle = _bundle(value, shell) if has_value else None
             return outcome
         if options.returns is not None:

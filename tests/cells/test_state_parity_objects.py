@@ -16,6 +16,19 @@ from tests.cells.test_state_parity import LINEAR, MAGIC, _fresh, assert_local_pa
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
+DATACLASS_PROBES = [
+    "typing.get_type_hints(Run.__init__)",
+    "Run.__annotations__",
+    "Run.__init__.__globals__ is globals()",
+    "Run.twice.__globals__ is globals()",
+    "Run(Cfg(), 4).twice()",
+    "run.twice()",
+    "isinstance(run.cfg, Cfg)",
+    "run == Run(run.cfg, 2)",
+    "'hints' in dir() and hints",
+]
+"""A dataclass defined beside the notebook's ``Cfg`` and ``scale`` (the session suite's too)."""
+
 # (id, set-up, cell, probes); a case's cell loses nothing (nothing is named) but where it says so
 CASES = [
     (
@@ -92,6 +105,26 @@ CASES = [
         "        self.cache = dict(state['cache'])\nh = Holder()\nh.cache['a'] = 1\nc = h.cache\n",
         "h.cache['b'] = 2",
         ["h.v", "sorted(h.cache.items())", "h.cache is c"],
+    ),
+    (
+        # The holder's __setstate__ makes an empty cache: under spawn the new one takes the
+        # notebook's state before the cell (its 'a' would be lost, not only the cell's 'b').
+        "a-sub-object-its-holders-setstate-rebuilds-without-its-state",
+        "class Holder:\n    def __init__(self):\n        self.v = 1\n        self.cache = {}\n"
+        "    def __setstate__(self, state):\n        self.__dict__.update(state)\n"
+        "        self.cache = {}\nh = Holder()\nh.cache['a'] = 1\nc = h.cache\n",
+        "h.cache['b'] = 2\nseen = sorted(h.cache)",
+        ["h.v", "sorted(h.cache.items())", "h.cache is c", "seen"],
+    ),
+    (
+        # A dataclass's generated __init__ takes the module's globals (sys.modules['__main__']):
+        # its hints name the notebook's class, resolved in the notebook's globals.
+        "a-dataclass-over-a-notebook-class-defined-in-the-cell",
+        "import typing\nclass Cfg:\n    lr = 0.1\nscale = 3\n",
+        "@dataclasses.dataclass\nclass Run:\n    cfg: Cfg\n    n: int = 0\n"
+        "    def twice(self):\n        return self.n * scale\nrun = Run(Cfg(), 2)\n"
+        "hints = typing.get_type_hints(Run.__init__)",
+        DATACLASS_PROBES,
     ),
     (
         "cached-function-defined-in-cell",
@@ -213,3 +246,18 @@ def test_a_cached_functions_statistics_stay_as_before_the_cell_under_both_start_
     assert run.stderr.count(CACHE_LINE) == 1, run.stderr
     info = kernel.ok("print(r, sq.cache_info())").stdout.strip()
     assert info == "13 CacheInfo(hits=0, misses=1, maxsize=128, currsize=1)"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_future_import_in_the_notebook_holds_in_its_distributed_cells(kernels, method):
+    """IPython compiles every cell after ``from __future__ import annotations`` under it: a
+    dataclass naming itself in a field is made, its annotations strings, as in a local cell;
+    and without the import they are the classes (see the dataclass case above)."""
+    setup = "from __future__ import annotations\nimport typing\n"
+    cell = "@dataclasses.dataclass\nclass Node:\n    nxt: Node | None = None\nn = Node(Node())"
+    probes = ["Node.__annotations__", "typing.get_type_hints(Node)", "n.nxt.nxt is None"]
+    try:
+        assert_local_parity(kernels, method, "future-annotations", setup, cell, probes)
+    finally:  # (%reset keeps IPython's compiler flags: the next cases compile without it)
+        for kernel in kernels:
+            kernel.ok("get_ipython().compile.flags &= ~__import__('__future__').annotations.compiler_flag")

@@ -146,3 +146,29 @@ def test_a_half_done_collective_on_a_subgroup_makes_the_groups_again(capfd):
         assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)") == 2.0
         # the user's subgroup, made again from its ranks and bound where the old one was
         assert s.run("t = torch.ones(1)\ndist.all_reduce(t, group=sub)\nfloat(t)") == 2.0
+
+
+def test_a_subgroup_held_in_a_dict_and_a_nested_list_is_made_again_where_it_was(capfd, start_method):
+    """``groups['dp'] = dist.new_group(...)``, also held in a list in a list: after a collective
+    left half done on it, the groups are made again and the new subgroup is bound in each
+    place (a DDP wrapper on it too: its own attribute, unnamed), the user's places named by
+    their paths; the group and the wrapper work."""
+    with start(start_method, namespace={}) as s:
+        s.run(
+            "import torch, torch.distributed as dist\n"
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "groups = {'dp': dist.new_group([0, 1])}\nnested = [[groups['dp']]]\n"
+            "ddp = DDP(torch.nn.Linear(2, 2), process_group=groups['dp'])"
+        )
+        with pytest.raises(WorkerFailedError):
+            s.run(
+                "t = torch.ones(1)\nif dist.get_rank() == 1:\n    raise ValueError('x')\n"
+                "work = dist.all_reduce(t, group=groups['dp'], async_op=True)"
+            )
+        out = capfd.readouterr().out
+        assert "process group was made again" in out, out
+        assert "subgroup(s) groups['dp'], nested[0][0] made again" in out, out
+        assert "DDP wrapper(s) ddp rebound" in out, out  # onto the new subgroup (its own attribute: unnamed)
+        assert s.run("groups['dp'] is nested[0][0] is ddp.process_group") is True
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t, group=groups['dp'])\nfloat(t)") == 2.0
+        assert s.run("ddp(torch.ones(1, 2)).sum().backward()\nfloat(ddp.module.weight.grad.sum())") == 4.0

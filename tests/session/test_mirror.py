@@ -412,3 +412,127 @@ def test_a_plain_log_changed_by_the_cell_that_first_reaches_it_comes_back():
         log[4]["i"] = -4  # a plain cell's change: pushed, so the master finds its registry anew
         s.run("log[5]['i'] = -5")
         assert log[5] == {"i": -5} and s.run("log[4]['i']") == -4
+
+
+# ----------------------------------------------------------------------------- conflicts settled
+# (issue 43, items 2.4 and 2.5: a --no-return cell's tensor writes are stale as its NumPy writes
+# are; a pull of one name neither depends on nor clears another name's conflict)
+
+
+@pytest.mark.parametrize("write", ["t.add_(1)", "v = t[1:]\nv.add_(3)", "ddp.module.load_state_dict(ones)"])
+def test_a_no_return_cells_tensor_write_is_stale_as_a_numpy_write_is(write):
+    """An in-place tensor write (through the variable, a view, or DDP's ``.module``) in a
+    --no-return cell marks the variable stale: a plain write to it after is a conflict, never
+    pushed silently over (or merged page by page into) the master's newer value."""
+    torch.manual_seed(0)
+    ns = {"t": torch.zeros(4), "model": torch.nn.Linear(2, 2), "arr": __import__("numpy").zeros(2)}
+    with start("fork", namespace=ns) as s:
+        s.run(DDP_SETUP + "ones = {k: torch.ones_like(v) for k, v in model.state_dict().items()}\nn = len(t)")
+        s.run(write + "\narr += 1", no_return=True)
+        name = "model" if "ddp" in write else "t"
+        assert set(s.flow.mirror.stale) == {name, "arr"}, s.flow.mirror.stale
+        held = ns[name] if name == "t" else ns[name].weight
+        with torch.no_grad():
+            held[0] = 5.0  # a plain cell writes the stale copy
+        with pytest.raises(enot_nb.StaleError, match=f"'{name}'"):
+            s.run("pass")
+        master = s.pull(name, overwrite=True)[name]  # rank 0's value wins, whole
+        expected = [1.0, 1.0] if name == "model" else [1.0] * 4 if write == "t.add_(1)" else [0.0, 3.0, 3.0, 3.0]
+        assert (master.weight[0] if name == "model" else master).tolist() == expected
+
+
+def test_keep_notebook_of_one_name_beside_another_conflict_settles_that_one_alone():
+    """``%enot_pull a --keep-notebook`` while ``b`` is in conflict too: ``a`` goes to every rank
+    (nothing of ``b`` with it), ``b`` is still asked about, and once settled neither side's ``a``
+    is a merge of both."""
+    ns = {"a": {"x": 0}, "b": torch.zeros(3)}
+    with start("fork", namespace=ns) as s:
+        s.run("n = len(a) + len(b)")
+        s.run("a['m'] = 1\nb.add_(1)", no_return=True)
+        ns["a"]["x"] = 5
+        ns["b"][0] = 7.0
+        assert s.pull("a", keep_notebook=True) == {"a": {"x": 5}}
+        assert "a" not in s.flow.mirror.stale and s.flow.mirror.conflicts == {"b"}
+        with pytest.raises(enot_nb.StaleError, match="'b'"):
+            s.run("pass")
+        assert s.pull("b", overwrite=True)["b"].tolist() == [1.0, 1.0, 1.0]
+        assert s.run("(dict(a), b.tolist())") == ({"x": 5}, [1.0, 1.0, 1.0])
+        ns["a"]["y"] = 2  # current again: a plain change reaches the ranks
+        assert s.launch(lambda: dict(a)) == {"x": 5, "y": 2}  # noqa: F821 - the rank's globals
+
+
+def test_a_keep_notebook_a_rank_refuses_settles_nothing():
+    """The notebook's value cannot be applied on rank 1 (its storage has another size): the
+    conflict it was to settle is still asked about, though the record takes the notebook's value."""
+    ns = {"w": torch.zeros(2)}
+    with start("fork", namespace=ns) as s:
+        s.run("import torch.distributed as dist\nn = len(w)")
+        s.run("w.add_(2)\nif dist.get_rank() == 1:\n    w.resize_(5)", no_return=True)
+        ns["w"][0] = 7.0
+        with pytest.raises(WorkerFailedError) as failed:
+            s.pull("w", keep_notebook=True)
+        assert failed.value.rank == 1
+        with pytest.raises(enot_nb.StaleError, match="'w'"):
+            s.run("pass")
+        assert s.pull("w", overwrite=True)["w"].tolist() == [7.0, 0.0]  # rank 0 had applied the push
+        assert s.run("w.tolist()") == [7.0, 0.0] and not s.flow.mirror.stale
+
+
+@pytest.mark.parametrize("bound", ["synced", "bound-on-the-ranks-alone"])
+def test_a_stale_name_deleted_here_is_a_conflict_keep_notebook_deletes_it_on_the_ranks(bound):
+    """A stale variable the notebook deleted: every session cell is refused, naming it, until
+    the user says which side wins; ``--keep-notebook`` deletes it on every rank, ``--overwrite``
+    brings the master's value back. Also where no sync sent it (a rank-only function bound it)."""
+    ns = {"a": [1]}
+    with start("fork", namespace=ns) as s:
+        if bound == "synced":
+            s.run("n = len(a)")
+            s.run("a.append(2)", no_return=True)
+        else:
+            s.run("def put(name, value):\n    put.__globals__[name] = value", no_return=True)  # rank-only
+            s.run("put('a', [9])", no_return=True)  # no name the notebook could send
+            assert "a" not in s.flow.mirror.record.synced
+        assert "a" in s.flow.mirror.stale
+        del ns["a"]
+        with pytest.raises(enot_nb.StaleError, match="'a'"):
+            s.run("m = 1")
+        assert s.pull("a", keep_notebook=True) == {}
+        assert not s.flow.mirror.stale and "a" not in ns
+        assert s.run("'a' in dir()") is False
+        assert s.launch(lambda: "a" in globals()) is False
+
+
+def test_an_overwrite_the_master_cannot_answer_settles_nothing():
+    """``%enot_pull a --overwrite`` where rank 0 deleted ``a`` (a --no-return cell) and the
+    notebook changed it: the pull fails, naming it, and the conflict is still asked about (the
+    record, walked again after the pull, no longer shows the notebook's change)."""
+    ns = {"a": [1], "b": [0]}
+    with start("fork", namespace=ns) as s:
+        s.run("n = len(a) + len(b)")
+        s.run("del a\nb.append(1)", no_return=True)
+        ns["a"].append(2)
+        ns["b"].append(3)
+        with pytest.raises(enot_nb.NotHeldError, match="rank 0 holds no variable 'a'"):
+            s.pull("a", "b", overwrite=True)
+        with pytest.raises(enot_nb.StaleError, match="'a'"):
+            s.run("pass")
+        assert s.pull("b", overwrite=True) == {"b": [0, 1]}
+        with pytest.raises(WorkerFailedError, match="a: no such variable on this rank"):
+            s.pull("a", keep_notebook=True)  # (sent in place, where the ranks hold nothing: a limitation)
+        with pytest.raises(enot_nb.StaleError, match="'a'"):
+            s.run("pass")
+        del ns["a"]  # rank 0's side, by hand
+        assert s.pull("a", keep_notebook=True) == {}
+        assert s.run("('a' in dir(), list(b))") == (False, [0, 1]) and not s.flow.mirror.stale
+
+
+def test_a_failed_pull_of_a_stale_name_unchanged_here_leaves_no_conflict():
+    """Only a conflict the pull was to settle is kept after it fails: a stale name the notebook
+    never changed is still no conflict, and the next cell runs."""
+    ns = {"a": [1]}
+    with start("fork", namespace=ns) as s:
+        s.run("n = len(a)")
+        s.run("del a", no_return=True)
+        with pytest.raises(enot_nb.NotHeldError, match="rank 0 holds no variable 'a'"):
+            s.pull("a", overwrite=True)
+        assert s.run("n + 1") == 2 and "a" in s.flow.mirror.stale and not s.flow.mirror.conflicts

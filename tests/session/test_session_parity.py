@@ -17,12 +17,19 @@ import pytest
 
 from tests._util import METHODS
 from tests.cells.test_state_parity import PRELUDE, _fresh, _probe_code
+from tests.cells.test_state_parity_objects import DATACLASS_PROBES
 from tests.kernel import running_kernel
+from tests.session import fuzz
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 S, P, F = "session", "plain", "fails"  # F: a session cell that raises (in both kernels)
 # A session cell with options: S + " --no-return" runs `%%enot_distributed --no-return` there.
+R = "refused, naming"  # R + " x": a session cell the session refuses (UsageError) for x's conflict
+PULL = "pull"  # a line (%enot_pull ...) run in the session's kernel alone
+# A step is (kind, cell) or (kind, cell, reference): the reference kernel runs ``reference``
+# instead of the cell, the documented meaning of a step with no plain counterpart (a --no-return
+# cell, a pull that settles a conflict); R and PULL steps run nothing there unless given one.
 LINEAR = "model = torch.nn.Linear(2, 2)\n"
 STEP = "loss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()\nopt.zero_grad()"
 GRAD_STEP = "opt.zero_grad()\nloss = model(torch.ones(1, 2)).sum()\nloss.backward()\nopt.step()"  # new .grad tensors
@@ -299,6 +306,20 @@ CASES = [
         ["log", "d", "a", "'m' in dir() and m", "'b' in dir() and b", "'m2' in dir() and m2"],
     ),
     (
+        "a-dataclass-defined-in-a-session-cell-over-a-notebook-class",
+        "import typing\nclass Cfg:\n    lr = 0.1\nscale = 3\n",
+        [
+            (
+                S,
+                "@dataclasses.dataclass\nclass Run:\n    cfg: Cfg\n    n: int = 0\n"
+                "    def twice(self):\n        return self.n * scale\nrun = Run(Cfg(), 2)",
+            ),
+            (P, "scale = 5\nhints = typing.get_type_hints(Run.__init__)"),
+            (S, "run.n += 1\nk = run.twice() + len(typing.get_type_hints(Run.__init__))"),
+        ],
+        [*DATACLASS_PROBES, "'k' in dir() and k"],
+    ),
+    (
         "a-cell-value-and-a-new-class",
         "",
         [
@@ -321,14 +342,20 @@ def _run_case(kernels, method, steps, setup, probes, start=None):
             kernel.ok(setup)
     dist.ok(start or f"%enot_session start -n 2 --backend gloo --start-method {method}", timeout=180)
     try:
-        for kind, cell in steps:
+        for kind, cell, *reference in steps:
             results = []
             for kernel in (local, dist):
                 options = kind[len(S) :] if kind.startswith(S) else ""
-                code = cell if kind == P or kernel is local else f"%%enot_distributed{options}\n" + cell
+                if kernel is local:
+                    code = reference[0] if reference else "" if kind.startswith((R, PULL)) else cell
+                else:
+                    code = cell if kind in (P, PULL) else f"%%enot_distributed{options}\n" + cell
                 run = kernel.run(code)
                 if kind == F:
                     assert run.error is not None, f"{cell!r} should fail in both kernels"
+                elif kind.startswith(R) and kernel is dist:
+                    name = kind[len(R) :].strip()
+                    assert _usage_error(run, f"'{name}'") and f"%enot_pull {name}" in run.stderr, run.stderr
                 else:
                     assert run.error is None, run.traceback + run.stderr
                 results.append((run.result or {}).get("text/plain"))
@@ -517,3 +544,337 @@ def test_a_session_cells_traceback_names_the_notebook_cell_and_line(live):
     text = run.traceback
     assert re.search(r"Cell In\[\d+\], line 3, in boom\n", text), text
     assert "raise ValueError('in boom')" in text and "<dynamic-code>" not in text
+
+
+def test_a_future_import_in_the_notebook_holds_in_session_cells(live):
+    """The ranks compile a session cell under the notebook's ``__future__`` features, as
+    IPython compiles a local cell after the import: a dataclass that names itself is made."""
+    live.ok("from __future__ import annotations")
+    try:
+        live.ok(
+            "%%enot_distributed\n@dataclasses.dataclass\nclass Node:\n    nxt: Node | None = None\nn = Node(Node())"
+        )
+        assert live.ok("print(Node.__annotations__, n.nxt.nxt)").stdout.strip() == "{'nxt': 'Node | None'} None"
+    finally:  # (the module's kernel goes on: its next cells compile without it)
+        live.ok("get_ipython().compile.flags &= ~__import__('__future__').annotations.compiler_flag")
+
+
+# ----------------------------------------------------------------------------- conflicts settled
+# Issue 43, items 2.4 and 2.5, and the --fresh cells of its section 3. A --no-return cell's
+# change stays on the ranks; a later plain change to the same variable is a conflict, refused
+# by name until a pull says which side wins. The reference kernel runs what the winning side
+# means: --keep-notebook, the notebook's plain cells alone (the --no-return cell runs nothing
+# there); --overwrite, the master's change (at the pull), the plain change dropped.
+
+FRESH = S + " --fresh -n 2 --backend gloo"  # a one-off launch while the session runs
+NET_OF = "def net_of(w):\n    return getattr(w, 'module', w)\n"  # DDP's .module, the model itself here
+PARAMETERS = "[round(x, 4) for x in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()]"
+
+SETTLED_CASES = [
+    (
+        "a-no-return-tensor-write-then-a-plain-one-keep-notebook",
+        "t = torch.zeros(4)\nv = t[2:]\n",
+        [
+            (S, "t.add_(1)"),
+            (S + " --no-return", "v.add_(1)\nt[0] = 3", ""),
+            (P, "t[1] = 5"),
+            (R + " t", "r = t.tolist()"),
+            (PULL, "%enot_pull t,v --keep-notebook"),  # v holds the storage the cell wrote: stale too
+            (S, "r = t.tolist()\nt.mul_(2)"),
+            (P, "v[0] = -1"),
+            (S, "r2 = (t.tolist(), v.tolist())"),
+        ],
+        ["t.tolist()", "v.tolist()", "'r' in dir() and r", "'r2' in dir() and r2"],
+    ),
+    (
+        "ddp-weights-loaded-in-a-no-return-cell-then-a-plain-write-overwrite",
+        DDP_TRAINING + NET_OF + "target = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}\n",
+        [
+            (S, "ddp = wrap(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.05)"),
+            (S, "train(ddp, opt, 2)"),
+            (S + " --no-return", "net_of(ddp).load_state_dict(target);", ""),
+            (P, "model[0].weight.data[0, 0] = 7.0"),
+            (R + " model", "train(ddp, opt, 1)"),
+            (PULL, "%enot_pull model --overwrite", "model.load_state_dict(target);"),
+            (S, "train(ddp, opt, 2)"),
+        ],
+        [PARAMETERS, "[round(x, 4) for x in model[1].running_mean.tolist()]", "steps"],
+    ),
+    (
+        "keep-notebook-of-one-name-beside-another-conflict",
+        "a = {'x': 0}\nb = torch.zeros(3)\n",
+        [
+            (S, "n = len(a) + len(b)"),
+            (S + " --no-return", "b.add_(1)\na['m'] = 1", "master_b = b + 1"),
+            (P, "a['x'] = 5\nb[0] = 7"),
+            (PULL, "%enot_pull a --keep-notebook"),
+            (R + " b", "r = sorted(a.items())"),
+            (PULL, "%enot_pull b --overwrite", "b.copy_(master_b);"),
+            (S, "r = (sorted(a.items()), b.tolist())"),
+            (P, "a['y'] = 2"),
+            (S, "r2 = sorted(a.items())"),
+        ],
+        ["sorted(a.items())", "b.tolist()", "'r' in dir() and r", "'r2' in dir() and r2"],
+    ),
+    (
+        "a-stale-name-deleted-here-keep-notebook-deletes-it-on-the-ranks",
+        "a = [1]\nkeep = [0]\n",
+        [
+            (S, "n = len(a) + len(keep)"),
+            (S + " --no-return", "a.append(2)\nkeep.append(1)", ""),
+            (P, "del a\nkeep.append(3)"),
+            (R + " a", "m = 1"),
+            (PULL, "%enot_pull a,keep --keep-notebook"),
+            (S, "e = 'a' in dir()\nk = list(keep)"),
+        ],
+        ["'a' in dir()", "keep", "globals().get('e', 'unset')", "globals().get('k', 'unset')"],
+    ),
+    (
+        "fresh-cells-inside-a-session-change-what-the-ranks-hold",
+        "xs = [0]\nt = torch.ones(2)\nk = 1\n",
+        [
+            (S, "n0 = len(xs) + int(t.sum()) + k"),
+            (FRESH, "xs.append(len(xs))\nt.mul_(3)\nk = 7"),
+            (S, "n = (list(xs), t.tolist(), k)"),
+            (S + " --no-return", "xs.append(-1)", ""),
+            (FRESH, "xs.append(5)"),
+            (R + " xs", "m = len(xs)"),
+            (PULL, "%enot_pull xs --keep-notebook"),
+            (S, "m = list(xs)"),
+        ],
+        ["xs", "t.tolist()", "k", "'n' in dir() and n", "'m' in dir() and m"],
+    ),
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case_id, setup, steps, probes", SETTLED_CASES, ids=[c[0] for c in SETTLED_CASES])
+def test_a_conflict_settled_is_the_side_that_won(kernels, method, case_id, setup, steps, probes):
+    _run_case(kernels, method, steps, setup, probes)
+
+
+def test_a_fresh_cells_change_reaches_the_ranks_though_only_plain_cells_are_compared(live):
+    """A --fresh cell inside a live session runs as a one-off launch (its own ranks, which may
+    change the worker options), and its changes to what the session's ranks hold reach them
+    before the next session cell, as a plain cell's do: only the cells since the last sync are
+    compared (the differential cases' probes read names dynamically, so there everything is)."""
+    live.ok("xs = [0]\nt = torch.ones(2)\nimport os")
+    session_pids = live.ok("%%enot_distributed --output all\nprint('pid', os.getpid())").stdout
+    live.ok("%%enot_distributed\nn = len(xs) + int(t.sum())")
+    fresh = "%%enot_distributed --fresh -n 2 --backend gloo --output all\n"
+    run = live.ok(fresh + "xs.append(1)\nt.mul_(3)\nprint('pid', os.getpid())")
+    one_off = set(re.findall(r"pid \d+", run.stdout))
+    assert len(one_off) == 2 and not one_off & set(re.findall(r"pid \d+", session_pids)), run.stdout
+    seen = live.ok("%%enot_distributed --output all\nprint(xs, t.tolist())").stdout
+    assert seen.count("[0, 1] [3.0, 3.0]") == 2, seen  # (a plain cell reaching them first would compare them)
+    assert live.ok("print(xs, t.tolist())").stdout.strip() == "[0, 1] [3.0, 3.0]"  # brought back
+
+
+# ----------------------------------------------------------------------------- the fuzzer's finds
+# Issue 43, items 2.1 to 2.3 and what the fuzzer found beside them: each a program run by the
+# fuzzer's runner (tests/session/fuzz.py) in a kernel with a session and in a reference shell,
+# the whole namespaces compared after every cell. Its probe is a library function, so unlike the
+# probes above (which read names with eval, making every push compare everything) it leaves the
+# plain cells' tracker as a user's cells do.
+
+
+def _cells(*steps: tuple[str, str]) -> list[fuzz.Cell]:
+    return [fuzz.Cell(kind, code, callback=code if kind == "trigger" else "") for kind, code in steps]
+
+
+FOUND = [
+    (
+        "memory-shared-by-a-tensor-and-its-numpy-array",
+        [
+            (P, "t = torch.zeros(3); a = t.numpy()"),
+            (S, "t.add_(1)"),
+            (P, "a[0] = 5"),
+            (S, "s = float(t.sum()); t.add_(1)"),
+        ],
+    ),
+    (
+        "a-numpy-view-written-in-a-plain-cell",
+        [
+            (P, "arr = np.zeros((3, 2)); row = arr[1]"),
+            (S, "arr += 1"),
+            (P, "row += 10"),
+            (S, "s = float(arr.sum()); arr += 1"),
+        ],
+    ),
+    (
+        "writes-through-a-tensor-and-its-array-across-cells",
+        [
+            (P, "t = torch.zeros(3); a = t.numpy()"),
+            (S, "a[1] = 2; t.add_(1)"),
+            (P, "t[0] = 7"),
+            (S, "s = float(a.sum())"),
+            (P, "a[2] = -1"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "memory-shared-as-the-master-made-it",
+        [
+            (P, "t = torch.arange(6.); a = np.arange(4.); row = a[1:]"),
+            (S, "v = t[::2]"),
+            (S, "n = v.numpy(); u = torch.from_numpy(n); m = row[1:]"),
+            (P, "u[0] = 9; m[0] = 7"),
+            (S, "s = float(t.sum()) + float(a.sum()); n2 = t.numpy()"),
+            (S, "r = n2[1:]"),
+            (P, "r[0] = 5"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "an-arrays-owner-sent-after-its-view",
+        [
+            (P, "a = np.arange(3.); row = a[1:]"),
+            (S, "r = row[1:]"),
+            (S, "s = float(a.sum())"),
+            (P, "a[2] = 9"),
+            (S, "s2 = float(row.sum())"),
+        ],
+    ),
+    (
+        "aliases-into-a-large-list-of-records",
+        [
+            (P, "log = [{'i': i, 'v': float(i)} for i in range(1200)]; last = log[-1]; rec = log[5]"),
+            (S, "s = sum(r['v'] for r in log); same = last is log[-1]"),
+            (P, "rec['v'] = 100.0"),
+            (S, "s2 = sum(r['v'] for r in log); rec7 = log[7]"),
+            (P, "rec7['v'] = -1.0"),
+            (S, "s3 = log[7]['v']"),
+        ],
+    ),
+    (
+        "a-large-list-walked-on-one-side-only",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]"),
+            (S, "rec = log[5]"),
+            (P, "log[-1]['v'] = -8.0"),
+            (S, "s = log[-1]['v']; same = rec is log[5]"),
+        ],
+    ),
+    (
+        "a-large-list-the-master-walks-item-by-item",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]; t = torch.arange(3.)"),
+            (S, "s = float(t.sum()); s2 = sum(r['v'] for r in log)"),
+            (S, "log[-1]['v'] = -4.0"),
+        ],
+    ),
+    (
+        "a-record-bound-beside-its-lists-change",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]"),
+            (P, "log[5]['v'] += 1"),
+            (P, "rec = log[0]"),
+            (S, "same = rec is log[0]"),
+        ],
+    ),
+    (
+        "a-thread-started-and-joined-in-a-plain-cell",
+        [
+            (P, "t = torch.zeros(3)"),
+            (S, "s = float(t.sum())"),
+            (P, "_fuzz_th = threading.Thread(target=t.add_, args=(1,))"),
+            (S, "x = 1"),
+            (P, "_fuzz_th.start(); _fuzz_th.join()"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "a-thread-writes-between-cells",
+        [
+            (P, "t = torch.zeros(3)"),
+            (S, "s = float(t.sum())"),
+            ("thread", "def _fuzz_cb():\n    t.add_(1)\n_fuzz_leave(_fuzz_cb)"),
+            (S, "x = 1"),
+            ("trigger", "_fuzz_cb"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "a-silent-run-writes",
+        [(P, "t = torch.zeros(3)"), (S, "s = float(t.sum())"), ("silent", "t.add_(2)"), (S, "s2 = float(t.sum())")],
+    ),
+    (
+        "a-name-deleted-after-its-write",
+        [
+            (P, "t = torch.zeros(3); w = t[1:]"),
+            (S, "s = float(t.sum())"),
+            (P, "w.add_(5); del w"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        "writes-through-ipythons-outputs",
+        [
+            (P, "t = torch.zeros(3)"),
+            (S, "s = float(t.sum())"),
+            (P, "t"),
+            (S, "x = 1"),
+            (P, "_.add_(1)"),
+            (S, "s2 = float(t.sum())"),
+            (P, "t"),
+            (S, "x = 2"),
+            (P, "Out[max(Out)].mul_(3)"),
+            (S, "s3 = float(t.sum())"),
+        ],
+    ),
+    (
+        "a-pulled-optimizer-steps-the-notebooks-model",
+        [
+            (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
+            (S, "y = net(torch.ones(1, 2))"),
+            ("no-return", "opt = torch.optim.SGD(net.parameters(), lr=0.1)"),
+            (P, "opt.zero_grad(); net(torch.ones(1, 2)).sum().backward(); opt.step()"),
+            (S, "w = net.weight.sum().item()"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def fuzz_kernel():
+    with running_kernel("%load_ext enot_nb") as k:
+        yield k
+        k.run("%enot_session stop", timeout=120)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case_id, steps", FOUND, ids=[c[0] for c in FOUND])
+def test_what_the_fuzzer_found_stays_found(fuzz_kernel, method, case_id, steps):
+    reference = fuzz.Reference()
+    try:
+        fuzz.Runner(fuzz_kernel, reference, method).run(fuzz.Program(-1, _cells(*steps)))
+    finally:
+        reference.close()
+        fuzz_kernel.run("%enot_session stop", timeout=120)
+
+
+def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):
+    """A comm message the kernel handles (a widget's callback) runs outside any cell: the next
+    push compares everything, and its write reaches the ranks."""
+    k = fuzz_kernel
+    k.ok("%reset -f\nimport torch")
+    k.ok("%enot_session start -n 2 --backend gloo")
+    try:
+        k.ok(
+            "t = torch.zeros(3)\nget_ipython().kernel.comm_manager.register_target('enot-test', lambda c, m: t.add_(1))"
+        )
+        k.ok("%%enot_distributed\ns = float(t.sum())")
+        opened = k.client.session.msg("comm_open", {"comm_id": "c0ffee", "target_name": "enot-test", "data": {}})
+        k.client.shell_channel.send(opened)
+        while True:  # the kernel is idle again once it handled the message
+            msg = k.client.get_iopub_msg(timeout=60)
+            if (
+                msg["parent_header"].get("msg_id") == opened["header"]["msg_id"]
+                and msg["content"].get("execution_state") == "idle"
+            ):
+                break
+        # (no plain cell reaches t before the session cell: the comm alone must make it compared)
+        seen = k.ok("%%enot_distributed --output all\nprint(t.tolist())").stdout
+        assert seen.count("[1.0, 1.0, 1.0]") == 2, seen
+    finally:
+        k.run("%enot_session stop", timeout=120)

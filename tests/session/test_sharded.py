@@ -108,6 +108,27 @@ def test_an_fsdp2_module_after_the_groups_were_made_again_says_how_to_shard_it_a
         assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)") == 2.0  # the rest goes on
 
 
+def test_an_fsdp2_module_held_in_a_dict_is_guarded_by_its_path(capsys):
+    """The FSDP2 module sits in a dict, a submodule of it sharded too: after the groups were
+    made again the outermost one is guarded and named by its path (once: not again as sharded
+    state), and its next use is our error naming that path."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ns = {"nets": {"G": model}, "torch": torch}
+    with start("fork", namespace=ns) as s:
+        s.run(
+            "import torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard\n"
+            "fully_shard(nets['G'][0])\nfully_shard(nets['G'])"
+        )
+        with pytest.raises(WorkerFailedError):
+            s.run("if dist.get_rank() == 1:\n    raise ValueError('x')\nout = nets['G'](torch.ones(3, 4))")
+        out = capsys.readouterr().out
+        assert "FSDP module(s) nets['G'] were sharded over the groups that are gone" in out, out
+        assert "sharded state" not in out, out
+        with pytest.raises(WorkerFailedError) as used:
+            s.run("out = nets['G'](torch.ones(3, 4))")
+        assert "nets['G'] = fully_shard(build_model())" in str(used.value) and "%enot_pull nets`" in str(used.value)
+
+
 def test_a_pulled_fsdp2_module_takes_plain_changes_onto_the_ranks_sharded_one():
     """After a pull, the notebook's module is its plain copy: a plain cell's ``model.eval()``
     reaches the ranks' sharded module (FSDP's dynamic subclass is the same module type for the

@@ -165,6 +165,163 @@ def test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was(tmp_path, capf
         assert s.run(REPLICAS_EQUAL) is True
 
 
+def _on_every_rank(s, condition: str) -> bool:
+    """Whether ``condition`` (an expression) holds on every rank, as the master learns it."""
+    return s.run(
+        f"_holds = torch.tensor([int(bool({condition}))])\ndist.all_reduce(_holds, op=dist.ReduceOp.MIN)\nbool(_holds)"
+    )
+
+
+BUFFERS_EQUAL = (
+    "flat = torch.cat([b.detach().double().flatten() for b in model.buffers()])\n"
+    "both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]\n"
+    "dist.all_gather(both, flat)\n"
+    "bool(torch.equal(both[0], both[1]))"
+)
+
+
+def test_a_ddp_wrapper_in_a_dict_is_compared_and_made_equal_after_a_failed_cell(start_method, capsys):
+    """``nets = {'G': DDP(model)}``: rank 0 steps once more than rank 1 before the failure; the
+    wrapper is rebound, named by its path, and its parameters, buffers and optimizer state
+    are made the master's, as a wrapper held in a variable's are."""
+    ns: dict = {}
+    setup = BN_MODEL.replace("ddp = DDP(model)\n", "nets = {'G': DDP(model)}\n").replace(
+        "ddp.parameters()", "model.parameters()"
+    )
+    with start(start_method, namespace=ns) as s:
+        s.run(setup + EPOCH)
+        s.run("train_epoch(nets['G'], opt, 3)")
+        pids = [row.pid for row in s.status().rows]
+        with pytest.raises(WorkerFailedError):
+            s.run("train_epoch(nets['G'], opt, 10, fail_at=4)")
+        out = capsys.readouterr().out
+        assert "DDP wrapper(s) nets['G'] rebound to the ranks' group" in out
+        assert "made equal to it (nets['G'].module.0.weight" in out, out
+        assert "restarted" not in out and [row.pid for row in s.status().rows] == pids
+        assert s.run(REPLICAS_EQUAL) is True
+        assert s.run(BUFFERS_EQUAL) is True  # before any forward could broadcast rank 0's
+        s.run("train_epoch(nets['G'], opt, 3)")
+        assert s.run(REPLICAS_EQUAL) is True
+        assert s.run("steps") == ns["steps"] == 3 + 5 + 3
+        assert _notebook_matches_master(s, ns)
+
+
+ZERO = (
+    "import torch, torch.distributed as dist\n"
+    "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+    "from torch.distributed.optim import ZeroRedundancyOptimizer\n"
+    "def build():\n"
+    "    torch.manual_seed(0)\n"
+    "    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))\n"
+    "    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)\n"
+    "def train(ddp, opt, n, seed, fail_before_backward=False):\n"
+    "    g = torch.Generator().manual_seed(seed + dist.get_rank())\n"
+    "    for _ in range(n):\n"
+    "        loss = ddp(torch.randn(16, 4, generator=g)).pow(2).mean()\n"
+    "        opt.zero_grad()\n"
+    "        if fail_before_backward and dist.get_rank() == 1:\n"
+    "            raise RuntimeError('rank 1 fails before its backward')\n"
+    "        loss.backward()\n"
+    "        opt.step()\n"
+    "def shard(opt):\n"
+    "    return [t.clone() for s in opt.optim.state.values() for t in s.values()]\n"
+    "ddp, zero = build()\n"
+    "ref, ref_zero = build()  # the same training, never failed\n"
+)
+SAME_AS_THE_REFERENCE = (
+    "all(torch.equal(a, b) for a, b in zip(ddp.parameters(), ref.parameters()))"
+    " and len(shard(zero)) == len(shard(ref_zero)) > 0"
+    " and all(torch.equal(a, b) for a, b in zip(shard(zero), shard(ref_zero)))"
+)
+
+
+def test_zeros_shards_are_left_as_each_rank_holds_them(start_method, capsys):
+    """ZeroRedundancyOptimizer's inner optimizer holds each rank's own shard of the state (here
+    of different sizes): after a failed cell the group is kept and training goes on exactly as
+    the same training that never failed; after one that leaves a collective half done (the
+    groups made again) each rank's shard is still its own, the line names it as possibly out
+    of step, and the optimizer, moved onto the new group, steps on. The session never restarts."""
+    with start(start_method, namespace={}) as s:
+        s.run(ZERO)
+        s.run("train(ddp, zero, 3, 0)\ntrain(ref, ref_zero, 3, 0)")
+        pids = [row.pid for row in s.status().rows]
+        with pytest.raises(WorkerFailedError):
+            s.run("train(ddp, zero, 2, 100)\nif dist.get_rank() == 1:\n    raise RuntimeError('after two steps')")
+        out = capsys.readouterr().out
+        assert "restarted" not in out and "made again" not in out and "left as each rank" not in out, out
+        s.run("train(ref, ref_zero, 2, 100)\ntrain(ddp, zero, 3, 200)\ntrain(ref, ref_zero, 3, 200)")
+        assert _on_every_rank(s, SAME_AS_THE_REFERENCE) is True
+        s.run("before = shard(zero)")
+        with pytest.raises(WorkerFailedError):
+            s.run("train(ddp, zero, 1, 300, fail_before_backward=True)")  # rank 0 waits in backward
+        out = capsys.readouterr().out
+        assert "process group was made again" in out and "restarted" not in out, out
+        assert "sharded state " in out and "zero (ZeroRedundancyOptimizer" in out, out
+        assert [row.pid for row in s.status().rows] == pids
+        assert _on_every_rank(s, "all(torch.equal(a, b) for a, b in zip(before, shard(zero)))") is True
+        assert "ZeroRedundancyOptimizer(s) ref_zero, zero moved onto the ranks' group" in out, out
+        s.run("train(ddp, zero, 2, 400)")  # on the group made again, not the old one's
+        assert _on_every_rank(s, "len(before) == len(shard(zero)) and not any(map(torch.equal, before, shard(zero)))")
+
+
+def test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwritten(start_method, capsys):
+    """A hand-made sharded optimizer (each rank's Adam over its own half of the DDP parameters:
+    as many state tensors on each rank, of different sizes) is not replicated by construction:
+    the ranks' keys differ, so it is named and each rank's state kept; the DDP parameters are
+    still compared."""
+    setup = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "torch.manual_seed(0)\n"
+        "ddp = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))\n"
+        "params = list(ddp.parameters())\n"
+        "opt = torch.optim.Adam(params[dist.get_rank()::2], lr=0.01)\n"
+        "def step(n):\n"
+        "    for _ in range(n):\n"
+        "        ddp(torch.randn(16, 4)).pow(2).mean().backward()\n"
+        "        opt.step()\n"
+        "        opt.zero_grad()\n"
+        "        for i, p in enumerate(params):\n"
+        "            dist.broadcast(p.data, src=i % 2)  # each rank's half, to the other\n"
+    )
+    with start(start_method, namespace={}) as s:
+        s.run(setup)
+        pids = [row.pid for row in s.status().rows]
+        with pytest.raises(WorkerFailedError):
+            s.run(
+                "step(2)\nmine = [t.clone() for st in opt.state.values() for t in st.values()]\n"
+                "if dist.get_rank() == 1:\n    raise RuntimeError('after two steps')"
+            )
+        out = capsys.readouterr().out
+        assert "restarted" not in out and [row.pid for row in s.status().rows] == pids, out
+        assert "replicated state held differently on the ranks" in out and "opt.state[" in out, out
+        kept = "all(torch.equal(a, b) for a, b in zip(mine, [t for st in opt.state.values() for t in st.values()]))"
+        assert _on_every_rank(s, kept) is True
+        s.run("step(2)")
+
+
+def test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer(capsys):
+    """Every rank raises in the same backward hook, before any bucket is reduced: the ranks
+    agree on their collectives, so the group is kept, but each DDP reducer was left expecting
+    the rest of that backward; the repair resets it on the kept group, and the same ``ddp``
+    trains on (without the reset: "Expected to have finished reduction in the prior iteration")."""
+    ns: dict = {}
+    with start("fork", namespace=ns) as s:
+        s.run(BN_MODEL + EPOCH)
+        s.run("train_epoch(ddp, opt, 2)")
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run(
+                "hook = model[0].weight.register_hook(lambda grad: 1 / 0)\n"
+                "try:\n    train_epoch(ddp, opt, 1)\nfinally:\n    hook.remove()"
+            )
+        assert "ZeroDivisionError" in str(failed.value)
+        out = capsys.readouterr().out
+        assert "reducer reset" in out and "made again" not in out and "restarted" not in out, out
+        s.run("train_epoch(ddp, opt, 3)")
+        assert s.run(REPLICAS_EQUAL) is True
+        assert _notebook_matches_master(s, ns)
+
+
 def test_a_rank_that_dies_while_idle_shows_as_dead_in_the_table():
     with start("fork", namespace={}) as s:
         s.run("x = 1")

@@ -46,3 +46,24 @@ def test_each_rank_binds_the_gpu_ray_assigned_it():
     for p in pairs:
         visible = p.visible_gpus
         assert visible[p.local_rank] == p.landing.gpu_ids[0] and set(p.landing.gpu_ids) <= set(visible)
+
+
+def test_node_ids_that_sort_against_placement_number_ranks_by_placement():
+    """Ray's node ids are hex strings in no order of placement: the node of bundle 0 is node 0
+    whatever its id, each node's ranks follow the previous node's, in bundle order, and every
+    variable follows (answers in any order). Written out by hand, not from the layout."""
+    landed = {0: ("fe", "1"), 1: ("0a", "0"), 2: ("fe", "0"), 3: ("7c", "0"), 4: ("0a", "1")}
+    places = place_ranks([_landing(b, landed[b][0], landed[b][1]) for b in (3, 1, 4, 0, 2)])
+    env = [torchrun_variables(p, 5, "10.0.0.9", 29500, "run", 1) for p in places]
+    names = ("RANK", "ROLE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "CUDA_VISIBLE_DEVICES")
+    # rank: (bundle, RANK, ROLE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, GROUP_RANK, GPUs)
+    expected = [
+        (0, "0", "0", "0", "2", "0", "0", "1,0"),  # node fe: bundles 0 and 2
+        (2, "1", "1", "1", "2", "0", "0", "1,0"),
+        (1, "2", "2", "0", "2", "1", "1", "0,1"),  # node 0a: bundles 1 and 4
+        (4, "3", "3", "1", "2", "1", "1", "0,1"),
+        (3, "4", "4", "0", "1", "2", "2", "0"),  # node 7c: bundle 3
+    ]
+    assert [(p.landing.bundle, *(e[n] for n in names)) for p, e in zip(places, env)] == expected
+    assert [p.rank for p in places] == [0, 1, 2, 3, 4]
+    assert {(e["WORLD_SIZE"], e["ROLE_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) for e in env} == {("5", "5", "3")}

@@ -47,6 +47,8 @@ class CellRun:
     sync: list[str] | None = None
     first_line: int = 1
     source_header: str = ""
+    future_flags: int = 0
+    """The notebook's ``from __future__`` features (see _cell.notebook_future_flags)."""
 
 
 @dataclass
@@ -112,12 +114,13 @@ class NamespaceFlow:
         pulling: list[str] | None = None,
         since: SinceSync | None = None,
         overwrite: bool = False,
+        keeping: list[str] | None = None,
     ) -> Push | None:
         self.kept = None  # the task may change what it was made from
         if not self.mirrored:
             return None
         since = since or self._compare()
-        return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since, overwrite)
+        return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since, overwrite, keeping)
 
     def after_push(
         self,
@@ -262,22 +265,31 @@ class NamespaceFlow:
         """``pull(names)``; ``overwrite``: the master's values win over changes a plain cell made
         to stale ones (else those refuse it, see StaleError)."""
         _check_names(names)
-        registry = Registry.of_namespace(self.namespace, [n for n in names if n in self.namespace])
+        present = [n for n in names if n in self.namespace]
+        registry = Registry.of_namespace(self.namespace, present)
+        whole = (len(registry.objects), len(registry.storages))
+        if self.mirrored:  # what a pulled value shares with the rest of the notebook stays shared
+            held = sorted(n for n in self.mirror.record.synced if n in self.namespace and n not in present)
+            registry.extend(held, self.namespace)
         mirror = paths.mirrored(registry)
         push = self._push([], pulling=list(names), overwrite=overwrite)
-        return PreparedTask(PullTask(push.changes if push else None, list(names), mirror), push, registry)
+        task = PullTask(push.changes if push else None, list(names), mirror, whole)
+        return PreparedTask(task, push, registry)
 
     def keep_notebook(self, names: list[str]) -> PreparedTask:
         """``pull(names, keep_notebook=True)``: the notebook's values of ``names`` sent to every
-        rank in place of the master's (whole, in place: a conflict settled the notebook's way)."""
+        rank in place of the master's (whole, in place: a conflict settled the notebook's way);
+        a stale variable the notebook deleted is deleted on the ranks too. Another variable's
+        conflict refuses nothing (it stays, asked about at the next cell)."""
         _check_names(names)
-        missing = [n for n in names if n not in self.namespace]
+        stale = self.mirror.stale if self.mirrored else {}
+        missing = [n for n in names if n not in self.namespace and n not in stale]
         if missing:
             raise LaunchConfigError(f"keep_notebook: the notebook has no variable {missing[0]!r} to send")
         if not self.mirrored:
             return self.push_values({n: self.namespace[n] for n in names})
         whole = self.mirror.notebook_wins(self.namespace, names)
-        push = self._push(list(names))
+        push = self._push([n for n in names if n in self.namespace], keeping=list(names))
         assert push is not None
         changes = push.changes or Changes()
         changes.objects = list({**dict(changes.objects), **dict(whole.objects)}.items())
@@ -286,11 +298,29 @@ class NamespaceFlow:
             push.changes = changes
         return PreparedTask(SyncTask(push.changes, []), push)
 
+    def still_in_conflict(self, prepared: PreparedTask, settled: list[str]) -> None:
+        """After a pull: the conflicts it was to settle but did not (``settled``: the names now
+        the same on both sides) are still asked about, though the record now takes the
+        notebook's values (a refused push, a failed pull, a name that did not come back)."""
+        if prepared.push is not None:
+            self.mirror.conflicts |= (set(prepared.push.settles) - set(settled)) & set(self.mirror.stale)
+
+    def after_keep_notebook(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> None:
+        """The ranks hold the notebook's values of ``names``: they are current, their conflicts
+        settled, and only then (see still_in_conflict)."""
+        self.after_push(prepared, outcome)
+        if outcome.failures or outcome.interrupted or outcome.refused or outcome.restart is not None:
+            self.still_in_conflict(prepared, [])
+            return
+        self.mirror.refreshed(names)
+
     def after_pull(self, prepared: PreparedTask, outcome: CommandOutcome, names: list[str]) -> dict[str, Any]:
         self.after_push(prepared, outcome)
         if outcome.failures or outcome.interrupted or prepared.registry is None:
+            self.still_in_conflict(prepared, [])
             return {}
-        if isinstance(outcome.result, NotHeld):
+        if isinstance(outcome.result, NotHeld):  # nothing pulled: what it was to settle stays asked about
+            self.still_in_conflict(prepared, [])
             raise NotHeldError(outcome.result.missing, outcome.result.held)
         pulled, not_returned, whole = outcome.result
         changes = apply.load(pulled, prepared.registry)
@@ -302,6 +332,7 @@ class NamespaceFlow:
             print(f"enot_nb: {name!r} was not brought back: {why}", file=sys.stderr)
         came = [n for n in names if n not in not_returned and n in self.namespace]
         self.mirror.refreshed(came)
+        self.still_in_conflict(prepared, came)
         if self.mirrored and outcome.restart is None:
             self.mirror.synced_after(self.namespace, [*self.mirror.record.synced, *came], self._hidden())
         return {n: self.namespace[n] for n in came}
@@ -360,6 +391,7 @@ def _cell_options(run: CellRun, back: bool, names_only: bool) -> _cell.CellOptio
         names_only=names_only,
         first_line=run.first_line,
         source_header=run.source_header,
+        future_flags=run.future_flags,
         shown=run.output != "none",
         keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
         gather_sharded=False,  # the ranks' FSDP modules live on, sharded

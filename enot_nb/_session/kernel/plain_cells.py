@@ -8,19 +8,117 @@ cell can reach is found as for a distributed cell (reach.reach: its names, and t
 the notebook functions it calls, to any depth), with the same fallback: a cell that reads the
 namespace by name (``globals()``, ``eval``, a line magic) makes the next push compare it all.
 Outside IPython (a ``Session`` over a dict of its own) everything is compared, as before.
+
+A change is never lost because no cell was seen making it. Code can run outside a tracked cell:
+a frontend's ``silent=True`` request (IPython fires ``pre_execute`` for it, not
+``pre_run_cell``), a comm message handled (a widget's callback), a thread of the user's. Where
+any of them ran since the last sync, everything is compared (``Outside``). A name a plain cell
+deleted or rebound still counts: its old value is walked too (kept until the next sync).
 """
 
 from __future__ import annotations
 
 import re
+import sys
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._state import reach
-from enot_nb._state.registry import Registry
+from enot_nb._state.registry import Registry, is_user_name
 
 _SESSION_CELL = re.compile(r"\s*%%enot_distributed\b(?![^\n]*--fresh)")
 """A session cell; a one-off ``--fresh`` one changes the notebook as a plain cell does."""
+
+_OUTPUT_NAME = re.compile(r"^(_|__|___|_\d+|_oh|Out)$")
+"""IPython's names for earlier outputs: hidden from reach, yet a cell writes through them."""
+
+KERNEL_THREADS = ("ipykernel.", "IPython.", "jupyter_client.", "zmq.", "tornado.", "comm.", "enot_nb.", "tqdm.")
+"""Modules whose threads never change the user's objects: the kernel's own (its IOPub, control,
+heartbeat, history threads), enot_nb's, tqdm's monitor. Any other thread is the user's."""
+_GONE = object()
+
+
+@dataclass
+class Outside:
+    """A sample of what runs outside tracked cells: the CPU time of each user thread, the comm
+    messages handled and the silent runs so far. Two samples tell whether any ran between."""
+
+    threads: dict[int, tuple[str, int]] = field(default_factory=dict)
+    comms: int = 0
+    silent: int = 0
+    started: int = 0
+    """User threads started so far (one may start and end between two samples)."""
+
+    @classmethod
+    def now(cls, comms: int, silent: int) -> Outside:
+        threads = {}
+        for thread in threading.enumerate():
+            if thread is threading.main_thread() or thread.ident is None or not _users(thread):
+                continue
+            try:
+                cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # gone meanwhile, or no per-thread clock here
+                cpu = -1
+            threads[thread.ident] = (thread.name, cpu)
+        return cls(threads, comms, silent, THREAD_STARTS.count)
+
+    def ran_since(self, before: Outside) -> str | None:
+        """What ran outside the cells since ``before``, in words; None where nothing did."""
+        if self.silent != before.silent:
+            return "a frontend ran code silently"
+        if self.comms != before.comms:
+            return "a comm message (a widget) was handled"
+        if self.started != before.started:
+            return "a thread started"
+        for ident, (name, cpu) in self.threads.items():
+            if cpu < 0 or before.threads.get(ident, ("", -2))[1] != cpu:
+                return f"thread {name!r} ran"
+        ended = [name for ident, (name, _) in before.threads.items() if ident not in self.threads]
+        return f"thread {ended[0]!r} ran to its end" if ended else None
+
+
+class ThreadStarts:
+    """Counts the user threads started while installed, by ``threading.setprofile``: each new
+    thread calls the hook once, which counts it and hands the thread the hook found before."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.users = 0
+        self.previous: Any = None
+
+    def install(self) -> None:
+        self.users += 1
+        current = getattr(threading, "_profile_hook", None)
+        if current != self._hook:  # never chained to itself (a bound method: compared by ==)
+            self.previous = current
+            threading.setprofile(self._hook)
+
+    def uninstall(self) -> None:
+        self.users = max(0, self.users - 1)
+        if self.users == 0 and getattr(threading, "_profile_hook", None) == self._hook:
+            threading.setprofile(self.previous)
+            self.previous = None
+
+    def _hook(self, frame: Any, event: str, arg: Any) -> None:
+        previous = self.previous
+        sys.setprofile(previous)  # once per thread: it goes on as it would have
+        if _users(threading.current_thread()):
+            self.count += 1
+        if previous is not None:
+            previous(frame, event, arg)
+
+
+THREAD_STARTS = ThreadStarts()
+
+
+def _users(thread: threading.Thread) -> bool:
+    """Whether ``thread`` runs the user's code (see KERNEL_THREADS)."""
+    target = getattr(thread, "_target", None)
+    where = getattr(target, "__module__", None) or type(thread).__module__ or ""
+    return not where.startswith(KERNEL_THREADS)
 
 
 class PlainCells:
@@ -28,12 +126,22 @@ class PlainCells:
 
     def __init__(self, shell: Any, synced_at: Callable[[], int]) -> None:
         self.shell, self.synced_at = shell, synced_at
-        self.ran: list[tuple[str, list[int | None]]] = []
-        """Each cell's source, and the last sync as of its end (None while it runs): one that
-        ended before the last sync is in the record; one that called a session task goes on
-        after that task's sync, and counts."""
+        self.ran: list[tuple[str, list[int | None], dict[str, Any]]] = []
+        """Each cell's source, the last sync as of its end (None while it runs): one that ended
+        before the last sync is in the record; one that called a session task goes on after that
+        task's sync, and counts), and the old values of the names it deleted or rebound."""
+        self._before: dict[str, Any] = {}
+        self._in_cell = True  # made in a cell (its post_execute is not a silent run's)
+        self.silent_runs = self.comms = 0
+        THREAD_STARTS.install()
+        self._sample = Outside.now(self.comms, self.silent_runs)
+        self._outside: tuple[int, str | None] = (synced_at(), None)
+        """The sync the verdict is for, and what ran outside the cells since it (see outside)."""
+        shell.events.register("pre_execute", self._pre_execute)
         shell.events.register("pre_run_cell", self._pre_run)
         shell.events.register("post_run_cell", self._post_run)
+        shell.events.register("post_execute", self._post_execute)
+        self._handlers = _wrap_comm_handlers(shell, self._comm_handled)
 
     @classmethod
     def of(cls, namespace: dict[str, Any], synced_at: Callable[[], int]) -> PlainCells | None:
@@ -47,40 +155,104 @@ class PlainCells:
             return None
         return cls(shell, synced_at)
 
+    def _pre_execute(self) -> None:
+        self._in_cell = False
+
     def _pre_run(self, info: Any) -> None:
+        self._in_cell = True
         self.ran = self._since()
-        self.ran.append((getattr(info, "raw_cell", None) or "", [None]))
+        self._before = dict(self.shell.user_ns)
+        self.ran.append((getattr(info, "raw_cell", None) or "", [None], {}))
 
     def _post_run(self, result: Any) -> None:
-        for _, end in reversed(self.ran):
+        ns, before, self._before = self.shell.user_ns, self._before, {}
+        for _, end, gone in reversed(self.ran):
             if end[0] is None:
                 end[0] = self.synced_at()
+                gone.update((n, v) for n, v in before.items() if ns.get(n, _GONE) is not v and is_user_name(n))
                 return
 
-    def _since(self) -> list[tuple[str, list[int | None]]]:
+    def _post_execute(self) -> None:
+        if not self._in_cell:  # no pre_run_cell: a silent run
+            self.silent_runs += 1
+        self._in_cell = False
+
+    def _comm_handled(self) -> None:
+        self.comms += 1
+
+    def _since(self) -> list[tuple[str, list[int | None], dict[str, Any]]]:
         now = self.synced_at()
-        return [(code, end) for code, end in self.ran if end[0] is None or end[0] == now]
+        return [cell for cell in self.ran if cell[1][0] is None or cell[1][0] == now]
+
+    def outside(self) -> str | None:
+        """What ran outside the tracked cells since the last sync, in words, or None. Compared
+        with the sample taken at the last call (at or before the last sync: conservative); a
+        verdict holds until the next sync."""
+        now = Outside.now(self.comms, self.silent_runs)
+        why = now.ran_since(self._sample)
+        self._sample = now
+        synced, before = self._outside
+        self._outside = (self.synced_at(), (before or why) if synced == self.synced_at() else why)
+        return self._outside[1]
 
     def reached(self, namespace: dict[str, Any], hidden: Any) -> Registry | None:
         """A walk of all that the plain cells run since the last sync can reach; None where one
         may reach any name (then everything is compared). Session cells are left out: what
         they changed is in the record."""
+        if self.outside() is not None:
+            return None
         names: set[str] = set()
-        for code, _ in self._since():
+        gone: dict[str, Any] = {}
+        for code, _, deleted in self._since():
             if _SESSION_CELL.match(code):
                 continue
             try:
-                found = reach.reach(namespace, self.shell.transform_cell(code), hidden)
+                used = reach.cell_names(self.shell.transform_cell(code))
+                found = reach.reach(namespace, "", hidden, found=used)
             except Exception:  # noqa: BLE001 - a cell we cannot read: everything is compared
                 return None
             if found.whole:
                 return None
             names.update(found.names)
-        return Registry.of_namespace(namespace, sorted(n for n in names if n in namespace))
+            names.update(n for n in used.names if _OUTPUT_NAME.match(n))
+            gone.update(deleted)
+        registry = Registry.of_namespace(namespace, sorted(n for n in names if n in namespace))
+        registry.grow([(value, 0, f"<{name} before a plain cell>") for name, value in sorted(gone.items())])
+        return registry
 
     def close(self) -> None:
-        for event, callback in (("pre_run_cell", self._pre_run), ("post_run_cell", self._post_run)):
+        events = [
+            ("pre_execute", self._pre_execute),
+            ("pre_run_cell", self._pre_run),
+            ("post_run_cell", self._post_run),
+            ("post_execute", self._post_execute),
+        ]
+        for event, callback in events:
             try:
                 self.shell.events.unregister(event, callback)
             except ValueError:
                 pass
+        THREAD_STARTS.uninstall()
+        kernel = getattr(self.shell, "kernel", None)
+        for msg_type, handler in self._handlers.items():
+            kernel.shell_handlers[msg_type] = handler
+
+
+def _wrap_comm_handlers(shell: Any, handled: Callable[[], None]) -> dict[str, Any]:
+    """Count each comm message the kernel handles (a widget's callback runs in it); the handlers
+    wrapped, to put back on close. None in a terminal IPython."""
+    handlers = getattr(getattr(shell, "kernel", None), "shell_handlers", None)
+    if not isinstance(handlers, dict):
+        return {}
+    wrapped = {t: handlers[t] for t in ("comm_open", "comm_msg", "comm_close") if t in handlers}
+
+    def counting(handler: Any) -> Any:
+        def handle(*args: Any, **kwargs: Any) -> Any:
+            handled()
+            return handler(*args, **kwargs)
+
+        return handle
+
+    for msg_type, handler in wrapped.items():
+        handlers[msg_type] = counting(handler)
+    return wrapped

@@ -295,11 +295,11 @@ class Session:
             *names: the variables.
             overwrite: for such a conflict, rank 0's value wins: the notebook's change is dropped.
             keep_notebook: for such a conflict, the notebook's value wins: it is sent to every
-                rank (in place, as a plain cell's change) and rank 0's is dropped; nothing is
-                pulled.
+                rank (in place, as a plain cell's change; a variable deleted here is deleted
+                there) and rank 0's is dropped; nothing is pulled.
 
         Returns:
-            Each name to its value (the notebook's, under ``keep_notebook``).
+            Each name to its value (the notebook's, under ``keep_notebook``; a deleted one left out).
 
         Raises:
             NotHeldError: the master holds no variable of one of the names (a NameError).
@@ -318,8 +318,12 @@ class Session:
             raise LaunchConfigError("pull: overwrite and keep_notebook exclude each other; say which side wins")
         wanted = list(names)
         if keep_notebook:
-            self._task(lambda: self.flow.keep_notebook(wanted), self.output, self.flow.after_push)
-            return {n: self.namespace[n] for n in wanted}
+            self._task(
+                lambda: self.flow.keep_notebook(wanted),
+                self.output,
+                lambda made, done: self.flow.after_keep_notebook(made, done, wanted),
+            )
+            return {n: self.namespace[n] for n in wanted if n in self.namespace}
         return self._task(
             lambda: self.flow.pull(wanted, overwrite),
             "master",

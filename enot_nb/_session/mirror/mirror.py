@@ -35,8 +35,8 @@ from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._session.tasks import ShardedLoad
-from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect, whole_states
-from enot_nb._state.kinds import OPS
+from enot_nb._state.collect import Changes, StatePickler, StorageBytes, array_extent, collect, whole_states
+from enot_nb._state.kinds import OPS, Kind
 from enot_nb._state.registry import Registry, stays_in_the_kernel, user_variables
 from enot_nb.errors import StaleError
 
@@ -52,6 +52,10 @@ class Push:
     """Variables newly left in the notebook (see Mirror.kept_here), with why: named once."""
     detached: list[str] = field(default_factory=list)
     """Variables bound to tensors with an autograd graph: they reach the ranks without it."""
+    settles: list[str] = field(default_factory=list)
+    """The conflicts the pull it goes with settles (``keeping``, or ``pulling`` with
+    ``overwrite``): settled once the winning side is on both, kept if not (see
+    NamespaceFlow.still_in_conflict)."""
 
 
 @dataclass
@@ -88,8 +92,8 @@ class _RecordingPickler(StatePickler):
 
     def persistent_id(self, obj: Any) -> Any:
         pid = super().persistent_id(obj)
-        if pid is not None:
-            (self.objects_used if pid[0] == "o" else self.storages_used).add(pid[1])
+        if pid is not None and pid[0] != "v":
+            (self.objects_used if pid[0] in ("o", "p") else self.storages_used).add(pid[1])
         return pid
 
 
@@ -144,7 +148,9 @@ class Mirror:
         if reached is not None:
             baseline = record.baseline
             objects = {i for i in map(baseline.find, reached.objects[1:]) if i is not None}
-            within = (objects, {j for j in map(baseline.find_storage, reached.storages) if j is not None})
+            storages = {j for j in map(baseline.find_storage, reached.storages) if j is not None}
+            shared_objects, shared_storages = _sharing_memory(baseline, reached)
+            within = (objects | shared_objects, storages | shared_storages)
         changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden, within)
         storages = [record.baseline.storages[new.storage] for new in changes.storages]
         return SinceSync(changes, TaskChanges([record.baseline.objects[i] for i in changed], storages))
@@ -157,14 +163,18 @@ class Mirror:
         pulling: list[str] | None = None,
         since: SinceSync | None = None,
         overwrite: bool = False,
+        keeping: list[str] | None = None,
     ) -> Push:
         """What changed since the last sync, and the reached variables the ranks lack.
         ``pulling``: variables about to be pulled: their changes here are not pushed (the
         master's values replace them; a stale one changed here refuses the pull unless
-        ``overwrite``), and a stale variable changed here refuses nothing (its change is left
-        out, a conflict kept for later). Else such a variable refuses the task (StaleError).
+        ``overwrite``). ``keeping``: stale variables whose notebook value wins
+        (``--keep-notebook``, which sends what they reach whole): they refuse nothing, and
+        their rebinding or deletion here is pushed. In either kind
+        of pull, another stale variable changed here refuses nothing (its change is left out,
+        a conflict kept for later); in any other task it refuses the task (StaleError).
         ``since``: ``compare``'s answer (None: there is no record to compare with)."""
-        pulling, synced = pulling or [], self.record.synced
+        pulling, keeping, synced = pulling or [], keeping or [], self.record.synced
         now = user_variables(namespace, hidden)
         changes = Changes()
         changed_stale: set[str] = set()
@@ -179,12 +189,16 @@ class Mirror:
         }
         newly_kept = self._keep_here(changes)
         changes.deleted = [n for n in synced if n not in now]
+        # a stale variable the ranks hold though no sync sent it (a cell bound it there): deleted too
+        changes.deleted += [n for n in sorted(self.stale) if n not in now and n not in synced]
         changed_stale |= {n for n in [*changes.bound, *changes.deleted] if n in self.stale}
         changed_stale |= self.conflicts & set(self.stale)
+        settles = sorted(changed_stale & {*pulling, *keeping})
+        changed_stale -= set(keeping)  # the notebook's side goes
         for name in sorted(changed_stale):
             if name in pulling and not overwrite:
                 raise StaleError(name, self.stale[name])
-            if not pulling:
+            if not pulling and not keeping:
                 raise StaleError(name, self.stale[name])
         self.conflicts |= changed_stale - set(pulling)
         left_out = set(pulling) | changed_stale
@@ -193,7 +207,7 @@ class Mirror:
         changes.deleted = [n for n in changes.deleted if n not in left_out]
         empty = not (changes.bound or changes.deleted or changes.objects or changes.storages or changes.sharded)
         names = [n for n in {**synced, **changes.bound} if n not in changes.deleted]
-        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound))
+        return Push(None if empty else changes, names, newly_kept, _with_a_graph(changes.bound), settles)
 
     def _keep_here(self, changes: Changes) -> dict[str, str]:
         """Drop from ``changes.bound`` the variables that stay in the notebook (``kept_here``),
@@ -280,15 +294,13 @@ class Mirror:
         return sorted({n for n in roots if n is not None} | set(changes.bound) | set(changes.deleted))
 
     def notebook_wins(self, namespace: dict[str, Any], names: list[str]) -> Changes:
-        """``names`` taken as the notebook holds them (``--keep-notebook``): no longer stale, and
-        every object of the record they reach sent whole (its state and bytes, in place on the
-        ranks), whether or not the record saw it change."""
+        """``names`` taken as the notebook holds them (``--keep-notebook``): every object of the
+        record they reach sent whole (its state and bytes, in place on the ranks), whether or
+        not the record saw it change. They stay stale until the ranks applied it (refreshed)."""
         baseline = self.record.baseline
         objects: set[int] = set()
         storages: set[int] = set()
         for name in names:
-            self.stale.pop(name, None)
-            self.conflicts.discard(name)
             if name not in namespace or baseline.objects[0] is not namespace:
                 continue
             walked = Registry.of_namespace(namespace, [name])
@@ -372,12 +384,48 @@ class Mirror:
         self.stale.update({n: why for n, why in changed.items() if n in namespace})
 
     def refreshed(self, names: list[str]) -> None:
-        """The notebook holds the master's values of ``names`` again (a pull, a cell that
-        brought them back)."""
+        """The notebook and the ranks hold the same values of ``names`` again (a pull, a cell
+        that brought them back, the notebook's sent by ``--keep-notebook``)."""
         for name in names:
             self.stale.pop(name, None)
             self.on_workers.pop(name, None)
             self.conflicts.discard(name)
+
+
+def _memory_of(registry: Registry) -> list[tuple[int, int, int, bool]]:
+    """The address ranges a registry's storages and NumPy arrays span: (start, end, index,
+    is_storage)."""
+    spans = [
+        (s.data_ptr(), s.data_ptr() + s.nbytes(), j, True)
+        for j, s in enumerate(registry.storages)
+        if s.device.type == "cpu" and s.nbytes()
+    ]
+    for i, (obj, kind) in enumerate(zip(registry.objects, registry.kinds)):
+        if kind is Kind.NDARRAY and obj.nbytes:
+            start, end = array_extent(obj)
+            spans.append((start, end, i, False))
+    return spans
+
+
+def _sharing_memory(baseline: Registry, reached: Registry) -> tuple[set[int], set[int]]:
+    """The baseline's arrays and storages whose memory overlaps memory that ``reached`` holds
+    (``a = t.numpy()`` written in a plain cell changes ``t``'s storage, which the ranks hold):
+    (object indices, storage indices). Only where ``reached`` holds a storage or an array the
+    baseline lacks."""
+    unknown = [
+        span
+        for span in _memory_of(reached)
+        if (baseline.find_storage(reached.storages[span[2]]) if span[3] else baseline.find(reached.objects[span[2]]))
+        is None
+    ]
+    objects: set[int] = set()
+    storages: set[int] = set()
+    if not unknown:
+        return objects, storages
+    for start, end, index, is_storage in _memory_of(baseline):
+        if any(start < other_end and other_start < end for other_start, other_end, _, _ in unknown):
+            (storages if is_storage else objects).add(index)
+    return objects, storages
 
 
 def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, held: list[str]) -> None:

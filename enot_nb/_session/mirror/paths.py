@@ -58,11 +58,9 @@ def specs_of(registry: Registry, indices: list[int] | None = None, sizes: list[i
     for i in sorted(wanted):
         held = owners.get(i, ())
         parent, step = registry.parents[i]
-        specs.append(
-            ObjectSpec(
-                i, parent, step, type_name(registry.objects[i]), held, tuple(sizes[j] if j >= 0 else -1 for j in held)
-            )
-        )
+        sized = tuple(sizes[j] if j >= 0 else -1 for j in held)
+        plain = registry.kinds[i] is Kind.PLAIN
+        specs.append(ObjectSpec(i, parent, step, type_name(registry.objects[i]), held, sized, plain))
     return specs
 
 
@@ -140,14 +138,19 @@ def _place(registry: Registry, spec: ObjectSpec, children: dict[int, dict[str, l
     """This rank's object at ``spec``, and its storages, registered at the spec's indices."""
     registry.parents[spec.at] = (spec.parent, spec.step)
     obj = _child(registry, spec, children)
-    kind = kind_of(obj) or Kind.OPAQUE
-    registry.objects[spec.at], registry.kinds[spec.at] = obj, kind
+    registry.objects[spec.at], registry.kinds[spec.at] = obj, _kind_at(spec, obj)
     registry.index[id(obj)] = spec.at
     if spec.storages:
         for j, storage in zip(spec.storages, tensor_storages(obj)):
             if j >= 0 and registry.find_storage(storage) is None:
                 registry.storages[j] = storage
                 registry.storage_index[id(storage)] = j
+
+
+def _kind_at(spec: ObjectSpec, obj: Any) -> Kind:
+    """This rank's object's kind, plain data where the sender's was (its items have no specs)."""
+    kind = kind_of(obj) or Kind.OPAQUE
+    return Kind.PLAIN if spec.plain and kind in (Kind.LIST, Kind.DICT) else kind
 
 
 def grown_at(registry: Registry, added: list[ObjectSpec], objects: int, storages: int) -> bool:
@@ -212,7 +215,7 @@ def found_again(registry: Registry, specs: list[ObjectSpec], changed: list[int])
         if obj is registry.objects[spec.at]:
             if any(j >= 0 and registry.storages[j] is not s for j, s in zip(spec.storages, storages)):
                 return None  # on another storage now (``t.data = other``)
-            now.kinds[spec.at] = kind_of(obj) or Kind.OPAQUE  # a list grown into an atoms container
+            now.kinds[spec.at] = _kind_at(spec, obj)  # a list grown into an atoms container
             continue
         ids = {id(obj), *map(id, storages)}
         if registry.find(obj) is not None or ids & claimed or len(ids) != 1 + len(storages):
@@ -222,7 +225,7 @@ def found_again(registry: Registry, specs: list[ObjectSpec], changed: list[int])
         if any(registry.find_storage(storage) is not None for storage in storages):
             return None
         claimed |= ids
-        now.objects[spec.at], now.kinds[spec.at] = obj, kind_of(obj) or Kind.OPAQUE
+        now.objects[spec.at], now.kinds[spec.at] = obj, _kind_at(spec, obj)
         moves.append((spec, obj, storages))
         wanted.add(spec.at)
     if moves and not _as_specified(registry, specs):  # (where nothing moves, it is as registry_at left it)

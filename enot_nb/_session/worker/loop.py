@@ -95,6 +95,7 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
 
     global _SESSION
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    _cell.make_main(namespace)  # for its whole life: a class a cell or a launched function defines
     assert bootstrap._message_fd is not None
     sock = socket.socket(fileno=os.dup(bootstrap._message_fd))
     reader: framing.MessageReader[SessionCommand] = framing.MessageReader()
@@ -322,7 +323,7 @@ def _pulled(namespace: dict[str, Any], task: PullTask) -> Any:
         return NotHeld(missing, sorted(held))
     registry = _mirror_registry(namespace, task.mirror)
     not_returned: dict[str, str] = {}
-    changes = collect.as_whole_changes(registry, namespace, [n for n in task.names if n not in whole])
+    changes = collect.as_whole_changes(registry, namespace, [n for n in task.names if n not in whole], task.whole)
     sharded.left_sharded(registry, namespace, [], changes)  # their objects come as values, above
     state, _ = collect.dump(changes, registry, not_returned)
     return state, not_returned, whole

@@ -7,76 +7,218 @@ short fails its next step ("Expected to have finished reduction in the prior ite
 on a group made again, waits on the old group's closed connections ("Connection closed by
 peer"). So each rank moves every DDP wrapper it holds onto the current world group with its
 reducer reset (``DistributedDataParallel._update_process_group``: private, pinned by
-tests/session/test_work_kept.py), then compares its replicated state (the wrapped modules' parameters
-and buffers, and the state of the optimizers over them) with the master's by a checksum taken
-where the bytes live, and takes the master's bytes where they differ: a stop between one rank's
-optimizer step and another's leaves replicas that DDP assumes equal. Sharded state (FSDP,
-ZeRO's per-rank shards) differs by design and is left alone.
+tests/session/test_work_kept.py), and every ZeroRedundancyOptimizer too, then compares the
+state replicated by construction (see replicas) with the master's by a checksum taken where the
+bytes live, and takes the master's bytes where they differ: a stop between one rank's optimizer
+step and another's leaves replicas that DDP assumes equal. Sharded state (ZeRO's per-rank
+shards, FSDP, DTensor shards) differs by design: it is left as each rank holds it, and named
+where the cell may have left the shards out of step.
+
+What a rank holds is walked at any depth, as a cell's registry is (``held``): a wrapper or a
+subgroup in a dict, a list or an object's attribute is found, named by its path
+(``nets['G']``) and put back there. The walk ends once it has found every object of the kinds
+it acts on that the process holds (see _Search).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
-import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from enot_nb._memory.digests import device_checksum
 from enot_nb._session.worker.groups import Subgroup
+from enot_nb._session.worker.replicas import (
+    Equalized,
+    equalize,
+    imported_classes,
+    reached_through,
+    replicated_by_construction,
+)
+from enot_nb._state.kinds import Kind, held_still
+from enot_nb._state.registry import Registry, user_variables
+from enot_nb._state.states import object_dict, slots
 from enot_nb.errors import DistributedRuntimeException
+
+_NAMED_AT_MOST = 5
+"""How many places a part of the repair's line names (then how many more)."""
 
 
 def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: bool = False) -> str | None:
     """Make the user's subgroups that an abort or a regroup destroyed (``lost``) again, put
-    them back where the namespace held the old ones, guard the FSDP modules that cannot move
-    (``destroyed``: every group was), rebind and equalize (see the module's docstring); a line
-    for the notebook saying what was done, or None where nothing was."""
+    them back wherever the rank's variables held the old ones, guard the FSDP modules that
+    cannot move (``destroyed``: every group was), rebind and equalize (see the module's
+    docstring); a line for the notebook saying what was done, or None where nothing was."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return None
-    remade = _remade(lost, namespace)
+    found = _tracked(imported_classes(*_WHAT_REPAIR_FINDS))
+    # Lost subgroups: every holder of each is wanted, so the walk goes to its end.
+    held = reach(namespace, None if lost else found)
+    remade = _remade(lost, held)
     parts = []
     if remade.names:
-        parts.append(f"subgroup(s) {', '.join(remade.names)} made again")
-    guarded = _guard_sharded(namespace) if destroyed else []
+        parts.append(f"subgroup(s) {_listed(remade.names)} made again")
+    guarded = _guard_sharded(held) if destroyed else []
     if guarded:
         parts.append(
-            f"FSDP module(s) {', '.join(guarded)} were sharded over the groups that are gone: using one "
+            f"FSDP module(s) {_listed(guarded)} were sharded over the groups that are gone: using one "
             "raises an error that says how to shard it again"
         )
-    ddp_type = _ddp_type()
-    if ddp_type is not None:
-        parts += _rebind_and_equalize(namespace, ddp_type, remade)
+    wrapper, zero = imported_classes(_WHAT_REPAIR_FINDS[0]), imported_classes(_ZERO)
+    parts += _rebind(held, [o for o in found if isinstance(o, wrapper)], remade)
+    parts += _move_zero(held, [o for o in found if isinstance(o, zero)], remade)
+    replication = replicated_by_construction(held)
+    equalized = equalize(replication.replicas)  # every rank, whatever it holds: a collective
+    parts += _equalized(equalized)
+    unsure = [str(s) for s in replication.sharded if s.where not in guarded]  # guarded: said above
+    if unsure and (destroyed or equalized.taken or equalized.apart or equalized.apart_elsewhere):
+        parts.append(
+            f"sharded state {_listed(unsure)} was left as each rank holds it, and the cell stopped "
+            "where its shards may be out of step with each other: load it from a checkpoint, or make it again, "
+            "before training on"
+        )
     return "enot_nb: " + "; ".join(parts) if parts else None
 
 
-def _rebind_and_equalize(namespace: dict[str, Any], ddp_type: Any, remade: _Remade) -> list[str]:
-    """Every DDP wrapper onto the group it now belongs on, its reducer reset; the replicas made
-    the master's where they differ; what was done, a part of the line each."""
+def reach(namespace: dict[str, Any], looking_for: list[Any] | None = None) -> Registry:
+    """What the rank's variables hold, at any depth, walked as a cell's registry is (breadth
+    first from the names in sorted order; a large plain container is one object): the same
+    objects at the same paths on every rank that ran the same cells. ``looking_for``: the walk
+    stops once it has registered each of these (none: at once), None: it goes to its end."""
+    search = _Search.of_namespace(namespace, [])  # the namespace alone, at index 0
+    assert isinstance(search, _Search)
+    if looking_for is not None and not looking_for:
+        return search
+    search.left = None if looking_for is None else {id(o) for o in looking_for}
+    with held_still():
+        try:
+            search.extend(sorted(user_variables(namespace)), namespace)
+        except _AllFound:
+            pass
+    return search
+
+
+class _AllFound(Exception):
+    pass
+
+
+@dataclass
+class _Search(Registry):
+    """A registry walk that ends once it has registered every object it looks for (their paths
+    are those of the whole walk: breadth first, a path is found before any longer one). With
+    the optimizer and the wrapper in variables, the walk ends among the variables, whatever
+    large data they also hold: a walk to its end costs about 13 us an object, 4 s over 300,000
+    small objects (docs/performance.md), and a rank that takes longer than the release wait to
+    repair makes the session restart."""
+
+    left: set[int] | None = None
+    """The ids of the objects not found yet; None: the walk goes to its end."""
+
+    def _add(self, obj: Any, kind: Kind, parent: int, step: str) -> int:
+        i = super()._add(obj, kind, parent, step)
+        if self.left is not None and id(obj) in self.left:
+            self.left.discard(id(obj))
+            if not self.left:
+                raise _AllFound
+        return i
+
+
+def _tracked(wanted: tuple[type, ...]) -> list[Any]:
+    """Every object of ``wanted`` (or a subclass) the collector tracks in this process: what
+    the walk looks for (see _Search), and a DDP wrapper that no variable holds is rebound too.
+    Found by type, once per type (a torch process tracks some 300,000 objects: 0.35 s asking
+    ``isinstance`` of each, which also asks a deprecated alias's ``__class__`` and warns)."""
+    if not wanted:
+        return []
+    objects = gc.get_objects()
+    hits = {t for t in set(map(type, objects)) if issubclass(t, wanted)}
+    return [o for o in objects if type(o) in hits] if hits else []
+
+
+_WHAT_REPAIR_FINDS = (
+    ("torch.nn.parallel.distributed", "DistributedDataParallel"),  # first: the wrappers rebound
+    ("torch.optim", "Optimizer"),
+    ("torch.distributed.fsdp", "FSDPModule"),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
+    ("torch.distributed.tensor", "DTensor"),
+)
+
+
+def _rebind(held: Registry, wrappers: list[Any], remade: _Remade) -> list[str]:
+    """Every DDP wrapper the process holds (``wrappers``: a variable's or not, a wrapper left on
+    a dead group would fail the next collective) onto the group it now belongs on, its reducer
+    reset; what was done, a part of the line each."""
     import torch.distributed as dist
 
     world = dist.distributed_c10d._get_default_group()
     rebound, left = [], []
-    for ddp in [o for o in gc.get_objects() if isinstance(o, ddp_type)]:
+    for ddp in wrappers:
         group = remade.new.get(id(ddp.process_group)) or _group_to_rebind(ddp.process_group, world)
         if group is None:
-            left.append(_name_of(ddp, namespace))
+            left.append(_name_of(ddp, held))
             continue
         ddp._update_process_group(group)  # the reducer reset too
-        rebound.append(_name_of(ddp, namespace))
-    taken = equalize(_replicated(namespace, ddp_type))
+        rebound.append(_name_of(ddp, held))
     parts = []
     if rebound:
-        parts.append(f"DDP wrapper(s) {', '.join(sorted(rebound))} rebound to the ranks' group (reducer reset)")
+        parts.append(f"DDP wrapper(s) {_listed(sorted(rebound))} rebound to the ranks' group (reducer reset)")
     if left:
         parts.append(
-            f"DDP wrapper(s) {', '.join(sorted(left))} were made on a subgroup that is gone: make them again "
+            f"DDP wrapper(s) {_listed(sorted(left))} were made on a subgroup that is gone: make them again "
             "(DistributedDataParallel(module, process_group=dist.new_group(...)))"
         )
-    if taken:
-        parts.append(f"{taken} replicated tensor storage(s) differed from the master's and were made equal to it")
+    return parts
+
+
+_ZERO = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
+
+
+def _move_zero(held: Registry, optimizers: list[Any], remade: _Remade) -> list[str]:
+    """Each ZeroRedundancyOptimizer onto the group it now belongs on, as a DDP wrapper is: it
+    broadcasts each rank's shard of the parameters over its ``process_group`` at every step,
+    and a group made again leaves it holding the old one ("Group ... is not registered"). Its
+    shards stay as each rank holds them (see replicas)."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._get_default_group()
+    moved, left = [], []
+    for zero in optimizers:
+        old = zero.process_group
+        group = remade.new.get(id(old)) or _group_to_rebind(old, world)
+        if group is None:
+            left.append(_name_of(zero, held))
+        elif group is not old:
+            zero.process_group = group
+            moved.append(_name_of(zero, held))
+    parts = []
+    if moved:
+        parts.append(f"ZeroRedundancyOptimizer(s) {_listed(sorted(moved))} moved onto the ranks' group")
+    if left:
+        parts.append(
+            f"ZeroRedundancyOptimizer(s) {_listed(sorted(left))} were made on a subgroup that is gone: make them "
+            "again (ZeroRedundancyOptimizer(params, ..., process_group=dist.new_group(...)))"
+        )
+    return parts
+
+
+def _equalized(done: Equalized) -> list[str]:
+    """The parts of the line that say what ``equalize`` did and left."""
+    parts = []
+    if done.taken:
+        parts.append(
+            f"{len(done.taken)} replicated tensor storage(s) differed from the master's and were made equal to it "
+            f"({_listed(done.taken)})"
+        )
+    if done.apart or done.apart_elsewhere:
+        where = _listed(done.apart) if done.apart else f"{done.apart_elsewhere} that rank 0 does not hold"
+        parts.append(
+            f"replicated state held differently on the ranks was left as each rank holds it ({where}): make the "
+            "DDP modules and their optimizers the same way on every rank"
+        )
     return parts
 
 
@@ -84,13 +226,13 @@ class _Remade(NamedTuple):
     new: dict[int, Any]
     """Each lost group's new one, by the old one's id."""
     names: list[str]
-    """Where the namespace held them (``sub``, ``trainer.group``), or what they are."""
+    """Where the rank's variables held them (``sub``, ``groups['dp']``), or what they are."""
 
 
-def _remade(lost: Sequence[Subgroup], namespace: dict[str, Any]) -> _Remade:
+def _remade(lost: Sequence[Subgroup], held: Registry) -> _Remade:
     """Each lost subgroup made again from its recorded ranks, on every rank in the order they
-    were first made (``new_group`` is a collective of the world group), and put where the
-    namespace, or an object it holds, held the old one."""
+    were first made (``new_group`` is a collective of the world group), and put wherever the
+    rank's variables held the old one."""
     import torch.distributed as dist
 
     new: dict[int, Any] = {}
@@ -100,39 +242,60 @@ def _remade(lost: Sequence[Subgroup], namespace: dict[str, Any]) -> _Remade:
             continue  # still alive: the group was kept
         group = dist.new_group(list(old.ranks), backend=old.backend)
         new[id(old.group)] = group
-        found = _put_back(old.group, group, namespace)
+        found = _put_back(old.group, group, held)
         names += found or [f"a group of ranks {list(old.ranks)}"]
     return _Remade(new, names)
 
 
-def _put_back(old: Any, new: Any, namespace: dict[str, Any]) -> list[str]:
-    """Bind ``new`` wherever the namespace, or an object it holds, bound ``old``; where."""
+def _put_back(old: Any, new: Any, held: Registry) -> list[str]:
+    """Bind ``new`` wherever ``held`` bound ``old``: a variable, a dict's value, a list's item,
+    an object's attribute, at any depth; where (a tuple cannot take it: named, to be rebound).
+    Torch's own holders (a DDP wrapper's or a ZeRO optimizer's ``process_group``) take it too,
+    unnamed: the user made the group, not those attributes."""
     where = []
-    for name, value in sorted(namespace.items()):
-        if value is old:
-            namespace[name] = new
-            where.append(name)
-            continue
-        for attribute, held in _attributes(value):
-            if held is old:
-                setattr(value, attribute, new)
-                where.append(f"{name}.{attribute}")
+    for i, obj in enumerate(held.objects):
+        path = held.path(i)
+        for step, put in _places_of(old, obj, held.kinds[i]):
+            if put is None:
+                where.append(f"{path}{step} (a tuple's item: not put back, bind the new group there)")
+                continue
+            put(new)
+            if not (getattr(type(obj), "__module__", None) or "").startswith("torch."):
+                where.append(f"{path}{step}")
     return where
 
 
-def _guard_sharded(namespace: dict[str, Any]) -> list[str]:
-    """Each FSDP2 module the namespace holds, after every group was made again: FSDP cannot move
-    onto a new group (its mesh holds the old ones), so its next forward raises an error naming
-    the variable and the line that shards it again, before FSDP's own hook meets a dead group
-    (a transport error blaming a healthy rank). The names guarded."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    sharded_type = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
-    if sharded_type is None:
+def _places_of(old: Any, obj: Any, kind: Kind) -> list[tuple[str, Callable[[Any], None] | None]]:
+    """Where ``obj`` itself holds ``old``: each as (step, how to bind another object there), None
+    where nothing can be bound (a tuple)."""
+    if kind is Kind.NAMESPACE:
+        return [(n, functools.partial(obj.__setitem__, n)) for n in sorted(user_variables(obj)) if obj[n] is old]
+    found: list[tuple[str, Callable[[Any], None] | None]] = []
+    if kind is Kind.DICT:
+        found += [(f"[{k!r}]", functools.partial(obj.__setitem__, k)) for k, v in list(obj.items()) if v is old]
+    elif kind in (Kind.LIST, Kind.DEQUE):
+        found += [(f"[{n}]", functools.partial(obj.__setitem__, n)) for n, v in enumerate(list(obj)) if v is old]
+    elif kind is Kind.TUPLE and isinstance(obj, tuple):
+        found += [(f"[{n}]", None) for n, v in enumerate(obj) if v is old]
+    if kind in (Kind.DICT, Kind.LIST, Kind.DEQUE, Kind.OBJECT):
+        attributes = {**(object_dict(obj) or {}), **slots(obj)}
+        found += [(f".{a}", functools.partial(setattr, obj, a)) for a, v in attributes.items() if v is old]
+    return found
+
+
+def _guard_sharded(held: Registry) -> list[str]:
+    """Each outermost FSDP2 module the rank's variables hold, after every group was made again:
+    FSDP cannot move onto a new group (its mesh holds the old ones), so its next forward raises
+    an error naming where it is held and the line that shards it again, before FSDP's own hook
+    meets a dead group (a transport error blaming a healthy rank). Where they are held."""
+    sharded_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if not isinstance(sharded_type, type):
         return []
     guarded = []
-    for name, value in sorted(namespace.items()):
-        if isinstance(value, sharded_type):
-            value.register_forward_pre_hook(_unusable(name), prepend=True)
+    for i, obj in enumerate(held.objects):
+        if isinstance(obj, sharded_type) and not reached_through(held, i, (sharded_type,)):
+            name = held.path(i)
+            held.objects[i].register_forward_pre_hook(_unusable(name), prepend=True)
             guarded.append(name)
     return guarded
 
@@ -143,15 +306,10 @@ def _unusable(name: str) -> Any:
             f"{name} is sharded (FSDP) over the ranks' process groups that were made again after a failed "
             f"or interrupted cell, and FSDP cannot move onto new groups: make it again and shard it, e.g. "
             f"`{name} = fully_shard(build_model())` (the notebook holds its last whole values: "
-            f"`%enot_pull {name}` before, then load them)"
+            f"`%enot_pull {name.split('.')[0].split('[')[0]}` before, then load them)"
         )
 
     return refuse
-
-
-def _ddp_type() -> Any:
-    module = sys.modules.get("torch.nn.parallel.distributed")
-    return getattr(module, "DistributedDataParallel", None) if module is not None else None
 
 
 def _group_to_rebind(group: Any, world: Any) -> Any:
@@ -169,86 +327,12 @@ def _group_to_rebind(group: Any, world: Any) -> Any:
     return world if spanned_the_world else None
 
 
-def _name_of(obj: Any, namespace: dict[str, Any]) -> str:
-    """The variable that holds ``obj``, or an attribute of one (``trainer.model``), or its type."""
-    for name, value in sorted(namespace.items()):
-        if value is obj:
-            return name
-    for name, value in sorted(namespace.items()):
-        for attribute, held in _attributes(value):
-            if held is obj:
-                return f"{name}.{attribute}"
-    return f"a {type(obj).__name__}"
+def _name_of(obj: Any, held: Registry) -> str:
+    """Where the rank's variables hold ``obj`` (``ddp``, ``nets['G']``, ``trainer.model``), or its type."""
+    i = held.find(obj)
+    return held.path(i) if i is not None else f"a {type(obj).__name__}"
 
 
-def _attributes(value: Any) -> list[tuple[str, Any]]:
-    """An object's own attributes, by name (a Trainer's ``.model``, a Fabric wrapper's module);
-    none of a module's, a class's or a function's: those hold no wrapper of a user's."""
-    if isinstance(value, types.ModuleType | type | types.FunctionType):
-        return []
-    held = getattr(value, "__dict__", None)
-    return sorted(held.items()) if isinstance(held, dict) else []
-
-
-def _replicated(namespace: dict[str, Any], ddp_type: Any) -> list[Any]:
-    """The storages every rank holds a replica of, in one order on every rank (by the names
-    that reach them): each DDP wrapper's module's parameters and buffers, then the tensors in
-    the state of the optimizers over them (not ZeRO's: sharded by design)."""
-    import torch
-
-    wrappers, optimizers = [], []
-    for _, value in sorted(namespace.items(), key=lambda item: item[0]):
-        for held in (value, *[v for _, v in _attributes(value)]):
-            if isinstance(held, ddp_type) and held not in wrappers:
-                wrappers.append(held)
-            elif isinstance(held, torch.optim.Optimizer) and held not in optimizers:
-                if type(held).__name__ != "ZeroRedundancyOptimizer":
-                    optimizers.append(held)
-    storages: dict[int, Any] = {}
-    replicated_params = set()
-    for ddp in wrappers:
-        for tensor in (*ddp.module.parameters(), *ddp.module.buffers()):
-            replicated_params.add(id(tensor))
-            storages.setdefault(id(tensor.untyped_storage()), tensor.untyped_storage())
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) not in replicated_params:
-                    continue
-                for _, value in sorted(optimizer.state.get(param, {}).items(), key=lambda item: str(item[0])):
-                    if isinstance(value, torch.Tensor):
-                        storages.setdefault(id(value.untyped_storage()), value.untyped_storage())
-    return list(storages.values())
-
-
-def equalize(storages: list[Any]) -> int:
-    """Each storage compared with the master's by a checksum (taken on its own device); where
-    one rank's differs, every rank takes the master's bytes (a broadcast over the world group).
-    The number of storages taken; none where the ranks do not hold the same storages."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    counts = torch.tensor([len(storages), -len(storages)], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    if int(counts[0]) != len(storages) or -int(counts[1]) != len(storages):
-        return 0  # the ranks hold different replicas: nothing to compare them by
-    if not storages:
-        return 0
-    sums = torch.tensor([device_checksum(s)[1] for s in storages], dtype=torch.int64, device=device)
-    masters = sums.clone()
-    dist.broadcast(masters, 0)
-    differ = (sums != masters).to(torch.int64)
-    dist.all_reduce(differ, op=dist.ReduceOp.MAX)  # every rank takes part in every broadcast
-    taken = 0
-    for storage, different in zip(storages, differ.tolist()):
-        if different:
-            data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            if data.device == device:
-                dist.broadcast(data, 0)
-            else:  # a CPU replica under nccl: through the device
-                moved = data.to(device)
-                dist.broadcast(moved, 0)
-                data.copy_(moved)
-            taken += 1
-    return taken
+def _listed(places: list[str]) -> str:
+    shown = ", ".join(places[:_NAMED_AT_MOST])
+    return shown + (f" and {len(places) - _NAMED_AT_MOST} more" if len(places) > _NAMED_AT_MOST else "")

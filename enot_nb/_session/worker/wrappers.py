@@ -6,15 +6,17 @@ rank). DDP cannot take new parameters; the user builds the wrapper and its optim
 
 So after a push each rank guards such a wrapper: its next forward raises ``StaleWrapperError``
 naming the wrapper, the module and what to build again, on every rank alike (before any
-collective), and the notebook shows it once (``sessions._raise_failure``).
+collective), and the notebook shows it once (``_raise_failure`` in _session/kernel/session.py).
 """
 
 from __future__ import annotations
 
+import types
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
-from enot_nb._session.worker.repair import _attributes, _ddp_type, _name_of
+from enot_nb._session.worker.replicas import imported_classes
 from enot_nb.errors import StaleWrapperError
 
 _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -23,21 +25,36 @@ _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()
 def guard_stale(namespace: dict[str, Any]) -> list[str]:
     """Guard each DDP wrapper the namespace holds (in a variable or an attribute of one) whose
     module's parameters are no longer those it was built with; the names of those newly guarded."""
-    ddp_type = _ddp_type()
-    if ddp_type is None:
+    ddp_type = imported_classes(("torch.nn.parallel.distributed", "DistributedDataParallel"))
+    if not ddp_type:
         return []
     guarded = []
-    for _, value in sorted(namespace.items(), key=lambda item: item[0]):
-        for held in (value, *[v for _, v in _attributes(value)]):
-            if isinstance(held, ddp_type) and held not in _GUARDED:
-                changed = _changed_parameters(held)
-                if changed:
-                    name = _name_of(held, namespace)
-                    message = _message(name, _name_of(held.module, namespace), changed)
-                    held.register_forward_pre_hook(_refuse(message), prepend=True)
-                    _GUARDED.add(held)
-                    guarded.append(name)
+    for name, value in _held(namespace):
+        if not isinstance(value, ddp_type) or value in _GUARDED:
+            continue
+        wrapper: Any = value  # (a tuple of types narrows to object)
+        changed = _changed_parameters(wrapper)
+        if changed:
+            module = next((n for n, v in _held(namespace) if v is wrapper.module), "its module")
+            wrapper.register_forward_pre_hook(_refuse(_message(name, module, changed)), prepend=True)
+            _GUARDED.add(wrapper)
+            guarded.append(name)
     return guarded
+
+
+def _held(namespace: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The variables, then each one's own attributes (``trainer.ddp``), by name: where a user keeps
+    a wrapper. Not deeper: this runs after every push, and a walk of all the rank holds would cost
+    what the push saves (a repair walks it: see repair.reach)."""
+    variables = sorted((n, v) for n, v in namespace.items() if not n.startswith("_"))
+    yield from variables
+    for name, value in variables:
+        if isinstance(value, types.ModuleType | type | types.FunctionType):
+            continue
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict):
+            for attribute, held in sorted(attributes.items()):
+                yield f"{name}.{attribute}", held
 
 
 def _changed_parameters(wrapper: Any) -> list[str]:
