@@ -339,8 +339,9 @@ def _refuse_process_bound(obj: Any) -> None:
             "DistributedDataParallel is bound to the workers' process group; its "
             ".module (your model) comes back instead when the cell uses it"
         )
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(obj, dtensor.DTensor):
+    # An older torch has a torch.distributed.tensor without DTensor (then in torch.distributed._tensor)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if isinstance(dtensor, type) and isinstance(obj, dtensor):
         # It pickles as its local shard, which the notebook would hold as a tensor of the whole
         # shape with no memory (a module sharded by FSDP2 in a session: its ranks keep it sharded).
         raise TypeError(
