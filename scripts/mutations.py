@@ -28,6 +28,16 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "tensor-owned-arrays-left-out-of-the-memory-map",
+        "enot_nb/_serialize/tensors.py",
+        "                memory = contiguous_memory(array)\n",
+        "                memory = contiguous_memory(array) if tensor_owned(array) is None else None\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-tensor-over-an-array-the-ranks-hold-without-its-tensor-fork]"
+        ],
+    ),
+    Mutation(
         "plain-data-walked-as-the-receiver-sees-it",
         "enot_nb/_session/mirror/paths.py",
         "    return Kind.PLAIN if spec.plain and kind in (Kind.LIST, Kind.DICT) else kind\n",

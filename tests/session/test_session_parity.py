@@ -726,6 +726,15 @@ FOUND = [
         ],
     ),
     (
+        "a-tensor-over-an-array-the-ranks-hold-without-its-tensor",
+        [
+            (P, "t = torch.arange(3.) * 2; a = t.numpy()"),
+            (S, "u = torch.from_numpy(a)"),
+            (P, "u[0] = 7"),
+            (S, "s = float(a.sum())"),
+        ],
+    ),
+    (
         "an-arrays-owner-sent-after-its-view",
         [
             (P, "a = np.arange(3.); row = a[1:]"),
