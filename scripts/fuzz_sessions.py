@@ -4,7 +4,8 @@ Usage: .venv/bin/python scripts/fuzz_sessions.py --minutes N [--seed S] [--start
 
 Programs from seed S (default: a random one) on, each in a real kernel with a two-rank gloo session
 and plainly in a reference shell. A program whose namespaces differ is shrunk (cells dropped one
-at a time while it still differs), printed, and written as a notebook (results/fuzz/seed-S.ipynb). Prints the programs, cells and time run; exit status 1 if any differed.
+at a time while it still differs), printed, and written as a notebook (results/fuzz/seed-S.ipynb).
+Prints the programs, cells and time run; exit status 1 if any differed.
 """
 
 from __future__ import annotations
