@@ -28,6 +28,13 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "copyregs-slotnames-cache-a-class-change",
+        "enot_nb/_state/states.py",
+        '_NOT_THE_CLASS_S = ("__dict__", "__weakref__", "__slotnames__")\n',
+        '_NOT_THE_CLASS_S = ("__dict__", "__weakref__")\n',
+        ["tests/session/test_session_parity.py::test_the_fuzzers_seeds_stay_found[500077]"],
+    ),
+    Mutation(
         "tensor-owned-arrays-left-out-of-the-memory-map",
         "enot_nb/_serialize/tensors.py",
         "                memory = contiguous_memory(array)\n",
