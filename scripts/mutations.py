@@ -420,9 +420,9 @@ MUTATIONS = [
     Mutation(
         "pull-sends-placeholder-storages",
         "enot_nb/_state/collect.py",
-        "    found_here = [j for j, s in enumerate(registry.storages) if s is not None and "
-        "registry.find_storage(s) == j]\n",
-        "    found_here = [j for j, s in enumerate(registry.storages) if s is not None]\n",
+        "        j for j, s in enumerate(registry.storages[:storages]) if s is not None and "
+        "registry.find_storage(s) == j\n",
+        "        j for j, s in enumerate(registry.storages[:storages]) if s is not None\n",
         [
             "tests/session/test_mirror.py::test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole"
         ],
