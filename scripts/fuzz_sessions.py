@@ -4,8 +4,8 @@ Usage: .venv/bin/python scripts/fuzz_sessions.py --minutes N [--seed S] [--start
 
 Programs from seed S (default: a random one) on, each in a real kernel with a two-rank gloo session
 and plainly in a reference shell. A program whose namespaces differ is shrunk (cells dropped one
-at a time while it still differs), printed, and written as a notebook next to the working folder
-(fuzz-seed-S.ipynb). Prints the programs, cells and time run; exit status 1 if any differed.
+at a time while it still differs), printed, and written as a notebook (results/fuzz/seed-S.ipynb).
+Prints the programs, cells and time run; exit status 1 if any differed.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def main() -> int:
                     found += 1
                     print(f"seed {program.seed}: {mismatch}\n{program.listing()}", flush=True)
                     small, why = shrink(runner, program)
-                    book = Path(f"fuzz-seed-{program.seed}.ipynb")
+                    book = ROOT / "results" / "fuzz" / f"seed-{program.seed}.ipynb"
+                    book.parent.mkdir(parents=True, exist_ok=True)
                     book.write_text(small.notebook(args.start_method))
                     print(f"shrunk to {len(small.cells)} cells: {why}\n{small.listing()}\nnotebook: {book}", flush=True)
             kernel.run("%enot_session stop", timeout=120)

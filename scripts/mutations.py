@@ -28,6 +28,23 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "copyregs-slotnames-cache-a-class-change",
+        "enot_nb/_state/states.py",
+        '_NOT_THE_CLASS_S = ("__dict__", "__weakref__", "__slotnames__")\n',
+        '_NOT_THE_CLASS_S = ("__dict__", "__weakref__")\n',
+        ["tests/session/test_session_parity.py::test_the_fuzzers_seeds_stay_found[500077]"],
+    ),
+    Mutation(
+        "tensor-owned-arrays-left-out-of-the-memory-map",
+        "enot_nb/_serialize/tensors.py",
+        "                memory = contiguous_memory(array)\n",
+        "                memory = contiguous_memory(array) if tensor_owned(array) is None else None\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-tensor-over-an-array-the-ranks-hold-without-its-tensor-fork]"
+        ],
+    ),
+    Mutation(
         "plain-data-walked-as-the-receiver-sees-it",
         "enot_nb/_session/mirror/paths.py",
         "    return Kind.PLAIN if spec.plain and kind in (Kind.LIST, Kind.DICT) else kind\n",
@@ -403,9 +420,9 @@ MUTATIONS = [
     Mutation(
         "pull-sends-placeholder-storages",
         "enot_nb/_state/collect.py",
-        "    found_here = [j for j, s in enumerate(registry.storages) if s is not None and "
-        "registry.find_storage(s) == j]\n",
-        "    found_here = [j for j, s in enumerate(registry.storages) if s is not None]\n",
+        "        j for j, s in enumerate(registry.storages[:storages]) if s is not None and "
+        "registry.find_storage(s) == j\n",
+        "        j for j, s in enumerate(registry.storages[:storages]) if s is not None\n",
         [
             "tests/session/test_mirror.py::test_a_pull_of_what_the_master_holds_as_another_type_leaves_the_notebooks_storages_whole"
         ],

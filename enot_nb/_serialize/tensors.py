@@ -497,8 +497,8 @@ class MemoryOwners:
     def _array_map(self) -> MemoryMap:
         if self._arrays is None:
             self._arrays = MemoryMap()
-            for array in self._known_arrays():
-                memory = contiguous_memory(array) if tensor_owned(array) is None else None
+            for array in self._known_arrays():  # a tensor's too: its storage may be one the receiver lacks
+                memory = contiguous_memory(array)
                 if memory is not None:
                     self._arrays.add(*memory, array)
         return self._arrays

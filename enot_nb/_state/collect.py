@@ -128,8 +128,8 @@ def as_whole_changes(
     found_here = [
         j for j, s in enumerate(registry.storages[:storages]) if s is not None and registry.find_storage(s) == j
     ]
-    whole = whole_states(registry, found, found_here)
-    changes.objects, changes.storages = whole.objects, whole.storages
+    states = whole_states(registry, found, found_here)
+    changes.objects, changes.storages = states.objects, states.storages
     return changes
 
 

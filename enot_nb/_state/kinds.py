@@ -383,7 +383,7 @@ def _held_from_outside(obj: Any) -> bool:
 
 def _refs_held_once() -> int:
     """What ``_held_from_outside`` counts for an item its container alone holds (this Python's)."""
-    holder = [{}]
+    holder: list[dict[Any, Any]] = [{}]
     level = [x for x in itertools.chain.from_iterable([holder]) if type(x) in _IN_PLACE]
     return max(map(sys.getrefcount, level))
 

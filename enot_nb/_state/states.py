@@ -216,8 +216,12 @@ def slots(obj: Any) -> dict[str, Any]:
     return values
 
 
+_NOT_THE_CLASS_S = ("__dict__", "__weakref__", "__slotnames__")
+"""Not the user's: ``__slotnames__`` is copyreg's cache, set on whichever side pickled an instance."""
+
+
 def class_attributes(cls: type) -> dict[str, Any]:
-    return {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    return {k: v for k, v in vars(cls).items() if k not in _NOT_THE_CLASS_S}
 
 
 def tensor_state(t: Any) -> TensorState:

@@ -4,6 +4,7 @@ code reads the namespace by name."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import pickle
 
@@ -156,14 +157,20 @@ def test_a_large_container_is_told_plain_once_while_nothing_changes_it():
     assert kind_of([pickle.PickleBuffer(b"x")] * ATOMS_MIN) is Kind.LIST  # (it would come back a bytearray)
     log.append(torch.zeros(1))
     assert kind_of(log) is Kind.LIST  # no longer plain: walked as any list
-    assert kind_of([*log[:-1], (1, 1j, range(3), slice(2), ...)]) is Kind.PLAIN  # the atoms' own types
-    assert kind_of([*log[:-1], Box()]) is Kind.LIST
+    assert kind_of([*copy.deepcopy(log[:-1]), (1, 1j, range(3), slice(2), ...)]) is Kind.PLAIN  # atoms' types
+    assert kind_of([*copy.deepcopy(log[:-1]), Box()]) is Kind.LIST
+    assert kind_of([*log[:-1], (1, 2)]) is Kind.LIST  # its records are log's too: aliases stay aliases
+    records = copy.deepcopy(log[:-1])
+    last = records[-1]
+    assert kind_of(records) is Kind.LIST  # ``last = records[-1]`` holds one from outside
+    del last
+    assert kind_of(records) is Kind.PLAIN
 
 
 def test_plain_data_comes_back_in_place_sets_and_cycles_included():
     log = [{"step": i, "tags": {"a"}, "raw": bytearray(b"x")} for i in range(ATOMS_MIN)]
     log.append(log)  # a cycle: applied to a bounded depth, never forever
-    assert kind_of(log) is Kind.PLAIN
+    assert kind_of(log) is Kind.LIST  # (it holds itself: held from outside too, so walked)
     tags, raw = log[3]["tags"], log[3]["raw"]
     new = [dict(d, step=-d["step"], tags={"b"}, raw=bytearray(b"y")) for d in log[:-1]] + [[1]]
     OPS[Kind.PLAIN].apply(log, new, None)

@@ -726,6 +726,15 @@ FOUND = [
         ],
     ),
     (
+        "a-tensor-over-an-array-the-ranks-hold-without-its-tensor",
+        [
+            (P, "t = torch.arange(3.) * 2; a = t.numpy()"),
+            (S, "u = torch.from_numpy(a)"),
+            (P, "u[0] = 7"),
+            (S, "s = float(a.sum())"),
+        ],
+    ),
+    (
         "an-arrays-owner-sent-after-its-view",
         [
             (P, "a = np.arange(3.); row = a[1:]"),
@@ -878,3 +887,18 @@ def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):
         assert seen.count("[1.0, 1.0, 1.0]") == 2, seen
     finally:
         k.run("%enot_session stop", timeout=120)
+
+
+FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109]
+"""Generated programs (tests/session/fuzz.py's seeds) that differed once, kept as they were
+found: each fix's own case is above where a small program shows it."""
+
+
+@pytest.mark.parametrize("seed", FOUND_SEEDS)
+def test_the_fuzzers_seeds_stay_found(fuzz_kernel, seed):
+    reference = fuzz.Reference()
+    try:
+        fuzz.Runner(fuzz_kernel, reference, "fork").run(fuzz.generate(seed))
+    finally:
+        reference.close()
+        fuzz_kernel.run("%enot_session stop", timeout=120)

@@ -233,9 +233,9 @@ class PlainCells:
             except ValueError:
                 pass
         THREAD_STARTS.uninstall()
-        kernel = getattr(self.shell, "kernel", None)
+        handlers = getattr(getattr(self.shell, "kernel", None), "shell_handlers", {})
         for msg_type, handler in self._handlers.items():
-            kernel.shell_handlers[msg_type] = handler
+            handlers[msg_type] = handler
 
 
 def _wrap_comm_handlers(shell: Any, handled: Callable[[], None]) -> dict[str, Any]:

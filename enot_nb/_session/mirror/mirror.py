@@ -148,9 +148,9 @@ class Mirror:
         if reached is not None:
             baseline = record.baseline
             objects = {i for i in map(baseline.find, reached.objects[1:]) if i is not None}
-            storages = {j for j in map(baseline.find_storage, reached.storages) if j is not None}
+            found = {j for j in map(baseline.find_storage, reached.storages) if j is not None}
             shared_objects, shared_storages = _sharing_memory(baseline, reached)
-            within = (objects | shared_objects, storages | shared_storages)
+            within = (objects | shared_objects, found | shared_storages)
         changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden, within)
         storages = [record.baseline.storages[new.storage] for new in changes.storages]
         return SinceSync(changes, TaskChanges([record.baseline.objects[i] for i in changed], storages))
