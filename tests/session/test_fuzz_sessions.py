@@ -9,7 +9,6 @@ program as a notebook that reproduces it; ``scripts/fuzz_sessions.py`` runs long
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -54,30 +53,26 @@ def _run(method: str, seconds: float, at_least: int, at_most: int, first_seed: i
     return programs, runner.cells
 
 
-def _report(capsys, method: str, programs: int, cells: int, started: float) -> None:
-    """Shown in CI's log whatever pytest captures."""
+def _report(request, method: str, programs: int, cells: int, started: float) -> None:
+    """A line in CI's log, whatever pytest captures (its terminal reporter writes it)."""
     seconds = time.monotonic() - started
-    with capsys.disabled():
-        print(f"\nsession fuzzer, {method}: {programs} programs, {cells} cells in {seconds:.0f} s", file=sys.stderr)
+    line = f"session fuzzer, {method}: {programs} programs, {cells} cells in {seconds:.0f} s"
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
 
 
 @pytest.mark.timeout(int(FORK_SECONDS) + 900)
-def test_sessions_stay_true_under_generated_programs_fork(tmp_path, capsys):
+def test_sessions_stay_true_under_generated_programs_fork(tmp_path, request):
     started = time.monotonic()
     programs, cells = _run("fork", FORK_SECONDS, FORK_PROGRAMS, FORK_AT_MOST, 0, tmp_path)
-    print(
-        f"\nsession fuzzer, fork: {programs} programs, {cells} cells in {time.monotonic() - started:.0f} s",
-        file=sys.stderr,
-    )
+    _report(request, "fork", programs, cells, started)
     assert programs >= FORK_PROGRAMS
 
 
 @pytest.mark.timeout(900)
-def test_sessions_stay_true_under_generated_programs_spawn(tmp_path, capsys):
+def test_sessions_stay_true_under_generated_programs_spawn(tmp_path, request):
     started = time.monotonic()
     programs, cells = _run("spawn", 0, SPAWN_PROGRAMS, SPAWN_PROGRAMS, 100_000, tmp_path)
-    print(
-        f"\nsession fuzzer, spawn: {programs} programs, {cells} cells in {time.monotonic() - started:.0f} s",
-        file=sys.stderr,
-    )
+    _report(request, "spawn", programs, cells, started)
     assert programs == SPAWN_PROGRAMS
