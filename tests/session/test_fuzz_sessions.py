@@ -58,8 +58,10 @@ def _report(request, method: str, programs: int, cells: int, started: float) -> 
     seconds = time.monotonic() - started
     line = f"session fuzzer, {method}: {programs} programs, {cells} cells in {seconds:.0f} s"
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
 
 
 @pytest.mark.timeout(int(FORK_SECONDS) + 900)
