@@ -161,8 +161,8 @@ MUTATIONS = [
     Mutation(
         "plain-data-with-aliases-one-object",
         "enot_nb/_state/kinds.py",
-        "        found: bytes | None = None if _held_from_outside(obj) else out.getvalue()\n",
-        "        found: bytes | None = out.getvalue()\n",
+        "    held = _held_from_outside(obj)\n",
+        "    held = False\n",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[aliases-into-a-large-list-of-records-fork]"
         ],

@@ -212,14 +212,17 @@ class StatePickler(ResultPickler):
         super().__init__(file, buffer_callback=buffer_callback, namespace=registry.objects[0])
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
-        self._plain_items: dict[int, tuple[Any, int, tuple[Any, ...]]] | None = None
         self._travelling: set[int] = set()
+        self._bound_ids: set[int] = set()
+        """The lists, dicts and bytearrays bound to names in this pickle (see _in_plain)."""
         """The registered objects whose new state this pickle carries (see _in_plain)."""
 
     def dump(self, obj: Any) -> None:
         """Pickle ``obj``: Changes, or a task carrying them as its ``push``."""
         changes = obj if isinstance(obj, Changes) else getattr(obj, "push", None)
         self._travelling = {i for i, _ in changes.objects} if isinstance(changes, Changes) else set()
+        bound = changes.bound.values() if isinstance(changes, Changes) else ()
+        self._bound_ids = {id(v) for v in bound if type(v) in (list, dict, bytearray)}
         super().dump(obj)
 
     def known_arrays(self) -> list[Any]:
@@ -270,30 +273,24 @@ class StatePickler(ResultPickler):
         return None
 
     def _in_plain(self, obj: Any) -> Any:
-        """``("p", i, steps)`` where ``obj`` sits inside registered plain data ``i`` (kind PLAIN:
-        one object, its items not registered) at ``steps``: the loading side takes its own item
-        there, so ``last = log[-1]`` stays an alias (by value it would be a copy). Not inside
-        one whose new state travels in this pickle: its items go by value with it. The index of
-        the items is made once per pickle, when first needed."""
-        if self._plain_items is None:
-            self._plain_items = {}
-            for i, kind in enumerate(self.registry.kinds):
-                if kind is Kind.PLAIN and i not in self._travelling:
-                    _index_items(self.registry.objects[i], i, (), self._plain_items)
-        found = self._plain_items.get(id(obj))
-        return ("p", found[1], found[2]) if found is not None and found[0] is obj else None
-
-
-def _index_items(container: Any, i: int, steps: tuple[Any, ...], index: dict[int, Any]) -> None:
-    """Each list, dict and bytearray inside ``container`` (at any depth) by id: (it, i, steps)."""
-    todo = [(container, steps)]
-    while todo:
-        held, at = todo.pop()
-        for key, item in held.items() if type(held) is dict else enumerate(held):
-            if type(item) in (list, dict, bytearray) and id(item) not in index:
-                index[id(item)] = (item, i, (*at, key))
-                if type(item) is not bytearray:
-                    todo.append((item, (*at, key)))
+        """``("p", i, steps)`` where ``obj``, bound to a name in this pickle, is an item of
+        registered plain data ``i`` (kind PLAIN: one object, its items not registered): the
+        loading side takes its own item there, so ``last = log[-1]`` stays an alias (by value it
+        would be a copy). Not inside one whose new state travels in this pickle: its items go by
+        value with it. Only a bound value is looked for (a C-level pass over each container's
+        items), so the task's own lists cost nothing; an item deeper inside goes by value."""
+        if id(obj) not in self._bound_ids:
+            return None
+        for i, kind in enumerate(self.registry.kinds):
+            if kind is not Kind.PLAIN or i in self._travelling:
+                continue
+            container = self.registry.objects[i]
+            values = container.values() if type(container) is dict else container
+            if id(obj) in set(map(id, values)):
+                keys = container.keys() if type(container) is dict else range(len(container))
+                key = next(k for k, v in zip(keys, values) if v is obj)
+                return ("p", i, (key,))
+        return None
 
 
 def item_at(container: Any, steps: tuple[Any, ...]) -> Any:

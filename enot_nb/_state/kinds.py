@@ -320,7 +320,7 @@ def _refuse_buffer(buffer: Any) -> None:
     raise _NotPlain  # a PickleBuffer: its own fast path, out of band (it would come back a bytearray)
 
 
-_still: dict[int, tuple[Any, bytes | None]] | None = None
+_still: dict[int, tuple[Any, ...]] | None = None
 """While nothing can change the objects (``held_still``): each large container's plain pickle,
 or None where it holds more than plain data, by id (the object kept: its id stays its own)."""
 
@@ -354,12 +354,26 @@ def plain_pickle(obj: Any) -> bytes | None:
     ``{"step": i, "loss": x}`` records), else None. Such a container is one object of kind PLAIN:
     walking its 300,000 dicts, each registered, compared and found by path on the ranks, cost
     11-17 s for a cell that read it; this is one pass of the C pickler (0.05 s)."""
+    raw = plain_bytes(obj)
+    if raw is None:
+        return None
+    if _still is not None and len(_still[id(obj)]) == 3:
+        return None if _still[id(obj)][2] else raw
+    held = _held_from_outside(obj)
+    if _still is not None:
+        _still[id(obj)] = (obj, raw, held)
+    return None if held else raw
+
+
+def plain_bytes(obj: Any) -> bytes | None:
+    """The pickle of a list's or dict's items if they are plain data, whatever holds them: a
+    digest of it tells a change (``plain_pickle`` also asks that no item is held from outside)."""
     if _still is not None and id(obj) in _still:
         return _still[id(obj)][1]
     out = io.BytesIO()
     try:
         _PlainPickler(out, protocol=5, buffer_callback=_refuse_buffer).dump(obj)
-        found: bytes | None = None if _held_from_outside(obj) else out.getvalue()
+        found: bytes | None = out.getvalue()
     except (_NotPlain, RecursionError):
         found = None
     if _still is not None:
@@ -409,7 +423,7 @@ def holds_plain_data(obj: Any) -> bool:
 
 def _plain_snapshot(obj: Any) -> list[tuple[int, int]]:
     """A digest of its pickle: a change anywhere inside (``log[7]["loss"] = 0``) changes it."""
-    pickled = plain_pickle(obj)
+    pickled = plain_bytes(obj)
     return [digest(pickled)] if pickled is not None else pickle_digest(obj)
 
 
