@@ -1509,6 +1509,21 @@ MUTATIONS = [
         '    pytest.skip(f"{CHROMIUM} is absent", allow_module_level=True)\n',
         ["tests/frameworks/test_browser_collection.py::test_collecting_the_browser_test_leaves_chromium_to_the_test"],
     ),
+    Mutation(
+        "repair-takes-the-kernels-copies-for-the-ranks-objects",
+        "enot_nb/_session/worker/repair.py",
+        "    return [o for o in objects if type(o) in hits and _live(o)] if hits else []\n",
+        "    return [o for o in objects if type(o) in hits] if hits else []\n",
+        ["tests/session/test_work_kept.py::test_a_zero_optimizer_the_notebook_holds_is_not_taken_for_a_ranks"],
+    ),
+    Mutation(
+        # On Python 3.12.1 the old check (a freeze count of 0) never froze: the same as this.
+        "ranks-forked-with-the-kernels-objects-unfrozen",
+        "enot_nb/_processes/clean_thread.py",
+        "        ours = gc.get_freeze_count() <= _FROZEN_AT_START",
+        "        ours = False and gc.get_freeze_count() <= _FROZEN_AT_START",
+        ["tests/session/test_lifecycle.py::test_a_forked_rank_does_not_collect_the_kernels_objects"],
+    ),
 ]
 
 

@@ -4,6 +4,7 @@ to each other and to the notebook."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -298,6 +299,31 @@ def test_an_optimizer_over_other_ddp_parameters_on_each_rank_is_named_not_overwr
         kept = "all(torch.equal(a, b) for a, b in zip(mine, [t for st in opt.state.values() for t in st.values()]))"
         assert _on_every_rank(s, kept) is True
         s.run("step(2)")
+
+
+def test_a_zero_optimizer_the_notebook_holds_is_not_taken_for_a_ranks(capsys):
+    """The notebook's copy of a ZeroRedundancyOptimizer (pickled without its process group)
+    lives on in a rank forked later, in a new session, where the collector finds it (the user's
+    own gc.freeze() keeps the kernel from freezing its objects for the fork): the repair after a
+    failed cell moves only what the rank made, and the session does not restart (it did:
+    "'ZeroRedundancyOptimizer' object has no attribute 'process_group'")."""
+    gc.freeze()  # before the copy is made: it stays one the collector tracks
+    try:
+        notebook: dict = {}
+        with start("fork", namespace=notebook) as s:
+            s.run(ZERO)
+        assert "process_group" not in vars(notebook["zero"])  # the copy the next ranks inherit
+        with start("fork", namespace={}) as s:
+            s.run(ZERO)
+            pids = [row.pid for row in s.status().rows]
+            with pytest.raises(WorkerFailedError):
+                s.run("train(ddp, zero, 1, 0)\nif dist.get_rank() == 1:\n    raise RuntimeError('after a step')")
+            out = capsys.readouterr().out
+            assert "restarted" not in out and "reducer reset" in out, out
+            assert [row.pid for row in s.status().rows] == pids
+            s.run("train(ddp, zero, 1, 1)")
+    finally:
+        gc.unfreeze()
 
 
 def test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer(capsys):

@@ -28,7 +28,7 @@ import enum
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from enot_nb._launch import relay
 from enot_nb._launch.local_ranks import LocalRanks
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._launch.rank_host import RankHost
+from enot_nb._launch.ranks import Rank
 from enot_nb._processes.interrupts import PressHold
 from enot_nb._processes.protocol import (
     AbortGroups,
@@ -305,20 +306,21 @@ class CommandRound:
             if _groups_agree([r.groups.sequences if r.groups is not None else None for r in host.ranks]):
                 return
         outcome.regrouped = True
-        answered = self._exchange(Regroup(host.meeting_point()))
-        if not answered or any(isinstance(r.outcome, ErrorReport) for r in host.ranks):
-            outcome.restart = "the ranks could not make their process group again"
+        why = self._exchange(Regroup(host.meeting_point()))
+        if why is not None:
+            outcome.restart = f"the ranks could not make their process group again ({why})"
 
     def _repair(self) -> None:
         """After a failed or interrupted command, the group kept or made again: every rank
         rebinds its DDP wrappers and takes the master's replicated state where it differs (see
         _session/worker/repair)."""
-        answered = self._exchange(Repair())
-        if not answered or any(isinstance(r.outcome, ErrorReport) for r in self.host.ranks):
-            self.outcome.restart = "the ranks could not rebind their DDP wrappers to their process group"
+        why = self._exchange(Repair())
+        if why is not None:
+            self.outcome.restart = f"the ranks could not rebind their DDP wrappers to their process group ({why})"
 
-    def _exchange(self, command: SessionCommand) -> bool:
-        """A control command to every rank, answered within RELEASE_WAIT; whether all did."""
+    def _exchange(self, command: SessionCommand) -> str | None:
+        """A control command to every rank, answered within RELEASE_WAIT; None where every rank
+        did without an error, else what went wrong on which rank."""
         host = self.host
         for r in host.ranks:
             r.outcome, r.payload, r.groups = None, None, None
@@ -332,7 +334,21 @@ class CommandRound:
                 break
             host.poll(left)
         host.failures = failures
-        return all(r.running and (r.outcome is not None or r.groups is not None) for r in host.ranks)
+        return _exchange_failed(host.ranks)
+
+
+def _exchange_failed(ranks: Sequence[Rank]) -> str | None:
+    """What went wrong on which rank in a control exchange (see CommandRound._exchange); None:
+    nothing did."""
+    whys = []
+    for r in ranks:
+        if not r.running:
+            whys.append(f"rank {r.rank} died")
+        elif isinstance(r.outcome, ErrorReport):
+            whys.append(f"rank {r.rank}: {r.outcome.type or 'sys.exit'}: {r.outcome.message}")
+        elif r.outcome is None and r.groups is None:
+            whys.append(f"rank {r.rank} did not answer within {RELEASE_WAIT:g} s")
+    return "; ".join(whys) or None
 
 
 def _named_released(failures: list[WorkerFailure], released: set[int], stopped: set[int]) -> list[WorkerFailure]:

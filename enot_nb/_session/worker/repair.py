@@ -136,7 +136,15 @@ def _tracked(wanted: tuple[type, ...]) -> list[Any]:
         return []
     objects = gc.get_objects()
     hits = {t for t in set(map(type, objects)) if issubclass(t, wanted)}
-    return [o for o in objects if type(o) in hits] if hits else []
+    return [o for o in objects if type(o) in hits and _live(o)] if hits else []
+
+
+def _live(obj: Any) -> bool:
+    """Whether ``obj`` was made on a rank: a DDP wrapper or a ZeroRedundancyOptimizer that has
+    no ``process_group`` is a copy (the notebook's, of the master's, without its group: a
+    forked rank inherits the kernel's objects), which holds no group to move."""
+    grouped = imported_classes(_WHAT_REPAIR_FINDS[0], _ZERO)
+    return not isinstance(obj, grouped) or "process_group" in (object_dict(obj) or {})
 
 
 _WHAT_REPAIR_FINDS = (
