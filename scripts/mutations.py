@@ -1524,6 +1524,52 @@ MUTATIONS = [
         "        ours = False and gc.get_freeze_count() <= _FROZEN_AT_START",
         ["tests/session/test_lifecycle.py::test_a_forked_rank_does_not_collect_the_kernels_objects"],
     ),
+    Mutation(
+        "a-view-of-a-strided-known-array-goes-by-its-owner",
+        "enot_nb/_serialize/picklers.py",
+        "            for known in self.strided_known(root):\n",
+        "            for known in []:\n",
+        [
+            "tests/session/test_mirror.py::test_a_view_of_a_strided_array_the_notebook_holds_comes_back_without_its_owner"
+        ],
+    ),
+    Mutation(
+        "a-storage-over-a-strided-known-array-by-value",
+        "enot_nb/_serialize/picklers.py",
+        "        over_known = self._memory.strided_holding(storage) or self._memory.under_known_array(storage)\n",
+        "        over_known = self._memory.under_known_array(storage)\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-over-a-strided-array-fork]"
+        ],
+    ),
+    Mutation(
+        "a-storage-under-a-known-arrays-tensor-by-value",
+        "enot_nb/_serialize/picklers.py",
+        "        over_known = self._memory.strided_holding(storage) or self._memory.under_known_array(storage)\n",
+        "        over_known = self._memory.strided_holding(storage)\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-sent-after-its-numpy-array-fork]"
+        ],
+    ),
+    Mutation(
+        "an-array-under-a-known-arrays-tensor-by-value",
+        "enot_nb/_serialize/picklers.py",
+        "        under = self._memory.under_known_array_at(*memory)\n",
+        "        under = None\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[an-array-sent-after-a-view-of-its-tensor-fork]"
+        ],
+    ),
+    Mutation(
+        "the-owner-of-a-strided-known-array-by-value",
+        "enot_nb/_serialize/tensors.py",
+        "    owner = array_owner(known)\n"
+        "    if (owner.shape, owner.strides, owner.dtype, _address(known) - _address(owner)) != layout:\n",
+        "    owner = array_owner(known)\n    if True:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-over-a-strided-array-fork]"
+        ],
+    ),
 ]
 
 

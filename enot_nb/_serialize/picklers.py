@@ -79,6 +79,10 @@ class TensorPickler(cloudpickle.Pickler):
         None: the receiver holds all of ``owner``'s memory as that view's root."""
         return None
 
+    def strided_known(self, root: Any) -> list[Any]:
+        """The strided arrays the receiver holds over ``root``'s memory (see reduce_view_within)."""
+        return []
+
     def known_storages(self) -> list[Any]:
         """The torch storages the receiver already holds (they travel as references)."""
         return []
@@ -150,13 +154,20 @@ class TensorPickler(cloudpickle.Pickler):
         held = self._memory.array_holding(storage)
         if held is not None:
             return tensors._storage_of_array, (*held, storage.nbytes())
-        return self._storage_by_value(storage)
+        over_known = self._memory.strided_holding(storage) or self._memory.under_known_array(storage)
+        return self._storage_by_value(storage) if over_known is None else over_known
 
     def _storage_by_value(self, storage: Any) -> Reduction:
         """A storage that is no array's memory, with its bytes."""
         raise NotImplementedError
 
     def _reduce_array(self, array: Any) -> Reduction:
+        root = tensors.array_owner(array)
+        if self.is_known(array, root) is None:
+            for known in self.strided_known(root):
+                within = tensors.reduce_view_within(array, known)
+                if within is not None:
+                    return within
         tensor = tensors.tensor_owned(array)
         if tensor is not None and self.is_known(array, tensors.array_owner(array)) is None:
             # its memory is a storage: it travels over that storage (a view of an array the
@@ -165,9 +176,12 @@ class TensorPickler(cloudpickle.Pickler):
         view = tensors.reduce_numpy_view(array, self.is_known)
         if view is not None:
             return view
-        known_view = self.view_of(array) if tensors.array_owner(array) is array else None
+        known_view = self.view_of(array) if root is array else None
         if known_view is not None:  # ``row = a[1]`` went first, with all of ``a``'s memory
             return tensors.array_owning, (known_view,)
+        strided = self.strided_known(array) if root is array and not array.dtype.hasobject else []
+        if strided:  # ``row = a[::2]`` went first: ``a`` is the receiver's owner of it, if laid out so
+            return tensors.owner_of_strided(array, strided[0])
         memory = tensors.contiguous_memory(array)
         reduced = None if memory is None else self._reduce_array_memory(array, memory)
         return array.__reduce_ex__(PROTOCOL) if reduced is None else reduced
@@ -179,6 +193,9 @@ class TensorPickler(cloudpickle.Pickler):
         held = self._memory.storage_holding(memory)
         if held is not None:
             return tensors.array_over(held[0], array)
+        under = self._memory.under_known_array_at(*memory)
+        if under is not None:  # ``a = t.numpy()`` came back before; ``t`` was ``torch.from_numpy(b)``
+            return tensors.array_under_array(*under, array)
         self._memory.add_array(memory, array)
         return None
 

@@ -331,10 +331,108 @@ def reduce_numpy_view(array: numpy.ndarray, is_known: Callable[[Any, Any], Any])
     return _numpy_view, (root, offset, array.shape, array.strides, array.dtype)
 
 
+def reduce_view_within(array: numpy.ndarray, known: numpy.ndarray) -> Reduction | None:
+    """``array`` as a view of ``known``, a strided array the receiver holds, by index: where
+    ``array``'s first element is among ``known``'s and the index step of each of its dimensions.
+    Bytes between a strided array's elements are not the receiver's to address (its owner may
+    be laid out otherwise), so ``array`` goes this way only if every one of its elements is one
+    of ``known``'s (same dtype); None: it is not."""
+    if array.dtype != known.dtype or not array.size or not known.size:
+        return None
+    first = _element_index(known, array.__array_interface__["data"][0])
+    if first is None:
+        return None
+    steps: list[tuple[int, ...] | None] = []  # None: a dimension of one, its stride kept as it is
+    for size, stride in zip(array.shape, array.strides):
+        following = None if size == 1 else _element_index(known, array.__array_interface__["data"][0] + stride)
+        if following is None and size != 1:
+            return None
+        steps.append(None if following is None else tuple(b - a for a, b in zip(first, following)))
+    walked = [(size, step) for size, step in zip(array.shape, steps) if step is not None]
+    for d, extent in enumerate(known.shape):  # the last element of every dimension is one of known's too
+        low = first[d] + sum(min(0, (size - 1) * step[d]) for size, step in walked)
+        high = first[d] + sum(max(0, (size - 1) * step[d]) for size, step in walked)
+        if low < 0 or high >= extent:
+            return None
+    return _view_within, (known, first, tuple(steps), array.shape, array.strides, array.dtype)
+
+
+def _element_index(array: numpy.ndarray, address: int) -> tuple[int, ...] | None:
+    """The index of ``array``'s element that starts at ``address``, or None where none does
+    (strides taken largest first: exact for any view made by slicing)."""
+    index = [0] * array.ndim
+    offset = address - array.__array_interface__["data"][0]
+    for size, stride in zip(array.shape, array.strides):
+        if stride < 0:  # counted from the dimension's last element, the lowest address
+            offset -= (size - 1) * stride
+    for d in sorted(range(array.ndim), key=lambda d: -abs(array.strides[d])):
+        size, stride = array.shape[d], abs(array.strides[d])
+        if stride == 0 or size == 1 or offset < 0:
+            continue
+        i = min(offset // stride, size - 1)
+        index[d] = i if array.strides[d] > 0 else size - 1 - i
+        offset -= i * stride
+    return tuple(index) if offset == 0 else None
+
+
+def _view_within(
+    known: numpy.ndarray,
+    first: tuple[int, ...],
+    steps: tuple[tuple[int, ...] | None, ...],
+    shape: tuple[int, ...],
+    strides_of_ones: tuple[int, ...],
+    dtype: numpy.dtype,
+) -> numpy.ndarray:
+    """A view of the receiver's ``known`` (see reduce_view_within), over the array that owns
+    its memory (a view's base, as NumPy's own views have)."""
+    import numpy
+
+    owner = array_owner(known)
+    start = known.__array_interface__["data"][0] + sum(i * k for i, k in zip(first, known.strides))
+    strides = tuple(
+        kept if step is None else sum(c * k for c, k in zip(step, known.strides))
+        for step, kept in zip(steps, strides_of_ones)
+    )
+    if owner.flags.c_contiguous or owner.flags.f_contiguous:
+        offset = start - owner.__array_interface__["data"][0]
+        return numpy.ndarray(shape, dtype, buffer=owner, offset=offset, strides=strides)
+    return numpy.lib.stride_tricks.as_strided(known[tuple(slice(i, None) for i in first)], shape, strides)
+
+
+def owner_of_strided(owner: numpy.ndarray, known: numpy.ndarray) -> Reduction:
+    """``owner``, which owns the memory of ``known``, a strided array the receiver holds: there,
+    the array that owns ``known``'s memory where it is laid out as ``owner`` (shape, strides,
+    dtype, and ``known`` at the same place in it), with ``owner``'s bytes written in; else a
+    copy of ``owner`` (its bytes travel either way)."""
+    layout = (owner.shape, owner.strides, owner.dtype, _address(known) - _address(owner))
+    return _owner_of_strided, (known, layout, owner.copy())
+
+
+def _owner_of_strided(known: numpy.ndarray, layout: tuple[Any, ...], value: numpy.ndarray) -> numpy.ndarray:
+    owner = array_owner(known)
+    if (owner.shape, owner.strides, owner.dtype, _address(known) - _address(owner)) != layout:
+        return value
+    if not owner.flags.writeable:
+        return owner if owner.tobytes() == value.tobytes() else value
+    owner[...] = value
+    return owner
+
+
 def array_owning(view: numpy.ndarray) -> numpy.ndarray:
     """The array that owns a view's memory, on the receiver: a view travels with all of its
     owner's memory (reduce_numpy_view), so the owner sent later is that one."""
     return array_owner(view)
+
+
+def array_extent(array: Any) -> tuple[int, int]:
+    """The addresses of the first and after the last byte an array can reach."""
+    start = end = array.__array_interface__["data"][0]
+    for size, stride in zip(array.shape, array.strides):
+        if size == 0:
+            return start, start
+        reach = (size - 1) * stride
+        start, end = (start + reach, end) if stride < 0 else (start, end + reach)
+    return start, end + array.itemsize
 
 
 def array_owner(array: numpy.ndarray) -> numpy.ndarray:
@@ -390,6 +488,64 @@ def _storage_of_array(root: numpy.ndarray, offset: int, nbytes: int) -> torch.Un
     if not flat.flags.writeable:  # torch would warn; the memory cannot be shared anyway
         flat = flat.copy()
     return torch.from_numpy(flat).untyped_storage()
+
+
+def _storage_in_strided(
+    known: numpy.ndarray, offset: int, nbytes: int, layout: tuple[Any, Any, int, int]
+) -> torch.UntypedStorage:
+    """A storage over the receiver's strided ``known`` array's memory, ``offset`` bytes from
+    its lowest address: over the array that owns it, which must be laid out as the sender's
+    (``layout``: shape, strides, offset in the owner, owner's size), as a mirrored one is."""
+    import numpy
+    import torch
+
+    owner = array_owner(known)
+    lowest = array_extent(known)[0]
+    here = (known.shape, known.strides, lowest - _address(owner), owner.nbytes)
+    if here != layout or contiguous_memory(owner) is None:
+        raise ValueError(
+            "a tensor made by torch.from_numpy over a strided NumPy array cannot be rebuilt over this process's copy "
+            "of the array, which is laid out otherwise: make the array contiguous (numpy.ascontiguousarray) "
+            "before torch.from_numpy"
+        )
+    start = lowest - _address(owner) + offset
+    flat = numpy.ravel(owner, order="K").view(numpy.uint8)[start : start + nbytes]
+    if not flat.flags.writeable:  # torch would warn; the memory cannot be shared anyway
+        flat = flat.copy()
+    return torch.from_numpy(flat).untyped_storage()
+
+
+def _storage_under_array(array: numpy.ndarray, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """The storage (or the part of it) of the tensor that owns the receiver's ``array``."""
+    tensor = tensor_owned(array)
+    if tensor is None or tensor.untyped_storage().nbytes() < offset + nbytes:
+        raise ValueError(
+            "a tensor whose memory a NumPy array views here (tensor.numpy()) cannot be rebuilt over this process's "
+            "copy of the array, which is not a view of a tensor: send the tensor before the array"
+        )
+    whole = tensor.untyped_storage()
+    if offset == 0 and nbytes in (0, whole.nbytes()):  # 0: the whole, for an array to lie in
+        return whole
+    return _storage_over_storage(whole, offset, nbytes)
+
+
+def array_under_array(known: numpy.ndarray, offset: int, array: numpy.ndarray) -> Reduction:
+    """``array``, whose memory lies ``offset`` bytes into the storage of the tensor that owns
+    ``known`` (an array the receiver holds), rebuilt over the receiver's (see _storage_under_array)."""
+    return _array_under_array, (known, offset, array.nbytes, array.shape, array.strides, array.dtype)
+
+
+def _array_under_array(
+    known: numpy.ndarray, offset: int, nbytes: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any
+) -> numpy.ndarray:
+    whole = _storage_under_array(known, 0, 0)
+    if whole.nbytes() < offset + nbytes:
+        raise ValueError("a NumPy array over a tensor's memory lies outside this process's copy of that tensor")
+    return _array_of_storage(whole, offset, shape, strides, dtype)
+
+
+def _address(array: numpy.ndarray) -> int:
+    return array.__array_interface__["data"][0]
 
 
 def _storage_over_storage(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.UntypedStorage:
@@ -457,6 +613,8 @@ class MemoryOwners:
     ) -> None:
         self._known_arrays, self._known_storages = known_arrays, known_storages
         self._arrays: MemoryMap | None = None
+        self._strided: MemoryMap | None = None
+        self._under: MemoryMap | None = None
         self._storages_map: MemoryMap | None = None
 
     def array_holding(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
@@ -469,6 +627,48 @@ class MemoryOwners:
         if held is None:
             self._storage_map().add(storage.data_ptr(), storage.nbytes(), storage)
         return held
+
+    def strided_holding(self, storage: torch.UntypedStorage) -> Reduction | None:
+        """A storage ``torch.from_numpy`` made over a strided array the receiver holds (its
+        extent, gaps between the elements included), rebuilt over the receiver's (see
+        _storage_in_strided); None where no such array holds it."""
+        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules or not storage.nbytes():
+            return None
+        if self._strided is None:
+            self._strided = MemoryMap()
+            for array in self._known_arrays():
+                owner = array_owner(array)
+                if array.size and contiguous_memory(array) is None and contiguous_memory(owner) is not None:
+                    start, end = array_extent(array)
+                    self._strided.add(start, end - start, array)
+        held = self._strided.holding(storage.data_ptr(), storage.nbytes())
+        if held is None:
+            return None
+        known, offset = held
+        owner = array_owner(known)
+        layout = (known.shape, known.strides, array_extent(known)[0] - _address(owner), owner.nbytes)
+        return _storage_in_strided, (known, offset, storage.nbytes(), layout)
+
+    def under_known_array(self, storage: torch.UntypedStorage) -> Reduction | None:
+        """A storage within the memory of the tensor that owns an array the receiver holds
+        (``a = t.numpy()`` came back as a view of ``t``'s storage, ``t`` itself not yet sent):
+        rebuilt over the receiver's array's tensor, one memory as here; else None."""
+        if storage.device.type != "cpu" or not storage.nbytes():
+            return None
+        held = self.under_known_array_at(storage.data_ptr(), storage.nbytes())
+        return None if held is None else (_storage_under_array, (*held, storage.nbytes()))
+
+    def under_known_array_at(self, start: int, nbytes: int) -> tuple[Any, int] | None:
+        """The array the receiver holds whose tensor's storage holds these bytes, and the
+        offset in it (see under_known_array)."""
+        if self._under is None:
+            self._under = MemoryMap()
+            for array in self._known_arrays():
+                tensor = tensor_owned(array)
+                if tensor is not None and tensor.untyped_storage().nbytes():
+                    under = tensor.untyped_storage()
+                    self._under.add(under.data_ptr(), under.nbytes(), array)
+        return self._under.holding(start, nbytes)
 
     def storage_within(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
         """Another storage, met before or held by the receiver, whose memory holds all of this

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from enot_nb._memory.digests import written_parts
 from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
-from enot_nb._serialize.tensors import array_owner, storage_array
+from enot_nb._serialize.tensors import array_extent, array_owner, storage_array
 from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, kind_of, plain_pickle
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
@@ -212,10 +212,13 @@ class StatePickler(ResultPickler):
         super().__init__(file, buffer_callback=buffer_callback, namespace=registry.objects[0])
         self.registry = registry
         self._arrays: dict[int, list[Any]] | None = None
+        """The contiguous arrays the receiver holds, by the id of their memory's owner."""
+        self._strided: dict[int, list[Any]] = {}
+        """The strided ones, as _arrays."""
         self._travelling: set[int] = set()
+        """The registered objects whose new state this pickle carries (see _in_plain)."""
         self._bound_ids: set[int] = set()
         """The lists, dicts and bytearrays bound to names in this pickle (see _in_plain)."""
-        """The registered objects whose new state this pickle carries (see _in_plain)."""
 
     def dump(self, obj: Any) -> None:
         """Pickle ``obj``: Changes, or a task carrying them as its ``push``."""
@@ -235,9 +238,13 @@ class StatePickler(ResultPickler):
         if self._arrays is None:
             self._arrays = {}
             for obj in self.known_arrays():
-                if obj.flags.c_contiguous:
-                    self._arrays.setdefault(id(array_owner(obj)), []).append(obj)
+                by_owner = self._arrays if obj.flags.c_contiguous else self._strided
+                by_owner.setdefault(id(array_owner(obj)), []).append(obj)
         return self._arrays
+
+    def strided_known(self, root: Any) -> list[Any]:
+        self._known_by_owner()
+        return self._strided.get(id(root), [])
 
     def view_of(self, owner: Any) -> Any:
         known = self._known_by_owner().get(id(owner))
@@ -298,17 +305,6 @@ def item_at(container: Any, steps: tuple[Any, ...]) -> Any:
     for step in steps:
         container = container[step]
     return container
-
-
-def array_extent(array: Any) -> tuple[int, int]:
-    """The addresses of the first and after the last byte an array can reach."""
-    start = end = array.__array_interface__["data"][0]
-    for size, stride in zip(array.shape, array.strides):
-        if size == 0:
-            return start, start
-        reach = (size - 1) * stride
-        start, end = (start + reach, end) if stride < 0 else (start, end + reach)
-    return start, end + array.itemsize
 
 
 def dump(changes: Changes, registry: Registry, not_returned: dict[str, str]) -> tuple[PickledState, int]:

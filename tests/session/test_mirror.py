@@ -536,3 +536,17 @@ def test_a_failed_pull_of_a_stale_name_unchanged_here_leaves_no_conflict():
         with pytest.raises(enot_nb.NotHeldError, match="rank 0 holds no variable 'a'"):
             s.pull("a", overwrite=True)
         assert s.run("n + 1") == 2 and "a" in s.flow.mirror.stale and not s.flow.mirror.conflicts
+
+
+def test_a_view_of_a_strided_array_the_notebook_holds_comes_back_without_its_owner():
+    """A view whose elements are all elements of a strided array the notebook holds comes back
+    as a view of that array, by index: its owner's 8 MiB (which the notebook holds only through
+    ``row``) do not travel again."""
+    ns: dict = {}
+    with start("fork", namespace=ns) as s:
+        s.run("import numpy as np\na = np.arange(2**20, dtype=np.float64)\nrow = a[::2]\ndel a")
+        s.run("sub = row[1:]")
+        assert s.last.result_bytes < 1 << 20
+        assert ns["sub"].base is ns["row"].base and ns["sub"][0] == 2.0
+        ns["row"][1] = -1.0
+        assert s.run("float(sub[0])") == -1.0

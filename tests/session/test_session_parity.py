@@ -832,6 +832,55 @@ FOUND = [
         ],
     ),
     (
+        # the view went back as a copy: its owner, which the notebook lacks, is laid out between
+        # the strided array's elements as the master's only where the owner travelled whole
+        "a-view-of-a-strided-view-whose-owner-is-gone",
+        [
+            (S, "a = np.arange(8, dtype=np.float64); row = a[::2]"),
+            (S, "del a"),
+            ("no-return", "sub = row[1:]"),
+            (P, "row[2] = -1"),
+            (S, "s = float(sub.sum())"),
+        ],
+    ),
+    (
+        "a-tensor-over-a-strided-array",
+        [
+            (P, "a = np.arange(8, dtype=np.float64); row = a[::2]"),
+            (S, "x = 1"),
+            (S, "t = torch.from_numpy(row)"),
+            (P, "row[1] = -1"),
+            (S, "s = float(t.sum()); t.add_(1)"),
+        ],
+    ),
+    (
+        # a3 went first, over t's storage sent by value; t itself went later, by value again
+        "a-tensor-sent-after-its-numpy-array",
+        [
+            (P, "t = torch.arange(3, dtype=torch.float32) * 2"),
+            (P, "a = t.numpy()"),
+            (S, "u = torch.zeros(2)"),
+            (S, "a[0] = 6; row = a[1:]; a = a + 1"),
+            (S, "t.add_(1)"),
+            (P, "row[0] = 9"),
+            (S, "s = float(t.sum())"),
+        ],
+    ),
+    (
+        # the array went by value: its memory is the storage of a tensor that only a NumPy view
+        # the ranks hold (b, which came back) still reaches
+        "an-array-sent-after-a-view-of-its-tensor",
+        [
+            (P, "a = np.arange(5, dtype=np.float64); t = torch.from_numpy(a)"),
+            (S, "b = t.numpy()"),
+            (P, "t = t + 1"),
+            (S, "x = 1"),
+            (S, "a[0] = 7; s = float(b.sum())"),
+            (P, "b[1] = -1"),
+            (S, "s2 = float(a.sum())"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),

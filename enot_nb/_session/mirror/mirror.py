@@ -31,11 +31,11 @@ from typing import Any
 from enot_nb._memory import written
 from enot_nb._memory.digests import digested_size
 from enot_nb._serialize import picklers
-from enot_nb._serialize.tensors import tensor_storages
+from enot_nb._serialize.tensors import array_extent, tensor_storages
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._session.tasks import ShardedLoad
-from enot_nb._state.collect import Changes, StatePickler, StorageBytes, array_extent, collect, whole_states
+from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect, whole_states
 from enot_nb._state.kinds import OPS, Kind
 from enot_nb._state.registry import Registry, stays_in_the_kernel, user_variables
 from enot_nb.errors import StaleError
