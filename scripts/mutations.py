@@ -1536,8 +1536,8 @@ MUTATIONS = [
     Mutation(
         "a-storage-over-a-strided-known-array-by-value",
         "enot_nb/_serialize/picklers.py",
-        "        over_known = self._memory.strided_holding(storage) or self._memory.under_known_array(storage)\n",
-        "        over_known = self._memory.under_known_array(storage)\n",
+        "memory.strided_holding(storage) or",
+        "None or",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-over-a-strided-array-fork]"
         ],
@@ -1545,10 +1545,11 @@ MUTATIONS = [
     Mutation(
         "a-storage-under-a-known-arrays-tensor-by-value",
         "enot_nb/_serialize/picklers.py",
-        "        over_known = self._memory.strided_holding(storage) or self._memory.under_known_array(storage)\n",
-        "        over_known = self._memory.strided_holding(storage)\n",
+        "or memory.under_known_array(storage)",
+        "or None",
         [
-            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-sent-after-its-numpy-array-fork]"
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-tensor-sent-after-the-array-of-a-view-of-it-fork]"
         ],
     ),
     Mutation(
@@ -1568,6 +1569,15 @@ MUTATIONS = [
         "    owner = array_owner(known)\n    if True:\n",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-over-a-strided-array-fork]"
+        ],
+    ),
+    Mutation(
+        "a-storage-over-a-known-arrays-owner-by-value",
+        "enot_nb/_serialize/picklers.py",
+        "memory.in_known_owner(storage) or",
+        "None or",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-over-an-array-whose-view-went-first-fork]"
         ],
     ),
 ]

@@ -154,7 +154,10 @@ class TensorPickler(cloudpickle.Pickler):
         held = self._memory.array_holding(storage)
         if held is not None:
             return tensors._storage_of_array, (*held, storage.nbytes())
-        over_known = self._memory.strided_holding(storage) or self._memory.under_known_array(storage)
+        memory = self._memory
+        over_known = (
+            memory.in_known_owner(storage) or memory.strided_holding(storage) or memory.under_known_array(storage)
+        )
         return self._storage_by_value(storage) if over_known is None else over_known
 
     def _storage_by_value(self, storage: Any) -> Reduction:

@@ -515,6 +515,11 @@ def _storage_in_strided(
     return torch.from_numpy(flat).untyped_storage()
 
 
+def _storage_of_owner(known: numpy.ndarray, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """A storage over the memory of the array that owns the receiver's ``known``."""
+    return _storage_of_array(array_owner(known), offset, nbytes)
+
+
 def _storage_under_array(array: numpy.ndarray, offset: int, nbytes: int) -> torch.UntypedStorage:
     """The storage (or the part of it) of the tensor that owns the receiver's ``array``."""
     tensor = tensor_owned(array)
@@ -615,6 +620,7 @@ class MemoryOwners:
         self._arrays: MemoryMap | None = None
         self._strided: MemoryMap | None = None
         self._under: MemoryMap | None = None
+        self._owners: MemoryMap | None = None
         self._storages_map: MemoryMap | None = None
 
     def array_holding(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
@@ -648,6 +654,23 @@ class MemoryOwners:
         owner = array_owner(known)
         layout = (known.shape, known.strides, array_extent(known)[0] - _address(owner), owner.nbytes)
         return _storage_in_strided, (known, offset, storage.nbytes(), layout)
+
+    def in_known_owner(self, storage: torch.UntypedStorage) -> Reduction | None:
+        """A storage ``torch.from_numpy`` made over the owner of a contiguous array the receiver
+        holds (``row = a[1:]`` went first, ``torch.from_numpy(a)`` now): rebuilt over the
+        receiver's owner of that array, which holds all of the owner's memory (a view travels
+        with it, reduce_numpy_view); else None."""
+        if storage.device.type != "cpu" or storage.resizable() or "numpy" not in sys.modules or not storage.nbytes():
+            return None
+        if self._owners is None:
+            self._owners = MemoryMap()
+            for array in self._known_arrays():
+                owner = array_owner(array)
+                memory = contiguous_memory(owner)
+                if owner is not array and memory is not None and array.flags.c_contiguous:
+                    self._owners.add(*memory, array)
+        held = self._owners.holding(storage.data_ptr(), storage.nbytes())
+        return None if held is None else (_storage_of_owner, (*held, storage.nbytes()))
 
     def under_known_array(self, storage: torch.UntypedStorage) -> Reduction | None:
         """A storage within the memory of the tensor that owns an array the receiver holds

@@ -25,8 +25,10 @@ the notebook holds (the plain cells' changes reached the ranks), and the ranks m
 DDP replicas only, after a press: other variables legitimately differ per rank there).
 
 Excluded, as the docs list them as limits (each with its doc line):
-* a cell's ``Out`` value is a copy (docs/guide/state.md: "The last expression's value");
-  ``_`` is only read after plain cells;
+* IPython's own names stay its own (docs/guide/sessions.md, "IPython's own names stay its own on
+  both sides"): a session cell's ``Out`` value is a copy, and a ``_`` it binds stays on the ranks;
+  so ``_`` and ``Out`` are written only after plain cells, and the session cells' forward passes
+  bind ``_`` only where no later cell writes through it (``_`` is not compared);
 * a change made only through a reference a library holds (README, "What comes back");
 * a layer replaced under a live DDP wrapper (docs/guide/sessions.md, "build ddp again"): the
   wrapped module and its optimizer are never rebound or deleted while ``ddp`` lives;
@@ -43,6 +45,7 @@ import ast
 import json
 import os
 import random
+import re
 import tempfile
 import threading
 import time
@@ -71,6 +74,9 @@ KERNEL_PRELUDE = (
     "from tests.session.fuzz_dump import held as _fuzz_held, save as _fuzz_save\n"
 )
 """The kernel's probes: library functions, so the tracker's reach of a probe cell is its name."""
+
+_BINDS_UNDERSCORE = re.compile(r"^_ = ", re.MULTILINE)
+"""A cell that binds IPython's ``_`` itself (a forward pass's output)."""
 
 WORKER_ONLY = frozenset({"ddp"})
 """Names that live only on the ranks (a DDP wrapper cannot come back): compared there."""
@@ -453,8 +459,10 @@ def generate(seed: int, *, presses: bool = True) -> Program:
         if kind == "underscore":
             things = model.of("tensor", "array")
             if things:
-                cells.append(Cell("plain", rng.choice(things)))
-                cells.append(Cell("plain", rng.choice(["_", "Out[max(Out)]"]) + rng.choice(["[0] = 42", " *= 2"])))
+                shown = Cell("plain", rng.choice(things))
+                write = Cell("plain", rng.choice(["_", "Out[max(Out)]"]) + rng.choice(["[0] = 42", " *= 2"]))
+                if not any(c.kind != "plain" and _BINDS_UNDERSCORE.search(c.code) for c in cells):
+                    cells += [shown, write]  # (else a session cell's _ is the plain run's: not written)
             continue
         if kind == "thread":
             writes = [op for op in (ops.op_tensor_write, ops.op_array_write, ops.op_container_write) if op("plain")]

@@ -881,6 +881,30 @@ FOUND = [
         ],
     ),
     (
+        # the ranks held a only as row's owner: t's storage went by value, apart from a
+        "a-tensor-over-an-array-whose-view-went-first",
+        [
+            (P, "a = np.arange(3, dtype=np.float64); row = a[1:]"),
+            (S, "sub = row[1:]"),
+            (P, "t = torch.from_numpy(a)"),
+            (S, "x = 1"),
+            (S, "t.add_(1); s = float(row.sum())"),
+            (P, "a[2] = -5"),
+            (S, "s2 = float(t.sum())"),
+        ],
+    ),
+    (
+        # a went first, over t's storage; then t by value, apart from a
+        "a-tensor-sent-after-the-array-of-a-view-of-it",
+        [
+            (P, "t = torch.arange(4, dtype=torch.float32); a = t[1:].numpy()"),
+            (S, "s = float(a.sum())"),
+            (S, "u = t * 1"),
+            (P, "a[0] = 9"),
+            (S, "t.add_(1); s2 = float(a.sum())"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
