@@ -53,26 +53,34 @@ def main() -> int:
     deadline = time.monotonic() + args.minutes * 60
     started, programs, found = time.monotonic(), 0, 0
     reference = fuzz.Reference()
+    cells = 0
     try:
-        with running_kernel("%load_ext enot_nb") as kernel:
-            runner = fuzz.Runner(kernel, reference, args.start_method)
-            while time.monotonic() < deadline:
-                program = fuzz.generate(seed + programs)
-                programs += 1
-                try:
-                    runner.run(program)
-                except (fuzz.Mismatch, fuzz.Invalid) as mismatch:
-                    found += 1
-                    print(f"seed {program.seed}: {mismatch}\n{program.listing()}", flush=True)
-                    small, why = shrink(runner, program)
-                    book = ROOT / "results" / "fuzz" / f"seed-{program.seed}.ipynb"
-                    book.parent.mkdir(parents=True, exist_ok=True)
-                    book.write_text(small.notebook(args.start_method))
-                    print(f"shrunk to {len(small.cells)} cells: {why}\n{small.listing()}\nnotebook: {book}", flush=True)
-            kernel.run("%enot_session stop", timeout=120)
+        while time.monotonic() < deadline:  # a kernel per stretch: one that hung is left behind
+            with running_kernel("%load_ext enot_nb") as kernel:
+                runner = fuzz.Runner(kernel, reference, args.start_method)
+                while time.monotonic() < deadline:
+                    program = fuzz.generate(seed + programs)
+                    programs += 1
+                    try:
+                        runner.run(program)
+                    except (fuzz.Mismatch, fuzz.Invalid) as mismatch:
+                        found += 1
+                        print(f"seed {program.seed}: {mismatch}\n{program.listing()}", flush=True)
+                        small, why = shrink(runner, program)
+                        book = ROOT / "results" / "fuzz" / f"seed-{program.seed}.ipynb"
+                        book.parent.mkdir(parents=True, exist_ok=True)
+                        book.write_text(small.notebook(args.start_method))
+                        print(f"shrunk to {len(small.cells)} cells: {why}\n{small.listing()}", flush=True)
+                        print(f"notebook: {book}", flush=True)
+                    except Exception as failure:  # noqa: BLE001 - a hang or the harness's own error: a finding, not shrunk
+                        found += 1
+                        print(f"seed {program.seed}: {type(failure).__name__}: {failure}", flush=True)
+                        print(program.listing(), flush=True)
+                        break  # a new kernel
+                cells += runner.cells
+                kernel.run("%enot_session stop", timeout=120)
     finally:
         reference.close()
-    cells = runner.cells
     print(
         f"session fuzzer, {args.start_method}: {programs} programs from seed {seed}, {cells} cells, "
         f"{time.monotonic() - started:.0f} s, {found} differing"

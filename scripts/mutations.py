@@ -1580,6 +1580,16 @@ MUTATIONS = [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-tensor-over-an-array-whose-view-went-first-fork]"
         ],
     ),
+    Mutation(
+        "a-views-owner-not-reached-by-the-push",
+        "enot_nb/_session/mirror/mirror.py",
+        "        if current.find(baseline.objects[i]) is not None or id(baseline.objects[i]) in owners\n",
+        "        if current.find(baseline.objects[i]) is not None\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-view-of-an-array-written-then-rebound-fork]"
+        ],
+    ),
 ]
 
 

@@ -275,6 +275,8 @@ def save(path: str, names: list[str]) -> None:
     ns = _user_ns()
     state: dict[str, Any] = {}
     for name in names:
+        if name not in ns:  # deleted by an earlier cell (a replica's name is the program's)
+            continue
         value = ns[name]
         if isinstance(value, torch.nn.Module):
             grads = [p.grad for p in value.parameters()]

@@ -905,6 +905,17 @@ FOUND = [
         ],
     ),
     (
+        # the old a was reached only as row's owner: its write never went, row went as its view
+        "a-view-of-an-array-written-then-rebound",
+        [
+            (S, "a = np.arange(5, dtype=np.float64)"),
+            (S, "b = 1"),
+            (P, "row = a[:2]"),
+            (P, "a[0] = 5; a = a + 1"),
+            (S, "s = float(row.sum())"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
