@@ -23,10 +23,11 @@ from tests.kernel import running_kernel  # noqa: E402
 from tests.session import fuzz  # noqa: E402
 
 
-def shrink(runner: fuzz.Runner, program: fuzz.Program) -> tuple[fuzz.Program, str]:
-    """The smallest program found by dropping cells that still differs, and how it differs."""
-    why = ""
-    smaller = True
+def shrink(runner: fuzz.Runner, program: fuzz.Program, found: str) -> tuple[fuzz.Program, str]:
+    """The smallest program found by dropping cells that still differs as ``found`` says (the
+    same difference, wherever it shows: a smaller program that differs otherwise, a press that
+    lost its loop, is another finding), and how it differs."""
+    why, smaller = found, True
     while smaller:
         smaller = False
         for i in range(len(program.cells)):
@@ -36,11 +37,17 @@ def shrink(runner: fuzz.Runner, program: fuzz.Program) -> tuple[fuzz.Program, st
             try:
                 runner.run(candidate)
             except fuzz.Mismatch as mismatch:
-                program, why, smaller = candidate, str(mismatch), True
-                break
+                if _what_differs(str(mismatch)) == _what_differs(found):
+                    program, why, smaller = candidate, str(mismatch), True
+                    break
             except Exception:  # noqa: BLE001 - the program no longer makes sense (a callback gone): keep the cell
                 continue
     return program, why
+
+
+def _what_differs(mismatch: str) -> str:
+    """A mismatch's text without where it showed ("after cell 4 (session): ...")."""
+    return mismatch.split(": ", 1)[-1]
 
 
 def main() -> int:
@@ -66,7 +73,7 @@ def main() -> int:
                     except (fuzz.Mismatch, fuzz.Invalid) as mismatch:
                         found += 1
                         print(f"seed {program.seed}: {mismatch}\n{program.listing()}", flush=True)
-                        small, why = shrink(runner, program)
+                        small, why = shrink(runner, program, str(mismatch))
                         book = ROOT / "results" / "fuzz" / f"seed-{program.seed}.ipynb"
                         book.parent.mkdir(parents=True, exist_ok=True)
                         book.write_text(small.notebook(args.start_method))

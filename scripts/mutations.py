@@ -1590,6 +1590,13 @@ MUTATIONS = [
             "[a-view-of-an-array-written-then-rebound-fork]"
         ],
     ),
+    Mutation(
+        "a-generators-snapshot-pickles-its-state-tensor",
+        "enot_nb/_state/kinds.py",
+        "KindOps(snapshot=_rng_snapshot,",
+        "KindOps(snapshot=lambda obj: pickle.dumps(rng_state(obj)),",
+        ["tests/unit/test_changes.py::test_an_unchanged_generator_is_unchanged_wherever_its_state_tensor_lies"],
+    ),
 ]
 
 

@@ -1058,6 +1058,17 @@ def rng_state(obj: Any) -> Any:
     return obj.getstate()
 
 
+def _rng_snapshot(obj: Any) -> bytes:
+    """The generator's state as bytes: a torch generator's state tensor by its bytes, as pickling
+    a tensor is not byte for byte the same each time in a rank (it made an unchanged generator
+    "changed", stale, then a conflict that refused every cell)."""
+    state = rng_state(obj)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(state, torch.Tensor):
+        return bytes(state.numpy().tobytes())
+    return pickle.dumps(state)
+
+
 def _apply_rng(obj: Any, state: Any, note: Note) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.random.Generator):
@@ -1234,7 +1245,7 @@ OPS: dict[Kind, KindOps] = {
         apply=_apply_ndarray,
     ),
     # Compared as the bytes of a pickle of the state; the state itself is sent fresh.
-    Kind.RNG: KindOps(snapshot=lambda obj: pickle.dumps(rng_state(obj)), travels=rng_state, apply=_apply_rng),
+    Kind.RNG: KindOps(snapshot=_rng_snapshot, travels=rng_state, apply=_apply_rng),
     Kind.FUNCTION: KindOps(
         _function_children, _function_state, _same_function, apply=_apply_function, reads_globals=True
     ),

@@ -669,7 +669,7 @@ class Runner:
                 or "rank 1" not in run.stderr + run.traceback
             ):
                 raise Mismatch(f"{where}: rank 1's failure was not reported: {run.error} {run.stderr[-2000:]}")
-        elif run.error is not None:
+        elif run.error is not None or "UsageError" in run.stderr:  # (a refused cell is no error to IPython)
             raise Mismatch(
                 f"{where}: the cell failed in the session's kernel only:\n{run.traceback}\n{run.stderr[-3000:]}"
             )

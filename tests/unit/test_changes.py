@@ -127,3 +127,18 @@ def test_a_sets_item_is_registered_by_its_path_elsewhere_and_steps_follow_what_i
 class Box:
     def __init__(self, v):
         self.v = v
+
+
+def test_an_unchanged_generator_is_unchanged_wherever_its_state_tensor_lies():
+    """A torch generator's snapshot is its state's bytes: pickling the state tensor named its
+    storage by address, so an unchanged generator read "changed" when get_state's tensor lay
+    elsewhere (after a stop press in a session: stale, then a conflict refusing every cell)."""
+    g = torch.Generator().manual_seed(0)
+    registry = Registry.of_namespace({"g": g}, ["g"])
+    snapshot = Snapshot.take(registry)
+    held = []
+    for _ in range(5):
+        held.append(torch.empty(g.get_state().numel(), dtype=torch.uint8))  # the next state lies elsewhere
+        assert snapshot.changed_objects(registry) == []
+    torch.randn(1, generator=g)
+    assert snapshot.changed_objects(registry) == [registry.find(g)]
