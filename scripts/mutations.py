@@ -1597,6 +1597,13 @@ MUTATIONS = [
         "KindOps(snapshot=lambda obj: pickle.dumps(rng_state(obj)),",
         ["tests/unit/test_changes.py::test_an_unchanged_generator_is_unchanged_wherever_its_state_tensor_lies"],
     ),
+    Mutation(
+        "a-wait-for-the-ranks-blocks-until-they-speak",
+        "enot_nb/_launch/attempt.py",
+        "        return self.io.selector.select(PRESS_CHECK if timeout is None else min(timeout, PRESS_CHECK))\n",
+        "        return self.io.selector.select(timeout)\n",
+        ["tests/session/test_presses.py::test_a_press_taken_on_another_thread_stops_a_quiet_cell[session]"],
+    ),
 ]
 
 

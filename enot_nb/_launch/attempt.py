@@ -59,6 +59,10 @@ RENDEZVOUS = os.environ.get("ENOT_NB_RENDEZVOUS", "file")
 _ESCALATION = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 # Times a launch is started again when its ranks fail to connect before any user code ran.
 RECONNECTS = 2
+# Seconds a wait for the ranks blocks at most: a stop press the kernel gets on another of its
+# threads (ipykernel's, a widget's) interrupts no system call of the main thread, whose Python
+# handler runs only once its wait returns. Without it a quiet cell's press was lost (a hang).
+PRESS_CHECK = 0.25
 
 
 def rank_environment(plan: LaunchPlan, local_rank: int, address: str, port: int, attempt: int) -> dict[str, str]:
@@ -305,7 +309,7 @@ class Attempt:
                 if r.exitcode is None and r.rank in self.group.exited
             ]
         )
-        return self.io.selector.select(timeout)
+        return self.io.selector.select(PRESS_CHECK if timeout is None else min(timeout, PRESS_CHECK))
 
     def handle(self, events: list, force_show: bool = False) -> None:
         assert self.group is not None and self.io is not None

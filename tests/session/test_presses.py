@@ -10,9 +10,11 @@ import time
 import pytest
 import torch
 
+import enot_nb
 from enot_nb._launch import local_ranks
 from enot_nb._state import apply
 from enot_nb._state.snapshot import Snapshot
+from enot_nb.errors import WorkerFailedError
 from tests.session.common import start
 
 pytestmark = pytest.mark.timeout(120)
@@ -185,3 +187,52 @@ def test_a_press_before_any_line_of_the_notebook_side_leaves_the_ranks_and_the_n
         assert lines > 100
         for k in range(1, lines + 1):
             cell(k)
+
+
+@pytest.mark.parametrize("kind", ["session", "one-off"])
+def test_a_press_taken_on_another_thread_stops_a_quiet_cell(kind, tmp_path):
+    """Jupyter's stop button is a SIGINT to the kernel's process, which may take it on any of
+    its threads (ipykernel's, a widget's). Python runs the handler in the main thread once that
+    thread's wait for the ranks returns: a cell whose ranks say nothing more waited on for good
+    (the session fuzzer's press cells hung, about once in 500 programs). Should the press be
+    lost, a second one, to the main thread itself, ends the test (and says so) after 60 s."""
+    fifo, main, answered, rescued = tmp_path / "running", threading.get_ident(), threading.Event(), []
+    os.mkfifo(fifo)
+
+    def press_from_this_thread() -> None:
+        with open(fifo) as running:  # the ranks run the loop
+            running.read()
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        if not answered.wait(60):
+            rescued.append(True)
+            signal.pthread_kill(main, signal.SIGINT)
+
+    presser = threading.Thread(target=press_from_this_thread, daemon=True)
+    presser.start()
+    try:
+        if kind == "session":
+            with start("fork", namespace={}) as s:
+                with pytest.raises((KeyboardInterrupt, WorkerFailedError)):
+                    s.run("import torch.distributed as dist\n" + _SPIN.format(fifo=str(fifo)))
+                answered.set()
+                assert s.run("1 + 1") == 2
+        else:
+            with pytest.raises((KeyboardInterrupt, WorkerFailedError)):
+                enot_nb.notebook_launcher(_spin, args=(str(fifo),), nprocs=2, backend="gloo", start_method="fork")
+    finally:
+        answered.set()
+        presser.join()
+    assert not rescued, "the press taken on another thread was lost: a second press to the main thread ended the cell"
+
+
+_SPIN = "if dist.get_rank() == 0:\n    open({fifo!r}, 'w').close()\nwhile True:\n    pass"
+"""A quiet cell: once it runs (the FIFO opened), it says nothing more."""
+
+
+def _spin(fifo: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        open(fifo, "w").close()
+    while True:
+        pass

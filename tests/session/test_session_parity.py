@@ -973,7 +973,7 @@ def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):
         k.run("%enot_session stop", timeout=120)
 
 
-FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109]
+FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109, 7000053, 9000029]
 """Generated programs (tests/session/fuzz.py's seeds) that differed once, kept as they were
 found: each fix's own case is above where a small program shows it."""
 
