@@ -550,7 +550,7 @@ MUTATIONS = [
         # Nothing tracked: no wrapper is rebound (and the walk finds nothing to look for).
         "repair-no-wrapper-tracked",
         "enot_nb/_session/worker/repair.py",
-        "    return [o for o in objects if type(o) in hits] if hits else []\n",
+        "    return [o for o in objects if type(o) in hits and _live(o)] if hits else []\n",
         "    return []\n",
         [
             "tests/session/test_work_kept.py::test_an_error_mid_backward_on_every_rank_keeps_the_group_and_resets_the_reducer"
