@@ -1604,6 +1604,26 @@ MUTATIONS = [
         "        return self.io.selector.select(timeout)\n",
         ["tests/session/test_presses.py::test_a_press_taken_on_another_thread_stops_a_quiet_cell[session]"],
     ),
+    Mutation(
+        "a-storage-in-a-strided-tensor-view-only-over-its-owner",
+        "enot_nb/_serialize/tensors.py",
+        "    if tensor is not None and (known.shape, known.strides) == layout[:2]:\n",
+        "    if False:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-tensor-over-the-strided-array-of-a-tensor-view-fork]"
+        ],
+    ),
+    Mutation(
+        "a-write-through-an-item-of-plain-data-not-compared",
+        "enot_nb/_session/mirror/mirror.py",
+        "objects | shared_objects | _plain_holders(baseline, reached)",
+        "objects | shared_objects",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-record-of-a-list-made-on-the-ranks-written-through-an-alias-fork]"
+        ],
+    ),
 ]
 
 

@@ -494,13 +494,20 @@ def _storage_in_strided(
     known: numpy.ndarray, offset: int, nbytes: int, layout: tuple[Any, Any, int, int]
 ) -> torch.UntypedStorage:
     """A storage over the receiver's strided ``known`` array's memory, ``offset`` bytes from
-    its lowest address: over the array that owns it, which must be laid out as the sender's
-    (``layout``: shape, strides, offset in the owner, owner's size), as a mirrored one is."""
+    its lowest address: over the storage of the tensor it views there (``v.numpy()``), where
+    that holds those bytes, else over the array that owns it, which must be laid out as the
+    sender's (``layout``: shape, strides, offset in the owner, owner's size), as a mirrored one is."""
     import numpy
     import torch
 
     owner = array_owner(known)
     lowest = array_extent(known)[0]
+    tensor = tensor_owned(known)
+    if tensor is not None and (known.shape, known.strides) == layout[:2]:
+        whole = tensor.untyped_storage()
+        start = lowest - whole.data_ptr() + offset
+        if 0 <= start and start + nbytes <= whole.nbytes():
+            return _storage_over_storage(whole, start, nbytes)
     here = (known.shape, known.strides, lowest - _address(owner), owner.nbytes)
     if here != layout or contiguous_memory(owner) is None:
         raise ValueError(

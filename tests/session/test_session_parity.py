@@ -916,6 +916,30 @@ FOUND = [
         ],
     ),
     (
+        # the notebook's a is the tensor's own view (v.numpy()), the master's a view of a flat
+        # array over the storage: "laid out otherwise", and t2 did not come back
+        "a-tensor-over-the-strided-array-of-a-tensor-view",
+        [
+            (S, "t = torch.arange(6, dtype=torch.float32); v = t[::2]"),
+            (P, "a = v.numpy(); t1 = torch.from_numpy(a)"),
+            (S, "t2 = torch.from_numpy(a)"),
+            (P, "t[2] = -1"),
+            (S, "s = float(t2.sum())"),
+        ],
+    ),
+    (
+        # log came back plain (its record kept as one object); rec, an item of it, was bound
+        # and written in plain cells: the write was no change of anything the record held
+        "a-record-of-a-list-made-on-the-ranks-written-through-an-alias",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]"),
+            (P, "rec = log[5]"),
+            (S, "x = 1"),
+            (P, "rec['v'] = 19"),
+            (S, "s = rec['v'] + log[5]['v']"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),

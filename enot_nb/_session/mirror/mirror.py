@@ -150,7 +150,7 @@ class Mirror:
             objects = {i for i in map(baseline.find, reached.objects[1:]) if i is not None}
             found = {j for j in map(baseline.find_storage, reached.storages) if j is not None}
             shared_objects, shared_storages = _sharing_memory(baseline, reached)
-            within = (objects | shared_objects, found | shared_storages)
+            within = (objects | shared_objects | _plain_holders(baseline, reached), found | shared_storages)
         changes, changed = collect(record.baseline, record.snapshot, record.synced, namespace, hidden, within)
         storages = [record.baseline.storages[new.storage] for new in changes.storages]
         return SinceSync(changes, TaskChanges([record.baseline.objects[i] for i in changed], storages))
@@ -426,6 +426,27 @@ def _sharing_memory(baseline: Registry, reached: Registry) -> tuple[set[int], se
         if any(start < other_end and other_start < end for other_start, other_end, _, _ in unknown):
             (storages if is_storage else objects).add(index)
     return objects, storages
+
+
+def _plain_holders(baseline: Registry, reached: Registry) -> set[int]:
+    """The plain data of the record (kind PLAIN: one object, its items not registered) that
+    holds, as an item, a list, dict, set or bytearray the plain cells reached by another name
+    (``rec = log[5]``, then ``rec['v'] = 19``): the write is the container's change. A C-level
+    pass over each such container's items, only where a reached one is not in the record."""
+    loose = {id(o) for o in reached.objects[1:] if type(o) in _ITEM_CONTAINERS and baseline.find(o) is None}
+    if not loose:
+        return set()
+    holders = set()
+    for i, kind in enumerate(baseline.kinds):
+        if kind is Kind.PLAIN:
+            container = baseline.objects[i]
+            items = container.values() if type(container) is dict else container
+            if not loose.isdisjoint(map(id, items)):
+                holders.add(i)
+    return holders
+
+
+_ITEM_CONTAINERS = (list, dict, set, bytearray)
 
 
 def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, held: list[str]) -> None:
