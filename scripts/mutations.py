@@ -1583,11 +1583,13 @@ MUTATIONS = [
     Mutation(
         "a-views-owner-not-reached-by-the-push",
         "enot_nb/_session/mirror/mirror.py",
-        "        if current.find(baseline.objects[i]) is not None or id(baseline.objects[i]) in owners\n",
-        "        if current.find(baseline.objects[i]) is not None\n",
+        "        (i, s) for i, s in changes.objects if i in objects or current.find(baseline.objects[i]) is not None\n",
+        "        (i, s) for i, s in changes.objects if current.find(baseline.objects[i]) is not None\n",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
-            "[a-view-of-an-array-written-then-rebound-fork]"
+            "[a-view-of-an-array-written-then-rebound-fork]",
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-tensor-over-an-array-written-then-rebound-fork]",
         ],
     ),
     Mutation(

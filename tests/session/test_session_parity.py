@@ -940,6 +940,18 @@ FOUND = [
         ],
     ),
     (
+        # t, new, went over the ranks' old a, whose write (a[0] = 9) did not go: nothing held
+        # reached the old a but t's memory
+        "a-tensor-over-an-array-written-then-rebound",
+        [
+            (S, "a = np.arange(4, dtype=np.float64)"),
+            (S, "b = 1"),
+            (P, "t = torch.from_numpy(a)"),
+            (P, "a[0] = 9; a = a + 1"),
+            (S, "s = float(t.sum())"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),

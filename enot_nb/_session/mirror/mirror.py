@@ -31,7 +31,7 @@ from typing import Any
 from enot_nb._memory import written
 from enot_nb._memory.digests import digested_size
 from enot_nb._serialize import picklers
-from enot_nb._serialize.tensors import array_extent, array_owner, tensor_storages
+from enot_nb._serialize.tensors import array_extent, tensor_storages
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._session.tasks import ShardedLoad
@@ -459,16 +459,16 @@ def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes,
         return
     baseline = record.baseline
     current = Registry.of_namespace(namespace, held)
-    # A NumPy view's owner is reached too: the view travels as a view of it (``row = a[:2]``,
-    # then ``a[0] = 5; a = a + 1``: row sees the write through the old a).
-    owners = {id(array_owner(o)) for o, kind in zip(current.objects, current.kinds) if kind is Kind.NDARRAY}
+    # What shares memory with something new is reached too: the new one travels over it (``row
+    # = a[:2]`` or ``t = torch.from_numpy(a)``, then ``a[0] = 5; a = a + 1``: the old a's write).
+    objects, storages = _sharing_memory(baseline, current)
     changes.objects = [
-        (i, s)
-        for i, s in changes.objects
-        if current.find(baseline.objects[i]) is not None or id(baseline.objects[i]) in owners
+        (i, s) for i, s in changes.objects if i in objects or current.find(baseline.objects[i]) is not None
     ]
     changes.storages = [
-        new for new in changes.storages if current.find_storage(baseline.storages[new.storage]) is not None
+        new
+        for new in changes.storages
+        if new.storage in storages or current.find_storage(baseline.storages[new.storage]) is not None
     ]
 
 
