@@ -559,29 +559,35 @@ class Leaving:
         os.mkfifo(self.done)
 
     def code(self) -> str:
-        """The kernel's ``_fuzz_leave(callback)``: a daemon thread runs it each time it is told,
-        and lives on between (as a widget's thread does) until told to end."""
+        """The kernel's ``_fuzz_leave(callback)``: one daemon thread, started by the first, runs
+        the callback it is told by name each time it is told (one thread for all: two waiting on
+        one FIFO, the wrong one could take the word), and lives on between, as a widget's thread
+        does, until told to end."""
         return (
+            "_fuzz_callbacks = {}\n"
             "def _fuzz_leave(callback):\n"
             "    def run():\n"
             "        while True:\n"
             f"            with open({self.go!r}) as go:\n"
-            "                if go.read() != 'x':\n"
-            "                    return\n"
+            "                name = go.read()\n"
+            "            if name not in _fuzz_callbacks:\n"
+            "                return\n"
             "            try:\n"
-            "                callback()\n"
+            "                _fuzz_callbacks[name]()\n"
             "            finally:\n"
             f"                with open({self.done!r}, 'w') as done:\n"
             "                    done.write('x')\n"
-            "    threading.Thread(target=run, daemon=True).start()\n"
+            "    if not _fuzz_callbacks:\n"
+            "        threading.Thread(target=run, daemon=True).start()\n"
+            "    _fuzz_callbacks[callback.__name__] = callback\n"
         )
 
-    def run_one(self, timeout: float = 60) -> None:
-        """Tell the waiting callback to run and wait until it has (bounded)."""
+    def run_one(self, name: str, timeout: float = 60) -> None:
+        """Tell the waiting thread to run the callback ``name`` and wait until it has (bounded)."""
 
         def tell_and_wait() -> None:
             with open(self.go, "w") as go:
-                go.write("x")
+                go.write(name)
             with open(self.done) as done:
                 done.read()
 
@@ -651,7 +657,7 @@ class Runner:
                 reference.shell.user_ns[cell.callback]()
             except Exception as err:  # noqa: BLE001 - the callback's names are gone: no finding
                 raise Invalid(f"the callback {cell.callback} fails plainly: {err!r}") from err
-            leaving.run_one()
+            leaving.run_one(cell.callback)
             return
         if cell.kind == "press":
             self._press(cell, program, where)
