@@ -1,10 +1,11 @@
 """A persistent session, in a real kernel, beside the alternatives (``run_all.py --only session``).
 
-* A trivial cell (it reaches no tracked state) on a live 2-rank session, against the same cell
-  run locally; beside it a one-off ``%%enot_distributed`` cell, ipyparallel's ``%px`` and
-  ``view.execute`` on 2 engines, and nbdistributed's ``%%distributed`` on 2 workers (both from
-  the package index, installed with ``--no-deps`` so that they keep the CPU torch:
-  ``bash scripts/bench_extras.sh``; a row says so where one is missing or fails).
+* A trivial cell (it reaches no tracked state) on a live 2-rank session, against a plain cell
+  in the same kernel, back to back and alternating with plain cells; beside it a one-off
+  ``%%enot_distributed`` cell, ipyparallel's ``%px`` and ``view.execute`` on 2 engines, and
+  nbdistributed's ``%%distributed`` on 2 workers (both from the package index, installed with
+  ``--no-deps`` so that they keep the CPU torch: ``bash scripts/bench_extras.sh``; a row says so
+  where one is missing or fails).
 * 50 DDP steps in a session cell, against the same 50 steps in a torchrun script already running,
   the two alternated (the script waits on a pipe between its blocks), and a second such script
   alternated with them as the control (how far two sets of processes differ on the same steps).
@@ -14,11 +15,21 @@
 * The push: the notebook holds 2 GiB the ranks hold too; a plain cell writes one 1 MiB tensor;
   the next session cell, against the same session cell after a plain cell that wrote nothing.
 
-Every timing is taken in the kernel around ``run_cell`` (the magic's work and the workers'),
-medians of the repeats, alternated where two variants are compared.
+Each cell is its own execute request, as a user runs it. The trivial cell is timed from the
+client (sending the request to the kernel's reply) and in the kernel (``pre_run_cell`` to
+``post_run_cell``: CELL_CLOCK); the DDP cell in the kernel; the ResNet-50 and push rows in the
+kernel around ``run_cell`` inside one cell. Medians of the repeats, alternated where two
+variants are compared.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
 
 from benchmarks.harness import ROOT, TORCHRUN_ENV, Row, kernel_json, start_kernel, torchrun_command
 
@@ -57,27 +68,94 @@ def alternate(first, second, repeats, before=None):
 
 TRIVIAL = "pass"
 BENCH = "session: a trivial cell, 2 ranks"
+CLIENT = "session: a trivial cell, timed from the client, 2 ranks"
+
+CELL_CLOCK = """
+try:
+    _took
+except NameError:
+    import time as _time
+    _took, _began = [], [0.0]
+    get_ipython().events.register('pre_run_cell', lambda info: _began.__setitem__(0, _time.perf_counter()))
+    get_ipython().events.register('post_run_cell', lambda r: _took.append(_time.perf_counter() - _began[0]))
+"""
+"""Each cell's seconds from its ``pre_run_cell`` to its ``post_run_cell`` (the magic's work and
+the ranks', not the messaging), appended to ``_took`` (registered once per kernel)."""
 
 
-def trivial(kernel, repeats: int) -> list[Row]:
-    n = max(20, repeats * 5)
-    found = kernel_json(
+def client_cell(kernel, code: str) -> float:
+    """Seconds of one cell as a user runs it: its own execute request, from sending it to the
+    kernel's reply (after its output and idle status)."""
+    start = time.perf_counter()
+    kernel.ok(code)
+    return time.perf_counter() - start
+
+
+def cell_times(kernel) -> list[float]:
+    """The in-kernel seconds (CELL_CLOCK) of the cells run since the last call, in order (the
+    first entry, the cell of that call or CELL_CLOCK's own, left out)."""
+    return kernel_json(kernel, "print('RESULT', json.dumps(_took[1:])); _took.clear()")
+
+
+def trivial(kernel, repeats: int, alternatives: bool = True) -> list[Row]:
+    """A trivial session cell as users run it, each its own execute request: in blocks of
+    session cells back to back, and alternating with plain cells, against the plain cells of
+    the same stretch (client-timed, and in the kernel: CELL_CLOCK). ``alternatives``: with
+    ipyparallel's and nbdistributed's rows."""
+    n = max(40, repeats * 8)
+    session = f"%%enot_distributed\n{TRIVIAL}"
+    kernel.ok(CELL_CLOCK)
+    kernel.ok("%enot_session start -n 2 --backend gloo")
+    for _ in range(3):
+        client_cell(kernel, session)
+        client_cell(kernel, TRIVIAL)
+    cell_times(kernel)
+    plain, back_to_back = [], []
+    for _ in range(n // 10):  # blocks: a drift of the machine moves both
+        plain += [client_cell(kernel, TRIVIAL) for _ in range(10)]
+        back_to_back += [client_cell(kernel, session) for _ in range(10)]
+    in_blocks = cell_times(kernel)
+    between, after_plain = [], []
+    for _ in range(n):
+        between.append(client_cell(kernel, TRIVIAL))
+        after_plain.append(client_cell(kernel, session))
+    alternated = cell_times(kernel)
+    kernel.ok("%enot_session stop")
+    oneoff = kernel_json(
         kernel,
-        f"""
-run("%enot_session start -n 2 --backend gloo")
-local, session = alternate({TRIVIAL!r}, "%%enot_distributed\\n{TRIVIAL}", {n})
-run("%enot_session stop")
-oneoff = clock("%%enot_distributed -n 2 --backend gloo\\n{TRIVIAL}", {repeats})
-print("RESULT", json.dumps([statistics.median(local), statistics.median(session), statistics.median(oneoff)]))""",
+        f'oneoff = clock("%%enot_distributed -n 2 --backend gloo\\n{TRIVIAL}", {repeats})\n'
+        "print('RESULT', statistics.median(oneoff))",
     )
-    local, session, oneoff = found
+    m = statistics.median
+    kernel_plain = m([t for i, t in enumerate(in_blocks) if (i // 10) % 2 == 0])
+    kernel_session = m([t for i, t in enumerate(in_blocks) if (i // 10) % 2 == 1])
+    kernel_after = m(alternated[1::2])
+    over_b2b, over_after = m(back_to_back) - m(plain), m([s - p for p, s in zip(between, after_plain)])
+    client, local = "plain cell", "local"
+    b2b, after = kernel_session / kernel_plain, kernel_after / kernel_plain
     rows = [
-        Row(BENCH, "the cell run locally (reference)", local, "s", "local", 1.0, "", n),
-        Row(BENCH, "session cell", session, "s", "local", session / local, "", n),
-        Row(BENCH, "session cell: over the local cell", session - local, "s", "local", None, "<= 5 ms", n),
-        Row(BENCH, "one-off %%enot_distributed cell", oneoff, "s", "local", oneoff / local, "", repeats),
+        Row(CLIENT, "plain cell (reference)", m(plain), "s", client, 1.0, "", n),
+        Row(CLIENT, "session cells back to back", m(back_to_back), "s", client, m(back_to_back) / m(plain), "", n),
+        Row(CLIENT, "session cells back to back: over the plain cell", over_b2b, "s", client, None, "<= 1 ms", n),
+        Row(
+            CLIENT,
+            "session cell after a plain cell",
+            m(after_plain),
+            "s",
+            client,
+            m(after_plain) / m(between),
+            "",
+            n,
+        ),
+        Row(CLIENT, "session cell after a plain cell: over it (pairs)", over_after, "s", client, None, "<= 1 ms", n),
+        Row(BENCH, "in the kernel: the plain cell (reference)", kernel_plain, "s", local, 1.0, "", n),
+        Row(BENCH, "in the kernel: session cells back to back", kernel_session, "s", local, b2b, "", n),
+        Row(BENCH, "in the kernel: session cell after a plain cell", kernel_after, "s", local, after, "", n),
+        Row(BENCH, "one-off %%enot_distributed cell", oneoff, "s", local, oneoff / kernel_plain, "", repeats),
     ]
-    return rows + _apart(_ipyparallel, n, local) + _apart(_nbdistributed, repeats, local)
+    if not alternatives:
+        return rows
+    return rows + _apart(_ipyparallel, n, kernel_plain) + _apart(_nbdistributed, repeats, kernel_plain)
 
 
 def _apart(measure, n: int, local: float) -> list[Row]:
@@ -152,99 +230,117 @@ print("RESULT", json.dumps(statistics.median(took)))""",
     return [Row(BENCH, "nbdistributed %%distributed, 2 workers", found, "s", "local", found / local, "", repeats)]
 
 
+class RunningScript:
+    """A torchrun script running session_steps_job.serve, already past its start: one block of
+    50 steps per ``block()``, between which it waits on a pipe per rank."""
+
+    def __init__(self, folder: str, name: str) -> None:
+        control = os.path.join(folder, name)
+        for suffix in (".rank0", ".rank1", ".out"):
+            os.mkfifo(control + suffix)
+        self.process = subprocess.Popen(
+            torchrun_command("session_steps_job.py", control),
+            env={**os.environ, **TORCHRUN_ENV},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.commands = [self._opened(control + ".rank0"), self._opened(control + ".rank1")]
+        self.results = open(control + ".out")
+
+    def _opened(self, path: str):
+        """The pipe, once the script's rank opened its end (it imports torch first)."""
+        while True:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader yet
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the torchrun script ended with {self.process.returncode}") from None
+                time.sleep(0.05)
+                continue
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "w", buffering=1)
+
+    def block(self) -> float:
+        for command in self.commands:
+            command.write("go\n")
+        return float(self.results.readline())
+
+    def close(self) -> None:
+        for command in self.commands:
+            command.close()
+        self.process.wait(timeout=60)
+
+
+COLLECT_TOOK = (
+    "_steps = []\n_collect = lambda r: _steps.append(get_ipython().user_ns.get('took'))\n"
+    "get_ipython().events.register('post_run_cell', _collect)"
+)
+"""The master's ``took`` (its 50 steps' seconds, come back) after each cell, kept in ``_steps``."""
+UNCOLLECT_TOOK = "get_ipython().events.unregister('post_run_cell', _collect)\nprint('RESULT', json.dumps(_steps))"
+
+
 def ddp_steps(
     kernel,
     repeats: int,
     start: str = "%enot_session start -n 2 --backend gloo",
     bench: str = "session: 50 DDP steps, 2 ranks",
 ) -> list[Row]:
-    """The session's cells alternate with blocks of the running torchrun script (it waits on a
-    pipe between blocks, so the two never run at once): a drift of the machine's speed over the
-    run moves both. A second torchrun script, alternated the same way, is the control: how far
-    two sets of processes running the very same steps differ here (their placement on the cores,
-    their memory), which the session's difference from the script includes too. ``start``: the
+    """The session's cells (each its own execute request, timed in the kernel: CELL_CLOCK)
+    alternate with blocks of the running torchrun script (it waits on a pipe between blocks, so
+    the two never run at once): a drift of the machine's speed over the run moves both. A
+    second torchrun script, alternated the same way, is the control: how far two sets of
+    processes running the very same steps differ here (their placement on the cores, their
+    memory), which the session's difference from the script includes too. ``start``: the
     session's start line (bench_ray: the Ray engine). The ranks load the job from its file, as
     a rank on a Ray node has no ``benchmarks`` package to import it from (one machine here)."""
     n = max(30, repeats * 4)  # the steps' own spread (several ms) is larger than the cell's cost
-    found = kernel_json(
-        kernel,
-        f"""
-import os, shutil, subprocess, tempfile
-pipes = tempfile.mkdtemp()
-scripts = []
-def opened(path, script):  # the pipe once the script's rank opened its end (it imports torch first)
-    while True:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # no reader yet
-            if script.poll() is not None:
-                raise RuntimeError(f"the torchrun script ended with {{script.returncode}}")
-            time.sleep(0.05)
-            continue
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "w", buffering=1)
-class Script:  # a torchrun script running session_steps_job.serve: one block of 50 steps per go
-    def __init__(self, name):
-        control = os.path.join(pipes, name)
-        for suffix in (".rank0", ".rank1", ".out"):
-            os.mkfifo(control + suffix)
-        self.process = subprocess.Popen(
-            {torchrun_command("session_steps_job.py")!r} + [control],
-            env={{**os.environ, **{TORCHRUN_ENV!r}}}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        scripts.append(self.process)
-        self.commands = [opened(control + ".rank0", self.process), opened(control + ".rank1", self.process)]
-        self.results = open(control + ".out")
-    def block(self):
-        for command in self.commands:
-            command.write("go\\n")
-        return float(self.results.readline())
-    def close(self):
-        for command in self.commands:
-            command.close()
-        self.process.wait(timeout=60)
-try:
-    run({start!r})
-    run("%%enot_distributed\\nimport importlib.util as util\\n"
-        "spec = util.spec_from_file_location('session_steps_job', {str(JOB)!r})\\n"
-        "job = util.module_from_spec(spec)\\nspec.loader.exec_module(job)\\nparts = job.build()")
-    run("%%enot_distributed\\nddp, optimizer, x, y = (parts[k] for k in ('ddp', 'optimizer', 'x', 'y'))")
-    reference, control = Script("reference"), Script("control")
-    in_script, in_control, in_session, own_steps = [], [], [], []
-    for i in range(-2, {n}):
-        seconds = reference.block()
-        start = time.perf_counter()
-        run("%%enot_distributed\\ntook = job.timed_fifty(ddp, optimizer, x, y)")
-        session = time.perf_counter() - start
-        other = control.block()
-        if i >= 0:
-            in_script.append(seconds)
-            in_session.append(session)
-            own_steps.append(took)
-            in_control.append(other)
-    reference.close()
-    control.close()
-    run("%enot_session stop")
-finally:
-    for script in scripts:
-        script.kill()
-    shutil.rmtree(pipes)
-m = statistics.median
-print("RESULT", json.dumps([
-    m(in_script), m(in_session), m([b - a for a, b in zip(in_script, in_session)]),
-    m([b - a for a, b in zip(own_steps, in_session)]), m([b / a for a, b in zip(in_script, own_steps)]),
-    m([b - a for a, b in zip(in_script, in_control)]),
-]))""",
-        timeout=600,
+    kernel.ok(CELL_CLOCK)
+    kernel.ok(start, timeout=300)
+    kernel.ok(
+        "%%enot_distributed\nimport importlib.util as util\n"
+        f"spec = util.spec_from_file_location('session_steps_job', {str(JOB)!r})\n"
+        "job = util.module_from_spec(spec)\nspec.loader.exec_module(job)\nparts = job.build()"
     )
-    script, session, over, own, steps_ratio, control = found
+    kernel.ok("%%enot_distributed\nddp, optimizer, x, y = (parts[k] for k in ('ddp', 'optimizer', 'x', 'y'))")
+    folder = tempfile.mkdtemp()
+    scripts: list[RunningScript] = []
+    try:
+        reference = RunningScript(folder, "reference")
+        scripts.append(reference)
+        control = RunningScript(folder, "control")
+        scripts.append(control)
+        in_script, in_control = [], []
+        cell = "%%enot_distributed\ntook = job.timed_fifty(ddp, optimizer, x, y)"
+        kernel.ok(COLLECT_TOOK)
+        for i in range(-2, n):
+            seconds = reference.block()
+            kernel.ok(cell)
+            other = control.block()
+            if i >= 0:
+                in_script.append(seconds)
+                in_control.append(other)
+        in_session = cell_times(kernel)[-n:]
+        own_steps = kernel_json(kernel, UNCOLLECT_TOOK)[-n:]
+        reference.close()
+        control.close()
+        kernel.ok("%enot_session stop")
+    finally:
+        for script in scripts:
+            script.process.kill()
+        shutil.rmtree(folder)
+    m = statistics.median
+    script, session = m(in_script), m(in_session)
+    over = m([b - a for a, b in zip(in_script, in_session)])
+    own = m([b - a for a, b in zip(own_steps, in_session)])
+    steps_ratio = m([b / a for a, b in zip(in_script, own_steps)])
+    other = m([b - a for a, b in zip(in_script, in_control)])
     return [
         Row(bench, "torchrun script already running (reference)", script, "s", "torchrun", 1.0, "", n),
         Row(bench, "session cell", session, "s", "torchrun", session / script, "", n),
         Row(bench, "session cell: over the script (median of the pairs)", over, "s", "torchrun", None, "<= 10 ms", n),
         Row(bench, "session cell: over its own steps (the cell's cost)", own, "s", "torchrun", None, "", n),
         Row(bench, "the session's steps over the script's (ratio)", steps_ratio, "x", "torchrun", steps_ratio, "", n),
-        Row(bench, "control: a second running torchrun script over the first", control, "s", "torchrun", None, "", n),
+        Row(bench, "control: a second running torchrun script over the first", other, "s", "torchrun", None, "", n),
     ]
 
 

@@ -28,6 +28,36 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "a-quiet-session-cell-is-no-sync",
+        "enot_nb/_session/kernel/flow.py",
+        "            self.mirror.matched()  # nothing moved either way: the record still holds (and costs nothing)\n",
+        "",
+        [
+            "tests/session/test_session_parity.py::"
+            "test_session_cells_after_a_quiet_one_compare_nothing_the_plain_cells_before_it_reached"
+        ],
+    ),
+    Mutation(
+        "a-known-view-leaves-its-owner-uncompared",
+        "enot_nb/_session/mirror/mirror.py",
+        "        return array.base is not None or baseline.find(array) is None\n",
+        "        return baseline.find(array) is None\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-write-through-an-old-view-in-underscore-fork]"
+        ],
+    ),
+    Mutation(
+        "a-view-over-a-known-storage-travels-with-its-owner",
+        "enot_nb/_serialize/picklers.py",
+        "            held = self._memory.storage_holding_view(array, root)\n",
+        "            held = None\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-view-whose-owner-is-gone-shares-the-tensor-over-it-fork]"
+        ],
+    ),
+    Mutation(
         "copyregs-slotnames-cache-a-class-change",
         "enot_nb/_state/states.py",
         '_NOT_THE_CLASS_S = ("__dict__", "__weakref__", "__slotnames__")\n',
@@ -106,7 +136,7 @@ MUTATIONS = [
     Mutation(
         "deleted-names-forgotten",
         "enot_nb/_session/kernel/plain_cells.py",
-        "            gone.update(deleted)\n",
+        "            gone.update(cell.gone)\n",
         "",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-name-deleted-after-its-write-fork]"
@@ -115,7 +145,7 @@ MUTATIONS = [
     Mutation(
         "ipython-outputs-not-walked",
         "enot_nb/_session/kernel/plain_cells.py",
-        "            names.update(n for n in used.names if _OUTPUT_NAME.match(n))\n",
+        "        registry.extend(sorted(n for n in used if _OUTPUT_NAME.match(n) and n in namespace), namespace)\n",
         "",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[writes-through-ipythons-outputs-fork]"
@@ -990,8 +1020,8 @@ MUTATIONS = [
     Mutation(
         "plain-cells-reach-nothing",
         "enot_nb/_session/kernel/plain_cells.py",
-        "            names.update(found.names)\n",
-        "",
+        "            used |= cell.names.names\n",
+        "            used |= {n for n in cell.names.names if _OUTPUT_NAME.match(n)}\n",
         [
             "tests/unit/test_plain_cells.py::test_only_what_the_plain_cells_reach_is_compared",
             "tests/session/test_session_parity.py::test_what_plain_cells_change_through_a_function_reaches_the_ranks",
@@ -1000,8 +1030,8 @@ MUTATIONS = [
     Mutation(
         "a-cell-that-ran-a-task-drops-out-at-its-sync",
         "enot_nb/_session/kernel/plain_cells.py",
-        "                end[0] = self.synced_at()\n",
-        "                end[0] = -1\n",
+        "                cell.ended = self.synced_at()\n",
+        "                cell.ended = -1\n",
         [
             "tests/unit/test_plain_cells.py::test_a_cell_that_ran_a_session_task_counts_after_its_sync",
             "tests/session/test_session_parity.py::"

@@ -171,6 +171,10 @@ class TensorPickler(cloudpickle.Pickler):
                 within = tensors.reduce_view_within(array, known)
                 if within is not None:
                     return within
+        if root is not array and self.is_known(array, root) is None:
+            held = self._memory.storage_holding_view(array, root)
+            if held is not None:
+                return tensors.array_over(held[0], array)
         tensor = tensors.tensor_owned(array)
         if tensor is not None and self.is_known(array, tensors.array_owner(array)) is None:
             # its memory is a storage: it travels over that storage (a view of an array the

@@ -720,6 +720,17 @@ class MemoryOwners:
         (``torch.from_numpy(array)``)."""
         return self._storage_map().holding(*memory)
 
+    def storage_holding_view(self, view: numpy.ndarray, root: numpy.ndarray) -> tuple[Any, int] | None:
+        """The storage met before, or held by the receiver, whose memory holds a view's but not
+        all of its owner's (``t = torch.from_numpy(a[1:])`` went first, ``a`` gone by name, the
+        view now): the view travels over it, one memory with ``t``, not with a copy of ``a``."""
+        start, end = array_extent(view)
+        held = self.storage_holding((start, end - start)) if view.size else None
+        if held is None:
+            return None
+        first, last = array_extent(root)
+        return held if self.storage_holding((first, last - first)) is None else None
+
     def _storage_map(self) -> MemoryMap:
         if self._storages_map is None:
             self._storages_map = MemoryMap()

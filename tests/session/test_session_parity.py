@@ -952,6 +952,28 @@ FOUND = [
         ],
     ),
     (
+        # _ (the old row, in the record) was written: its owner a, which the record holds on
+        # its own, was not compared, and the old row's change went nowhere (no variable holds it)
+        "a-write-through-an-old-view-in-underscore",
+        [
+            (P, "a = np.arange(3, dtype=np.float64)"),
+            (S, "row = a[1:]"),
+            (P, "row"),
+            (P, "_ *= 2"),
+            (P, "row = row + 1"),
+        ],
+    ),
+    (
+        # the ranks' t is over their a's memory; a gone by name, row travelled with a copy of a
+        "a-view-whose-owner-is-gone-shares-the-tensor-over-it",
+        [
+            (S, "a = np.arange(6, dtype=np.float64)"),
+            (P, "row = a[1:]; t = torch.from_numpy(row)"),
+            (S, "del a; t.add_(1)"),
+            (S, "u = torch.from_numpy(row)"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
@@ -980,6 +1002,40 @@ def test_what_the_fuzzer_found_stays_found(fuzz_kernel, method, case_id, steps):
     finally:
         reference.close()
         fuzz_kernel.run("%enot_session stop", timeout=120)
+
+
+def test_session_cells_after_a_quiet_one_compare_nothing_the_plain_cells_before_it_reached(fuzz_kernel):
+    """A session cell that found the notebook as the ranks hold it and changed nothing counts as
+    a sync: the session cells after it, with no plain cell between, compare nothing of what the
+    plain cells before it reached (the tracker's cost does not grow with the notebook's past)."""
+    k = fuzz_kernel
+    k.ok("%reset -f\nimport torch")
+    k.ok("%enot_session start -n 2 --backend gloo")
+    k.ok(
+        "from enot_nb._session.mirror.mirror import Mirror\n_compared, _compare = [], Mirror.compare\n"
+        "def _counted(self, namespace, hidden=(), reached=None):\n"
+        "    _compared.append(None if reached is None else len(reached.objects))\n"
+        "    return _compare(self, namespace, hidden, reached)\n"
+        "Mirror.compare = _counted"
+    )
+    try:
+        k.ok("parts = [torch.zeros(1) for _ in range(50)]")
+        k.ok("%%enot_distributed\nn = len(parts)")
+        k.ok("parts[0].add_(1)")
+        k.ok("%%enot_distributed\nn = len(parts) + 1")  # the write goes: a sync
+        k.ok("m = sum(float(p) for p in parts)")  # reaches every part, changes none
+        k.ok("%%enot_distributed\npass")  # compares them, finds nothing: quiet
+        k.ok("_compared.clear()")
+        for _ in range(3):
+            k.ok("%%enot_distributed\npass")
+        compared = k.ok("print(_compared)").stdout.strip()
+        # each compared what the _compared.clear() cell reached (the list alone), not the parts
+        assert compared == "[2, 1, 1]", compared
+        seen = k.ok("%%enot_distributed --output all\nprint(float(parts[0]), n)").stdout
+        assert seen.count("1.0 51") == 2, seen
+    finally:
+        k.run("Mirror.compare = _compare")
+        k.run("%enot_session stop", timeout=120)
 
 
 def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):

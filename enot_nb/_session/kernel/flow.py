@@ -35,6 +35,8 @@ from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchConfigError, NotHeldError
 
 MIRRORS = ("all", "none")
+_COMPARE = object()
+"""``_push``'s default: compare the notebook with the record first."""
 
 
 @dataclass
@@ -87,6 +89,8 @@ class NamespaceFlow:
     def _compare(self) -> SinceSync | None:
         """What changed of the record since the last sync, looked for only where the plain
         cells run since can have changed it (see plain_cells)."""
+        if not self.mirror.recorded(self.namespace):
+            return None
         hidden = self._hidden()
         reached = self.plain.reached(self.namespace, hidden) if self.plain is not None else None
         return self.mirror.compare(self.namespace, hidden, reached)
@@ -112,14 +116,16 @@ class NamespaceFlow:
         self,
         reached: list[str],
         pulling: list[str] | None = None,
-        since: SinceSync | None = None,
+        since: SinceSync | None | object = _COMPARE,
         overwrite: bool = False,
         keeping: list[str] | None = None,
     ) -> Push | None:
+        """``since``: the comparison, where the caller made it already (None: no record)."""
         self.kept = None  # the task may change what it was made from
         if not self.mirrored:
             return None
-        since = since or self._compare()
+        since = self._compare() if since is _COMPARE else since
+        assert since is None or isinstance(since, SinceSync)
         return self.mirror.push(self.namespace, reached, self._hidden(), pulling, since, overwrite, keeping)
 
     def after_push(
@@ -225,7 +231,8 @@ class NamespaceFlow:
         moved, push = TaskChanges.of(brought.changes, prepared.registry), prepared.push
         quiet = push is not None and push.changes is None and not (moved.objects or moved.storages or returned)
         if quiet and set(names) <= set(self.mirror.record.synced) and all(n in self.namespace for n in names):
-            return moved  # nothing moved either way: the last sync's record still holds (and costs nothing)
+            self.mirror.matched()  # nothing moved either way: the record still holds (and costs nothing)
+            return moved
         self.after_push(prepared, outcome, names, moved)
         return moved
 

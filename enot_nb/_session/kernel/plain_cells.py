@@ -121,15 +121,26 @@ def _users(thread: threading.Thread) -> bool:
     return not where.startswith(KERNEL_THREADS)
 
 
+@dataclass
+class RanCell:
+    """A cell run since the last sync."""
+
+    code: str
+    ended: int | None = None
+    """The last sync as of its end (None while it runs): one that ended before the last sync is
+    in the record; one that called a session task goes on after that task's sync, and counts."""
+    gone: dict[str, Any] = field(default_factory=dict)
+    """The old values of the names it deleted or rebound."""
+    names: reach.CodeNames | None = None
+    """The names it uses, read once (see PlainCells.reached)."""
+
+
 class PlainCells:
     """The cells run since the last sync (see the module's docstring)."""
 
     def __init__(self, shell: Any, synced_at: Callable[[], int]) -> None:
         self.shell, self.synced_at = shell, synced_at
-        self.ran: list[tuple[str, list[int | None], dict[str, Any]]] = []
-        """Each cell's source, the last sync as of its end (None while it runs): one that ended
-        before the last sync is in the record; one that called a session task goes on after that
-        task's sync, and counts), and the old values of the names it deleted or rebound."""
+        self.ran: list[RanCell] = []
         self._before: dict[str, Any] = {}
         self._in_cell = True  # made in a cell (its post_execute is not a silent run's)
         self.silent_runs = self.comms = 0
@@ -162,14 +173,14 @@ class PlainCells:
         self._in_cell = True
         self.ran = self._since()
         self._before = dict(self.shell.user_ns)
-        self.ran.append((getattr(info, "raw_cell", None) or "", [None], {}))
+        self.ran.append(RanCell(getattr(info, "raw_cell", None) or ""))
 
     def _post_run(self, result: Any) -> None:
         ns, before, self._before = self.shell.user_ns, self._before, {}
-        for _, end, gone in reversed(self.ran):
-            if end[0] is None:
-                end[0] = self.synced_at()
-                gone.update((n, v) for n, v in before.items() if ns.get(n, _GONE) is not v and is_user_name(n))
+        for cell in reversed(self.ran):
+            if cell.ended is None:
+                cell.ended = self.synced_at()
+                cell.gone.update((n, v) for n, v in before.items() if ns.get(n, _GONE) is not v and is_user_name(n))
                 return
 
     def _post_execute(self) -> None:
@@ -180,9 +191,9 @@ class PlainCells:
     def _comm_handled(self) -> None:
         self.comms += 1
 
-    def _since(self) -> list[tuple[str, list[int | None], dict[str, Any]]]:
+    def _since(self) -> list[RanCell]:
         now = self.synced_at()
-        return [cell for cell in self.ran if cell[1][0] is None or cell[1][0] == now]
+        return [cell for cell in self.ran if cell.ended is None or cell.ended == now]
 
     def outside(self) -> str | None:
         """What ran outside the tracked cells since the last sync, in words, or None. Compared
@@ -201,22 +212,25 @@ class PlainCells:
         they changed is in the record."""
         if self.outside() is not None:
             return None
-        names: set[str] = set()
+        used: set[str] = set()
         gone: dict[str, Any] = {}
-        for code, _, deleted in self._since():
-            if _SESSION_CELL.match(code):
+        for cell in self._since():
+            if _SESSION_CELL.match(cell.code):
                 continue
-            try:
-                used = reach.cell_names(self.shell.transform_cell(code))
-                found = reach.reach(namespace, "", hidden, found=used)
-            except Exception:  # noqa: BLE001 - a cell we cannot read: everything is compared
+            if cell.names is None:
+                try:
+                    cell.names = reach.cell_names(self.shell.transform_cell(cell.code))
+                except Exception:  # noqa: BLE001 - a cell we cannot read: everything is compared
+                    return None
+            if cell.names.dynamic:
                 return None
-            if found.whole:
-                return None
-            names.update(found.names)
-            names.update(n for n in used.names if _OUTPUT_NAME.match(n))
-            gone.update(deleted)
-        registry = Registry.of_namespace(namespace, sorted(n for n in names if n in namespace))
+            used |= cell.names.names
+            gone.update(cell.gone)
+        found = reach.reach(namespace, "", hidden, found=reach.CodeNames(frozenset(used)))
+        if found.whole:
+            return None
+        registry = found.registry
+        registry.extend(sorted(n for n in used if _OUTPUT_NAME.match(n) and n in namespace), namespace)
         registry.grow([(value, 0, f"<{name} before a plain cell>") for name, value in sorted(gone.items())])
         return registry
 

@@ -137,12 +137,22 @@ class Mirror:
         written.end_shadow()
         self.__init__()  # type: ignore[misc]
 
+    def recorded(self, namespace: dict[str, Any]) -> bool:
+        """Whether there is a record of ``namespace`` to compare with."""
+        return self.record.snapshot is not None and self.record.baseline.objects[0] is namespace
+
+    def matched(self) -> None:
+        """The push's comparison found the notebook as the record has it, and the task changed
+        nothing: as good as a sync for what runs later (the plain cells run before it, and any
+        code run outside them, need no comparison again)."""
+        self.synced_at = next(_SYNCS)
+
     def compare(self, namespace: dict[str, Any], hidden: Any = (), reached: Registry | None = None) -> SinceSync | None:
         """What changed of the record's objects and storages since the last sync (None: there is
         no record of this namespace); ``push`` takes it. ``reached``: a walk of all that the
         plain cells run since can have changed (see plain_cells): only that is compared."""
         record = self.record
-        if record.snapshot is None or record.baseline.objects[0] is not namespace:
+        if record.snapshot is None or not self.recorded(namespace):
             return None
         within = None
         if reached is not None:
@@ -411,13 +421,16 @@ def _sharing_memory(baseline: Registry, reached: Registry) -> tuple[set[int], se
     """The baseline's arrays and storages whose memory overlaps memory that ``reached`` holds
     (``a = t.numpy()`` written in a plain cell changes ``t``'s storage, which the ranks hold):
     (object indices, storage indices). Only where ``reached`` holds a storage or an array the
-    baseline lacks."""
-    unknown = [
-        span
-        for span in _memory_of(reached)
-        if (baseline.find_storage(reached.storages[span[2]]) if span[3] else baseline.find(reached.objects[span[2]]))
-        is None
-    ]
+    baseline lacks, or a view of an array (``_ *= 2`` through ``_``, an old ``row = a[1:]`` in
+    the record, writes ``a``, which the record holds on its own)."""
+
+    def loose(span: tuple[int, int, int, bool]) -> bool:
+        if span[3]:
+            return baseline.find_storage(reached.storages[span[2]]) is None
+        array = reached.objects[span[2]]
+        return array.base is not None or baseline.find(array) is None
+
+    unknown = [span for span in _memory_of(reached) if loose(span)]
     objects: set[int] = set()
     storages: set[int] = set()
     if not unknown:
