@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The compatibility job: the core of the launcher, one-off cell, session and functional suites
 # (their tests not marked slow) on one torch release and one Python, in a venv of their own,
-# .venv-compat-<torch>-py<python>. CI (.ci/run) runs it for the newest torch that installs here (the
-# oldest pyproject.toml claims by hand until its intermittent hang is found, docs/changelog.md):
+# .venv-compat-<torch>-py<python>. CI (.ci/run) runs it for the newest torch that installs here and
+# for the oldest pair pyproject.toml claims:
 #
 #   bash scripts/compat.sh TORCH_VERSION [PYTHON_VERSION]      e.g. bash scripts/compat.sh 2.4.1 3.10
 #

@@ -28,6 +28,34 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "an-owner-goes-by-reference-to-stale-memory",
+        "enot_nb/_serialize/tensors.py",
+        "    owner[...] = value\n    return owner\n\n\ndef array_extent(",
+        "    return owner\n\n\ndef array_extent(",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[an-owner-written-outside-the-view-that-went-first-fork]"
+        ],
+    ),
+    Mutation(
+        "aliases-in-new-values-keep-the-new-plain-items",
+        "enot_nb/_state/apply.py",
+        "    if not made:\n        return value\n",
+        "    if True:\n        return value\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[aliases-into-a-large-list-inside-values-the-cell-that-changed-it-made-fork]"
+        ],
+    ),
+    Mutation(
+        "a-finished-rank-destroys-its-process-group",
+        "enot_nb/_worker/bootstrap.py",
+        "    os._exit(exitcode)\n\n\ndef init_kwargs(",
+        "    import torch.distributed as dist\n\n    if exitcode == 0 and dist.is_initialized():\n"
+        "        dist.destroy_process_group()\n    os._exit(exitcode)\n\n\ndef init_kwargs(",
+        ["tests/launcher/test_launcher.py::test_a_rank_leaves_without_destroying_its_process_group"],
+    ),
+    Mutation(
         "a-quiet-session-cell-is-no-sync",
         "enot_nb/_session/kernel/flow.py",
         "            self.mirror.matched()  # nothing moved either way: the record still holds (and costs nothing)\n",
@@ -218,7 +246,7 @@ MUTATIONS = [
     Mutation(
         "a-bound-item-keeps-the-new-copy",
         "enot_nb/_state/apply.py",
-        "            namespace[name] = made.get(id(value), value)\n",
+        "            namespace[name] = with_old_items(value, made, registry)\n",
         "            namespace[name] = value\n",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-record-bound-beside-its-lists-change-fork]"

@@ -185,7 +185,7 @@ class TensorPickler(cloudpickle.Pickler):
             return view
         known_view = self.view_of(array) if root is array else None
         if known_view is not None:  # ``row = a[1]`` went first, with all of ``a``'s memory
-            return tensors.array_owning, (known_view,)
+            return tensors.array_owning(array, known_view)
         strided = self.strided_known(array) if root is array and not array.dtype.hasobject else []
         if strided:  # ``row = a[::2]`` went first: ``a`` is the receiver's owner of it, if laid out so
             return tensors.owner_of_strided(array, strided[0])

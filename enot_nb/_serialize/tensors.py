@@ -418,10 +418,22 @@ def _owner_of_strided(known: numpy.ndarray, layout: tuple[Any, ...], value: nump
     return owner
 
 
-def array_owning(view: numpy.ndarray) -> numpy.ndarray:
-    """The array that owns a view's memory, on the receiver: a view travels with all of its
-    owner's memory (reduce_numpy_view), so the owner sent later is that one."""
-    return array_owner(view)
+def array_owning(owner: numpy.ndarray, view: numpy.ndarray) -> Reduction:
+    """``owner``, which owns the memory of ``view``, an array the receiver holds: there, the
+    array that owns ``view``'s memory (a view travels with all of its owner's memory,
+    reduce_numpy_view), with ``owner``'s bytes written in (a write here outside the view's bytes,
+    ``a[0] = 8`` after ``row = a[1:]`` went, is in no record); else a copy of ``owner``."""
+    return _array_owning, (view, owner.copy())
+
+
+def _array_owning(view: numpy.ndarray, value: numpy.ndarray) -> numpy.ndarray:
+    owner = array_owner(view)
+    if (owner.shape, owner.dtype) != (value.shape, value.dtype):
+        return value
+    if not owner.flags.writeable:
+        return owner if owner.tobytes() == value.tobytes() else value
+    owner[...] = value
+    return owner
 
 
 def array_extent(array: Any) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from enot_nb._state import kinds, salvage
 from enot_nb._state.collect import Changes, PickledState, StorageBytes, item_at
 from enot_nb._state.kinds import OPS, Kind, apply_grad, kind_of_state
 from enot_nb._state.registry import Registry
+from enot_nb._state.states import VALUE_TYPES
 
 
 class StateUnpickler(pickle.Unpickler):
@@ -103,22 +105,69 @@ def _apply_all(namespace: dict[str, Any], registry: Registry, changes: Changes, 
         apply(i, state)
     for i, state in tensors:  # after every tensor has its new shape: grads must match it
         attempt(f"{registry.path(i)}.grad", apply_grad, registry.objects[i], state)
+    others = [(i, s) for i, s in changes.objects if registry.kinds[i] is not Kind.TENSOR]
     kinds.PLAIN_MADE = {}
     try:
-        for i, state in changes.objects:
-            if registry.kinds[i] is not Kind.TENSOR:
+        for i, state in others:  # plain data first: the new items that went into old ones
+            if registry.kinds[i] is Kind.PLAIN:
                 apply(i, state)
         made = kinds.PLAIN_MADE
     finally:
         kinds.PLAIN_MADE = None
+    for i, state in others:
+        if registry.kinds[i] is not Kind.PLAIN:
+            apply(i, with_old_items(state, made, registry))
     wanted = (lambda name: True) if returns is None else set(returns).__contains__
     for name, value in changes.bound.items():
         if wanted(name):
-            namespace[name] = made.get(id(value), value)
+            namespace[name] = with_old_items(value, made, registry)
     for name in changes.deleted:
         if wanted(name):
             namespace.pop(name, None)
     return problems
+
+
+_OLD_ITEMS_DEPTH = 8
+"""How deep with_old_items looks inside the new values (an alias is an item of what a cell binds)."""
+
+
+def with_old_items(value: Any, made: dict[int, Any], registry: Registry, depth: int = _OLD_ITEMS_DEPTH) -> Any:
+    """``value`` (a new state or a value bound by the changes), with each new item of plain data
+    that went into an old one in place (``made``, see kinds.PLAIN_MADE) replaced by that old one,
+    inside the lists, dicts, tuples and objects it holds that came with the changes: ``rec =
+    log[998]; L = [rec]`` in a cell that changed ``log`` keeps ``L[0] is log[998]``."""
+    if not made:
+        return value
+    seen: set[int] = set()
+
+    def walk(x: Any, depth: int) -> Any:
+        old = made.get(id(x))
+        if old is not None:
+            return old
+        if depth <= 0 or id(x) in seen or type(x) in VALUE_TYPES or registry.find(x) is not None:
+            return x
+        seen.add(id(x))
+        t = type(x)
+        if t is list:
+            x[:] = [walk(item, depth - 1) for item in x]
+        elif t is dict:
+            for key, item in list(x.items()):
+                x[key] = walk(item, depth - 1)
+        elif isinstance(x, tuple):
+            items = [walk(item, depth - 1) for item in x]
+            if any(a is not b for a, b in zip(items, x)):
+                try:
+                    return t._make(items) if hasattr(t, "_make") else t(items)
+                except Exception:  # noqa: BLE001 - a tuple type made otherwise: the copy stays
+                    return x
+        elif not isinstance(x, type | types.ModuleType | types.FunctionType):
+            attributes = getattr(x, "__dict__", None)
+            if type(attributes) is dict:
+                for key, item in list(attributes.items()):
+                    attributes[key] = walk(item, depth - 1)
+        return x
+
+    return walk(value, depth)
 
 
 def _copy_into_storage(storage: Any, new: StorageBytes) -> None:

@@ -434,7 +434,8 @@ def _plain_travels(obj: Any) -> Any:
 PLAIN_MADE: dict[int, Any] | None = None
 """While changes are applied (apply.apply_changes): each new item of plain data that went into
 an old one in place, by the new one's id, so a name bound to the new item in the same changes
-(``log[5]['v'] = 1`` and ``rec = log[5]`` sent together) binds the old one it went into."""
+(``log[5]['v'] = 1`` and ``rec = log[5]`` sent together), or a new value holding it, binds the
+old one it went into (apply.with_old_items)."""
 
 
 def _apply_plain(obj: Any, items: list[Any], note: Note) -> None:

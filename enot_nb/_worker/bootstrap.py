@@ -6,8 +6,9 @@ Life of a worker::
                    fds 1/2 -> the launcher's pipes, the rank's environment, its CPU threads
     load the job   (already in memory when forked from the caller; unpickled when from the server)
     init_torch(...) -> job.fn(*args, **kwargs) -> message Result/Done or ErrorReport
-    flush, destroy the process group, os._exit: the interpreter's own teardown is skipped on
-    purpose, it aborts in gloo + DistributedDataParallel processes (6 of 20 runs on torch 2.13).
+    flush, os._exit: the interpreter's own teardown is skipped on purpose, it aborts in gloo +
+    DistributedDataParallel processes (6 of 20 runs on torch 2.13); so is destroy_process_group
+    (see _leave).
 """
 
 from __future__ import annotations
@@ -353,14 +354,9 @@ def _leave(exitcode: int) -> NoReturn:
             stream.flush()
         except Exception:  # noqa: BLE001 - nothing useful to do this late
             pass
-    if exitcode == 0:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the process is leaving anyway
-            pass
+    # No destroy_process_group() first: torch 2.3.1's gloo blocked in it for good, holding the
+    # GIL, in about one launch in ten once a peer had left (the launch never ended); exiting
+    # releases what it would.
     os._exit(exitcode)
 
 

@@ -974,6 +974,25 @@ FOUND = [
         ],
     ),
     (
+        # a went to the ranks by reference to the memory row took there: a[0]'s write was lost
+        "an-owner-written-outside-the-view-that-went-first",
+        [
+            (P, "a = np.arange(5, dtype=np.float64)"),
+            (P, "row = a[1:]"),
+            (S, "T = (row, 3)"),
+            (P, "a[0] = 8"),
+            (S, "s = float(a.sum())"),
+        ],
+    ),
+    (
+        # log's new items went into the notebook's old ones; L and d held the new ones
+        "aliases-into-a-large-list-inside-values-the-cell-that-changed-it-made",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1200)]\nL2 = [1]\nd = {'k': 0}"),
+            (S, "log[-1]['v'] = -5.0\nrec = log[998]\nL = [rec, 1, 'a']\nL2.append(log[997])\nd['r'] = (log[5], 2)"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
