@@ -28,6 +28,16 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "attributes-a-pickle-leaves-out-walked",
+        "enot_nb/_state/kinds.py",
+        "    return {k: v for k, v in d.items() if k in state}\n",
+        "    return d\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[an-optimizer-whose-scheduler-wrapped-its-step-sent-then-stepped-fork]"
+        ],
+    ),
+    Mutation(
         "an-owner-goes-by-reference-to-stale-memory",
         "enot_nb/_serialize/tensors.py",
         "    owner[...] = value\n    return owner\n\n\ndef array_extent(",
@@ -1048,8 +1058,8 @@ MUTATIONS = [
     Mutation(
         "plain-cells-reach-nothing",
         "enot_nb/_session/kernel/plain_cells.py",
-        "            used |= cell.names.names\n",
-        "            used |= {n for n in cell.names.names if _OUTPUT_NAME.match(n)}\n",
+        "            used |= names.names\n",
+        "            used |= {n for n in names.names if _OUTPUT_NAME.match(n)}\n",
         [
             "tests/unit/test_plain_cells.py::test_only_what_the_plain_cells_reach_is_compared",
             "tests/session/test_session_parity.py::test_what_plain_cells_change_through_a_function_reaches_the_ranks",

@@ -539,8 +539,31 @@ def _attribute_steps(obj: Any) -> Steps:
     notebook's globals (see reach), and registered, the class travels by reference even when no
     name holds it any more (the class's cell was run again, a factory function made it)."""
     steps = [(".__class__", type(obj))] if defined_in_notebook(type(obj)) else []
-    steps += [(f".{k}", v) for k, v in (object_dict(obj) or {}).items()]
+    steps += [(f".{k}", v) for k, v in _travelling_dict(obj).items()]
     return steps + [(f".{k}", v) for k, v in slots(obj).items()]
+
+
+_OBJECT_GETSTATE = getattr(object, "__getstate__", None)
+
+
+def _travelling_dict(obj: Any) -> dict[str, Any]:
+    """``obj``'s ``__dict__`` as far as its pickle carries it: a class's own ``__getstate__`` may
+    leave attributes out (torch's Optimizer keeps three: an LR scheduler's ``step`` wrapper
+    stays behind), and the receiver's copy then has no such path to find (its state still holds
+    them: one changed travels, by value)."""
+    d = object_dict(obj) or {}
+    getstate = getattr(type(obj), "__getstate__", None)
+    if not d or getstate is None or getstate is _OBJECT_GETSTATE:
+        return d
+    try:
+        state = getstate(obj)
+    except Exception:  # noqa: BLE001 - a getstate that needs more than the object: all of it
+        return d
+    if type(state) is tuple and len(state) == 2:  # (dict, slots)
+        state = state[0]
+    if type(state) is not dict or state is d or len(state) >= len(d):
+        return d
+    return {k: v for k, v in d.items() if k in state}
 
 
 def _attributes(obj: Any) -> Attributes:

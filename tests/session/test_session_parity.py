@@ -993,6 +993,19 @@ FOUND = [
         ],
     ),
     (
+        # StepLR wraps opt.step on the instance; Optimizer's pickle leaves it out, so the ranks'
+        # opt had no .step for the next push's state to refer to: the session refused the cell
+        "an-optimizer-whose-scheduler-wrapped-its-step-sent-then-stepped",
+        [
+            (P, "torch.manual_seed(1); net = torch.nn.Linear(4, 1)"),
+            (P, "opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)"),
+            (P, "sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)"),
+            (S, "opt.param_groups[0]['lr'] = 0.05"),
+            (P, "opt.zero_grad(); net(torch.ones(2, 4)).sum().backward(); opt.step(); sched.step()"),
+            (S, "s = opt.param_groups[0]['lr']"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),

@@ -132,7 +132,8 @@ class RanCell:
     gone: dict[str, Any] = field(default_factory=dict)
     """The old values of the names it deleted or rebound."""
     names: reach.CodeNames | None = None
-    """The names it uses, read once (see PlainCells.reached)."""
+    """The names it uses, read once, when it ends (None: while it runs, or if it cannot be
+    read: then everything is compared)."""
 
 
 class PlainCells:
@@ -181,7 +182,18 @@ class PlainCells:
             if cell.ended is None:
                 cell.ended = self.synced_at()
                 cell.gone.update((n, v) for n, v in before.items() if ns.get(n, _GONE) is not v and is_user_name(n))
+                cell.names = self._names(cell.code)
                 return
+
+    def _names(self, code: str) -> reach.CodeNames | None:
+        """The names a cell uses (a session cell's: none here, what it changed is in the record),
+        or None where it cannot be read."""
+        if _SESSION_CELL.match(code):
+            return reach.CodeNames(frozenset())
+        try:
+            return reach.cell_names(self.shell.transform_cell(code))
+        except Exception:  # noqa: BLE001 - a cell we cannot read: everything is compared
+            return None
 
     def _post_execute(self) -> None:
         if not self._in_cell:  # no pre_run_cell: a silent run
@@ -215,16 +227,10 @@ class PlainCells:
         used: set[str] = set()
         gone: dict[str, Any] = {}
         for cell in self._since():
-            if _SESSION_CELL.match(cell.code):
-                continue
-            if cell.names is None:
-                try:
-                    cell.names = reach.cell_names(self.shell.transform_cell(cell.code))
-                except Exception:  # noqa: BLE001 - a cell we cannot read: everything is compared
-                    return None
-            if cell.names.dynamic:
+            names = cell.names if cell.ended is not None else self._names(cell.code)  # (one running)
+            if names is None or names.dynamic:
                 return None
-            used |= cell.names.names
+            used |= names.names
             gone.update(cell.gone)
         found = reach.reach(namespace, "", hidden, found=reach.CodeNames(frozenset(used)))
         if found.whole:
