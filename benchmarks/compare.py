@@ -52,7 +52,7 @@ def measure(tree: Path, group: str, repeats: int) -> list[Row]:
     try:
         kernel.ok(f"import sys; sys.path[:0] = [{str(tree)!r}]")
         kernel.ok(bench_session.SETUP)
-        where = kernel.ok("print(enot_nb.__file__)").stdout.strip()
+        where = kernel.ok("import enot_nb as _e; print(_e.__file__)").stdout.strip()
         if not where.startswith(str(tree)):
             raise RuntimeError(f"the kernel imported enot_nb from {where}, not from {tree}")
         return GROUPS[group](kernel, repeats)
