@@ -28,6 +28,37 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "arrays-over-a-new-storage-left-behind",
+        "enot_nb/_session/kernel/flow.py",
+        "            if not set(arrays) <= set(reached.found.names):\n",
+        "            if False:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
+            "[a-tensor-over-part-of-an-array-goes-with-the-array-fork]"
+        ],
+    ),
+    Mutation(
+        "a-record-after-an-alias-came-back-reuses-the-tasks-look",
+        "enot_nb/_session/kernel/flow.py",
+        "prepared.still if _atoms_only(brought, moved) else None",
+        "prepared.still",
+        ["tests/session/test_kept_walks.py::test_a_record_made_with_what_the_task_learned_before_is_a_fresh_walk"],
+    ),
+    Mutation(
+        "an-item-held-twice-counted-once",
+        "enot_nb/_state/kinds.py",
+        "        if max(map(sys.getrefcount, containers)) > _REFS_HELD_ONCE + made:\n",
+        "        if max(map(sys.getrefcount, containers)) > _REFS_HELD_ONCE + made + 1:\n",
+        ["tests/cells/test_reach.py::test_an_item_held_from_outside_at_any_level_or_twice_inside_is_found"],
+    ),
+    Mutation(
+        "containers-beside-atoms-counted-as-held-once-more",
+        "enot_nb/_state/kinds.py",
+        "map(type, items)))), made + 1\n",
+        "map(type, items)))), made + 2\n",
+        ["tests/cells/test_reach.py::test_an_item_held_from_outside_at_any_level_or_twice_inside_is_found"],
+    ),
+    Mutation(
         "attributes-a-pickle-leaves-out-walked",
         "enot_nb/_state/kinds.py",
         "    return {k: v for k, v in d.items() if k in state}\n",

@@ -623,7 +623,7 @@ class MemoryMap:
         return None
 
 
-def _may_be_an_arrays(storage: torch.UntypedStorage) -> bool:
+def may_be_an_arrays(storage: torch.UntypedStorage) -> bool:
     """Whether a storage can be a NumPy array's memory (``torch.from_numpy`` makes one that
     cannot be resized, on the CPU)."""
     cpu = storage.device.type == "cpu"
@@ -653,7 +653,7 @@ class MemoryOwners:
         """The NumPy array (and offset) whose memory a storage made by ``torch.from_numpy`` is,
         if the receiver holds it or it was met before; else the storage is noted, and an array
         met later is rebuilt over it. Only storages that cannot be resized can be an array's."""
-        if not _may_be_an_arrays(storage):
+        if not may_be_an_arrays(storage):
             return None
         held = self._array_map().holding(storage.data_ptr(), storage.nbytes())
         if held is None:
@@ -664,7 +664,7 @@ class MemoryOwners:
         """A storage ``torch.from_numpy`` made over a strided array the receiver holds (its
         extent, gaps between the elements included), rebuilt over the receiver's (see
         _storage_in_strided); None where no such array holds it."""
-        if not _may_be_an_arrays(storage):
+        if not may_be_an_arrays(storage):
             return None
         if self._strided is None:
             self._strided = MemoryMap()
@@ -686,7 +686,7 @@ class MemoryOwners:
         holds (``row = a[1:]`` went first, ``torch.from_numpy(a)`` now): rebuilt over the
         receiver's owner of that array, which holds all of the owner's memory (a view travels
         with it, reduce_numpy_view); else None."""
-        if not _may_be_an_arrays(storage):
+        if not may_be_an_arrays(storage):
             return None
         if self._owners is None:
             self._owners = MemoryMap()

@@ -326,16 +326,18 @@ or None where it holds more than plain data, by id (the object kept: its id stay
 
 
 @contextlib.contextmanager
-def held_still() -> Iterator[None]:
+def held_still(resumed: dict[int, tuple[Any, ...]] | None = None) -> Iterator[dict[int, tuple[Any, ...]]]:
     """While nothing changes the objects (a walk, a snapshot, a push pickled; no cell, no apply):
     a large container is told plain once, and its digest and the push reuse that pickle (a log of
-    300,000 records took 0.11 s a look, and a cell looked at it eight times)."""
+    300,000 records took 0.11 s a look, and a cell looked at it eight times). Yields what it
+    learns; ``resumed``: what an earlier scope learned, where nothing changed the objects since
+    (a task that brought nothing back but atoms)."""
     global _still
     outer = _still is None
     if outer:
-        _still = {}
+        _still = resumed if resumed is not None else {}
     try:
-        yield
+        yield _still  # type: ignore[misc]
     finally:
         if outer:
             _still = None
@@ -385,21 +387,33 @@ def _held_from_outside(obj: Any) -> bool:
     """Whether a list, dict, set or bytearray inside ``obj`` (at any depth) is also held from
     outside it (``last = log[-1]``) or twice inside: then ``obj`` is walked item by item, so the
     alias stays one on every side (one pickle by value would copy the item). By reference
-    counts: an item held once is held by its container, the level's list and the count's argument."""
-    level = [obj]
-    while level:
-        items = itertools.chain.from_iterable(c.values() if type(c) is dict else c for c in level)
-        level = [x for x in items if type(x) in _IN_PLACE]
-        if level and max(map(sys.getrefcount, level)) > _REFS_HELD_ONCE:
+    counts, level by level, in C-level passes (a level of atoms ends it): an item held once is
+    held by its container, by the lists made here that hold it, and by the count's argument."""
+    items: Any = obj.values() if type(obj) is dict else obj
+    made = 0  # the lists made here that hold each item of the level
+    while True:
+        met = set(map(type, items))
+        containers_met = met & _IN_PLACE
+        if not containers_met:
+            return False
+        containers = items
+        if containers_met != met:  # atoms beside them: the containers alone
+            containers, made = list(itertools.compress(items, map(_IN_PLACE.__contains__, map(type, items)))), made + 1
+        if max(map(sys.getrefcount, containers)) > _REFS_HELD_ONCE + made:
             return True
-    return False
+        if containers_met == {dict}:
+            items = list(itertools.chain.from_iterable(map(dict.values, containers)))
+        elif containers_met <= {list, set}:
+            items = list(itertools.chain.from_iterable(containers))
+        else:
+            items = list(itertools.chain.from_iterable(c.values() if type(c) is dict else c for c in containers))
+        del containers
+        made = 1  # ``items``
 
 
 def _refs_held_once() -> int:
     """What ``_held_from_outside`` counts for an item its container alone holds (this Python's)."""
-    holder: list[dict[Any, Any]] = [{}]
-    level = [x for x in itertools.chain.from_iterable([holder]) if type(x) in _IN_PLACE]
-    return max(map(sys.getrefcount, level))
+    return max(map(sys.getrefcount, [{}]))
 
 
 _REFS_HELD_ONCE = _refs_held_once()

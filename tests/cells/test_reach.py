@@ -167,6 +167,28 @@ def test_a_large_container_is_told_plain_once_while_nothing_changes_it():
     assert kind_of(records) is Kind.PLAIN
 
 
+def test_an_item_held_from_outside_at_any_level_or_twice_inside_is_found():
+    """A large container is plain data only while no list, dict, set or bytearray inside it, at
+    any level, is held from outside it or twice inside it (then it is walked item by item)."""
+    from enot_nb._state.kinds import _held_from_outside
+
+    nested = [{"i": i, "tags": [i, "a"]} for i in range(ATOMS_MIN)]
+    mixed = [1, "a", *([i, {"c": i}] for i in range(ATOMS_MIN))]  # atoms beside containers
+    by_key = {i: {"v": [i]} for i in range(ATOMS_MIN)}
+    assert not any(map(_held_from_outside, (nested, mixed, by_key)))
+    found = []
+    for container, path in [(nested, (3,)), (nested, (3, "tags")), (mixed, (7, 1)), (by_key, (7, "v"))]:
+        item = container
+        for key in path:
+            item = item[key]
+        found.append(_held_from_outside(container))  # held by ``item`` alone
+        del item
+    assert found == [True] * 4
+    assert not any(map(_held_from_outside, (nested, mixed, by_key)))
+    nested.append(nested[0]["tags"])  # twice inside
+    assert _held_from_outside(nested)
+
+
 def test_plain_data_comes_back_in_place_sets_and_cycles_included():
     log = [{"step": i, "tags": {"a"}, "raw": bytearray(b"x")} for i in range(ATOMS_MIN)]
     log.append(log)  # a cycle: applied to a bounded depth, never forever

@@ -236,6 +236,24 @@ def test_a_reach_kept_after_a_cell_that_reorders_or_aliases_is_what_a_fresh_walk
         )
 
 
+def test_a_record_made_with_what_the_task_learned_before_is_a_fresh_walk():
+    """After a task that brought back only atoms, the record reuses what the task's preparation
+    learned of large containers (their plain pickles and whether an item is held from outside);
+    after one that brought back an alias of an item, it looks again: a large list of records
+    the ranks get in that task is walked item by item, as a fresh walk does."""
+    records = {name: [{"i": i} for i in range(1200)] for name in ("log", "other")}
+    s = start("fork", namespace=records)
+    try:
+        ns = s.namespace
+        s.run("k = len(log)")  # log goes; only an atom comes back
+        _record_is_a_fresh_walk(s.flow.mirror, ns, "after an atom came back")
+        s.run("rec = other[5]")  # other goes; an alias of its item comes back
+        _record_is_a_fresh_walk(s.flow.mirror, ns, "after an alias came back")
+        assert ns["rec"] is ns["other"][5]
+    finally:
+        s.close()
+
+
 def test_the_record_updated_after_a_task_is_the_record_walked_again(monkeypatch):
     """After each task the mirror updates its record where the task moved something (new names,
     written storages, objects that hold more) or walks it again (a name rebound, an object that

@@ -1006,6 +1006,14 @@ FOUND = [
         ],
     ),
     (
+        # the ranks' t held a storage of its own two floats: a, sent later, could not be its memory
+        "a-tensor-over-part-of-an-array-goes-with-the-array",
+        [
+            (P, "a = np.arange(3, dtype=np.float64)\nrow = a[:2]\nt = torch.from_numpy(row)"),
+            (S, "v = t.view(-1)\nb = v.numpy()"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),

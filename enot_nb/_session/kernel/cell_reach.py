@@ -51,14 +51,18 @@ class CellReach:
         kept: CellReach | None,
         rank_only: Collection[str] = (),
         synced: Collection[str] = (),
+        also: Collection[str] = (),
     ) -> CellReach:
         """``code``'s reach: ``kept`` (the last cell's) where it holds still, else walked. A
         cell that reaches a variable that lives only on the ranks (``rank_only``: a DDP
         wrapper, a Trainer) may reach through it what the notebook holds under other names
         (``ddp.module`` is ``model``, with its buffers and ``training`` flags): its reach takes
         in every variable the ranks hold (``synced``), so that the master compares them and
-        sends what changed under the notebook's own paths."""
+        sends what changed under the notebook's own paths. ``also``: variables it takes in
+        beside the code's (see Mirror.arrays_over_new_storages)."""
         names = reach.cell_names(code)
+        if also:
+            names = reach.CodeNames(names.names | frozenset(also), names.dynamic)
         if kept is not None and kept.holds(namespace, names, hidden, since):
             return kept
         found = reach.reach(namespace, code, hidden, found=names)

@@ -31,6 +31,7 @@ from enot_nb._state import apply, reach
 from enot_nb._state.collect import Changes
 from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
+from enot_nb._state.states import VALUE_TYPES
 from enot_nb._worker import cell as _cell
 from enot_nb.errors import LaunchConfigError, NotHeldError
 
@@ -67,6 +68,9 @@ class PreparedTask:
     run: CellRun | None = None
     reach: CellReach | None = None
     """A cell's reach and its specs, which the next cell may use again (see CellReach)."""
+    still: dict[int, Any] | None = None
+    """What the task's preparation learned of large containers (kinds.held_still): the record
+    made after it reuses it where the task brought back nothing that can change them."""
 
 
 class NamespaceFlow:
@@ -134,9 +138,11 @@ class NamespaceFlow:
         outcome: CommandOutcome,
         names: list[str] | None = None,
         moved: TaskChanges | None = None,
+        still: dict[int, Any] | None = None,
     ) -> None:
         """The ranks hold what was pushed, unless they could not apply it (or were replaced:
-        new workers hold nothing). ``moved``: what the task brought back (the push is added)."""
+        new workers hold nothing). ``moved``: what the task brought back (the push is added);
+        ``still``: what the task's preparation learned, where the task changed nothing here."""
         push = prepared.push
         if push is None or outcome.restart is not None:
             return
@@ -145,7 +151,7 @@ class NamespaceFlow:
             return
         if moved is not None:
             moved = moved.plus(push.changes, self.mirror.record.baseline)  # pickled against it: the same still
-        with held_still():  # what came back is applied
+        with held_still(still):  # what came back is applied
             self.mirror.synced_after(self.namespace, [*push.names, *(names or [])], self._hidden(), moved)
 
     def _push_refused(self, push: Push, outcome: CommandOutcome) -> None:
@@ -183,6 +189,18 @@ class NamespaceFlow:
                 rank_only=self.mirror.on_workers,
                 synced=self.mirror.record.synced,
             )
+            arrays = self.mirror.arrays_over_new_storages(self.namespace, reached.found.registry, self._hidden())
+            if not set(arrays) <= set(reached.found.names):
+                reached = CellReach.of(
+                    self.namespace,
+                    code,
+                    self._hidden(),
+                    since,
+                    None,
+                    rank_only=self.mirror.on_workers,
+                    synced=self.mirror.record.synced,
+                    also=arrays,
+                )
             prepared.reached = reached.found.names
             prepared.push = self._push(reached.found.names, since=since)
             # --no-return too: the master snapshots what the cell reaches, to name what it changed
@@ -233,7 +251,7 @@ class NamespaceFlow:
         if quiet and set(names) <= set(self.mirror.record.synced) and all(n in self.namespace for n in names):
             self.mirror.matched()  # nothing moved either way: the record still holds (and costs nothing)
             return moved
-        self.after_push(prepared, outcome, names, moved)
+        self.after_push(prepared, outcome, names, moved, prepared.still if _atoms_only(brought, moved) else None)
         return moved
 
     # ------------------------------------------------------------------------- launch, pull, push
@@ -379,6 +397,16 @@ def _loaded_whole(namespace: dict[str, Any], whole: dict[str, dict[str, Any]]) -
         except Exception as err:  # noqa: BLE001 - named, the rest of the pull still lands
             why[name] = f"its gathered values do not fit the notebook's {type(module).__name__} ({err})"
     return why
+
+
+def _atoms_only(brought: BroughtBack, moved: TaskChanges) -> bool:
+    """Whether what came back can have changed no large container nor how it is held: no object
+    or storage moved, no name deleted, and only atoms bound (an alias of an item, ``rec =
+    log[5]``, makes ``log`` walked item by item from then on)."""
+    changes = brought.changes
+    if moved.objects or moved.storages:
+        return False
+    return changes is None or (not changes.deleted and all(type(v) in VALUE_TYPES for v in changes.bound.values()))
 
 
 def _check_names(names: list[str]) -> None:

@@ -355,9 +355,10 @@ class Session:
         replaced (from the notebook, which now holds what the master reached); its failure
         raised."""
         workers = self._ready()
-        with held_still(), unwarned():  # until the task is sent, nothing changes the notebook's objects
+        with held_still() as still, unwarned():  # until the task is sent, nothing changes the notebook's objects
             prepared = make()
             pickled = self.flow.pickle(prepared)
+        prepared.still = still
 
         def applied(done: CommandOutcome) -> Any:
             with unwarned():

@@ -31,7 +31,7 @@ from typing import Any
 from enot_nb._memory import written
 from enot_nb._memory.digests import digested_size
 from enot_nb._serialize import picklers
-from enot_nb._serialize.tensors import array_extent, tensor_storages
+from enot_nb._serialize.tensors import array_extent, array_owner, may_be_an_arrays, tensor_storages
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._session.tasks import ShardedLoad
@@ -146,6 +146,24 @@ class Mirror:
         nothing: as good as a sync for what runs later (the plain cells run before it, and any
         code run outside them, need no comparison again)."""
         self.synced_at = next(_SYNCS)
+
+    def arrays_over_new_storages(self, namespace: dict[str, Any], reached: Registry, hidden: Any = ()) -> list[str]:
+        """The variables holding a NumPy array whose memory holds part of a storage ``reached``
+        has that the ranks lack and that may be an array's (``t = torch.from_numpy(a[:2])``):
+        they go with it, one memory there as here (``a`` sent later could not be: the ranks'
+        copy of ``t``'s storage holds its part only)."""
+        new = [s for s in reached.storages if may_be_an_arrays(s) and self.record.baseline.find_storage(s) is None]
+        numpy = sys.modules.get("numpy")
+        if not new or numpy is None:
+            return []
+        spans = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in new]
+        found = []
+        for name, value in user_variables(namespace, hidden).items():
+            if type(value) is numpy.ndarray and value.nbytes:
+                start, end = array_extent(array_owner(value))
+                if any(start < last and first < end for first, last in spans):
+                    found.append(name)
+        return found
 
     def compare(self, namespace: dict[str, Any], hidden: Any = (), reached: Registry | None = None) -> SinceSync | None:
         """What changed of the record's objects and storages since the last sync (None: there is
