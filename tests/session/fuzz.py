@@ -436,6 +436,7 @@ class _Ops:
             return None
         n = self.rng.choice(sorted(names))
         del self.m.kinds[n]
+        self.m.module_of.pop(n, None)  # an optimizer deleted: no press loop steps it
         for dependent in [d for d, of in self.m.module_of.items() if of == n]:
             self.m.module_of.pop(dependent)
         return f"del {n}"
