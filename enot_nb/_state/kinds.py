@@ -296,7 +296,8 @@ def holds_only_atoms(obj: Any) -> bool:
 
 
 _PLAIN_CONTAINERS = frozenset({list, dict})
-_IN_PLACE = frozenset({list, dict, set, bytearray})
+IN_PLACE = frozenset({list, dict, set, bytearray})
+"""The containers whose contents are updated in place (plain data's items, aliases of them)."""
 _IN_PLACE_DEPTH = 100
 """How deep a plain container's new contents go into its old ones in place (deeper: replaced)."""
 
@@ -393,12 +394,12 @@ def _held_from_outside(obj: Any) -> bool:
     made = 0  # the lists made here that hold each item of the level
     while True:
         met = set(map(type, items))
-        containers_met = met & _IN_PLACE
+        containers_met = met & IN_PLACE
         if not containers_met:
             return False
         containers = items
         if containers_met != met:  # atoms beside them: the containers alone
-            containers, made = list(itertools.compress(items, map(_IN_PLACE.__contains__, map(type, items)))), made + 1
+            containers, made = list(itertools.compress(items, map(IN_PLACE.__contains__, map(type, items)))), made + 1
         if max(map(sys.getrefcount, containers)) > _REFS_HELD_ONCE + made:
             return True
         if containers_met == {dict}:
@@ -470,7 +471,7 @@ def _into(old: Any, new: Any, depth: int, done: dict[int, Any], made: dict[int, 
     container (``log[1] = log[0]``)."""
     if id(new) in made:
         return made[id(new)]
-    if type(old) is not type(new) or type(old) not in _IN_PLACE or depth <= 0:
+    if type(old) is not type(new) or type(old) not in IN_PLACE or depth <= 0:
         return new
     if id(old) in done:
         return new  # already made to hold another: let go here

@@ -36,7 +36,7 @@ from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.record import Record, TaskChanges
 from enot_nb._session.tasks import ShardedLoad
 from enot_nb._state.collect import Changes, StatePickler, StorageBytes, collect, whole_states
-from enot_nb._state.kinds import OPS, Kind
+from enot_nb._state.kinds import IN_PLACE, OPS, Kind
 from enot_nb._state.registry import Registry, stays_in_the_kernel, user_variables
 from enot_nb.errors import StaleError
 
@@ -464,7 +464,7 @@ def _plain_holders(baseline: Registry, reached: Registry) -> set[int]:
     holds, as an item, a list, dict, set or bytearray the plain cells reached by another name
     (``rec = log[5]``, then ``rec['v'] = 19``): the write is the container's change. A C-level
     pass over each such container's items, only where a reached one is not in the record."""
-    loose = {id(o) for o in reached.objects[1:] if type(o) in _ITEM_CONTAINERS and baseline.find(o) is None}
+    loose = {id(o) for o in reached.objects[1:] if type(o) in IN_PLACE and baseline.find(o) is None}
     if not loose:
         return set()
     holders = set()
@@ -475,9 +475,6 @@ def _plain_holders(baseline: Registry, reached: Registry) -> set[int]:
             if not loose.isdisjoint(map(id, items)):
                 holders.add(i)
     return holders
-
-
-_ITEM_CONTAINERS = (list, dict, set, bytearray)
 
 
 def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes, held: list[str]) -> None:
