@@ -1,6 +1,6 @@
 """A session on the Ray engine beside a local session and Ray's own floor (``run_all.py --only ray``).
 
-A Ray cluster of two nodes on this machine (as tests/ray: loopback, token authentication, a
+A Ray cluster of two nodes on this machine (as tests/ray_engine: loopback, token authentication, a
 ``RAY_TMPDIR`` of its own), a real kernel attached to it:
 
 * a trivial cell on a 2-rank Ray session (``--engine ray --placement spread``: one rank per
@@ -24,7 +24,7 @@ from pathlib import Path
 from benchmarks.bench_session import SETUP, TRIVIAL, _apart, _ipyparallel, ddp_steps
 from benchmarks.harness import Row, kernel_json
 from tests.kernel import Kernel
-from tests.ray.loopback import ray_variables
+from tests.ray_engine.loopback import ray_variables
 
 BENCH = "Ray session: a trivial cell, 2 ranks"
 DDP = "Ray session: 50 DDP steps (gloo), 2 ranks"
@@ -83,7 +83,7 @@ def run(repeats: int) -> list[Row]:
     saved, cwd = {k: os.environ.get(k) for k in env}, os.getcwd()
     os.environ.update(env)
     reset_auth_token_state()
-    os.chdir(folder)  # Ray's workers put their folder on sys.path (see tests/ray/conftest.py)
+    os.chdir(folder)  # Ray's workers put their folder on sys.path (see tests/ray_engine/conftest.py)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False},

@@ -279,6 +279,20 @@ COLLECT_TOOK = (
 UNCOLLECT_TOOK = "get_ipython().events.unregister('post_run_cell', _collect)\nprint('RESULT', json.dumps(_steps))"
 
 
+FIFTY_STEPS = "took = job.timed_fifty(ddp, optimizer, x, y)"
+"""The DDP rows' session cell (``took``: the steps' own seconds, timed on the rank)."""
+
+
+def ddp_setup() -> list[str]:
+    """The session cells that give the ranks ``job`` and its DDP model (a running session)."""
+    return [
+        "%%enot_distributed\nimport importlib.util as util\n"
+        f"spec = util.spec_from_file_location('session_steps_job', {str(JOB)!r})\n"
+        "job = util.module_from_spec(spec)\nspec.loader.exec_module(job)\nparts = job.build()",
+        "%%enot_distributed\nddp, optimizer, x, y = (parts[k] for k in ('ddp', 'optimizer', 'x', 'y'))",
+    ]
+
+
 def ddp_steps(
     kernel,
     repeats: int,
@@ -296,12 +310,8 @@ def ddp_steps(
     n = max(30, repeats * 4)  # the steps' own spread (several ms) is larger than the cell's cost
     kernel.ok(CELL_CLOCK)
     kernel.ok(start, timeout=300)
-    kernel.ok(
-        "%%enot_distributed\nimport importlib.util as util\n"
-        f"spec = util.spec_from_file_location('session_steps_job', {str(JOB)!r})\n"
-        "job = util.module_from_spec(spec)\nspec.loader.exec_module(job)\nparts = job.build()"
-    )
-    kernel.ok("%%enot_distributed\nddp, optimizer, x, y = (parts[k] for k in ('ddp', 'optimizer', 'x', 'y'))")
+    for line in ddp_setup():
+        kernel.ok(line)
     folder = tempfile.mkdtemp()
     scripts: list[RunningScript] = []
     try:
@@ -310,7 +320,7 @@ def ddp_steps(
         control = RunningScript(folder, "control")
         scripts.append(control)
         in_script, in_control = [], []
-        cell = "%%enot_distributed\ntook = job.timed_fifty(ddp, optimizer, x, y)"
+        cell = "%%enot_distributed\n" + FIFTY_STEPS
         kernel.ok(COLLECT_TOOK)
         for i in range(-2, n):
             seconds = reference.block()

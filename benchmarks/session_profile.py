@@ -1,11 +1,12 @@
-"""Where a trivial session cell's time goes: each phase stamped in the kernel and on the ranks.
+"""Where a session cell's time goes: each phase stamped in the kernel and on the ranks.
 
-Usage: .venv/bin/python benchmarks/session_profile.py [--cells N] [--tree PATH]
+Usage: .venv/bin/python benchmarks/session_profile.py [--cells N] [--tree PATH] [--cell pass|ddp]
 
-A real kernel with a two-rank gloo session runs N trivial session cells (``pass``), each its own
-execute request; wrappers stamp the phases of each (the kernel's own steps, and on each rank from
-reading the task to sending the answer), and the medians over the cells are printed. The stamps
-cost about a microsecond each. ``--tree``: the checkout whose ``enot_nb`` runs (default: this one).
+A real kernel with a two-rank gloo session runs N session cells, each its own execute request:
+trivial ones (``pass``), or bench_session's 50 DDP steps (``ddp``, the steps stamped too);
+wrappers stamp the phases of each (the kernel's own steps, and on each rank from reading the
+task to sending the answer), and the medians over the cells are printed. The stamps cost about
+a microsecond each. ``--tree``: the checkout whose ``enot_nb`` runs (default: this one).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import bench_session  # noqa: E402
 from benchmarks.harness import ROOT  # noqa: E402
 from tests.kernel import Kernel  # noqa: E402
 
@@ -116,19 +118,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=100)
     parser.add_argument("--tree", default=str(ROOT))
+    parser.add_argument("--cell", choices=["pass", "ddp"], default="pass")
     args = parser.parse_args()
+    cell = "%%enot_distributed\n" + ("pass" if args.cell == "pass" else bench_session.FIFTY_STEPS)
     kernel = Kernel(extra_env={"PYTHONPATH": args.tree})
     try:
         kernel.ok(f"import sys; sys.path[:0] = [{args.tree!r}]\n%load_ext enot_nb")
         kernel.ok("%enot_session start -n 2 --backend gloo")
         kernel.ok(KERNEL)
         kernel.ok(RANKS)
+        if args.cell == "ddp":
+            for line in bench_session.ddp_setup():
+                kernel.ok(line)
+            kernel.ok("%%enot_distributed --no-return\n_rank_stamps_wrap(job, 'timed_fifty', 'the 50 steps')")
         for _ in range(5):
-            kernel.ok("%%enot_distributed\npass")
+            kernel.ok(cell)
         kernel.ok("_kernel_stamps.clear()")
         kernel.ok("%%enot_distributed --no-return\n_rank_stamps.clear()")
         for _ in range(args.cells):
-            kernel.ok("%%enot_distributed\npass")
+            kernel.ok(cell)
         ours = json.loads(kernel.ok("import json\nprint(json.dumps(_kernel_stamps))").stdout.strip().splitlines()[-1])
         theirs = kernel.ok(
             "%%enot_distributed --no-return --output all\nimport json\nprint('STAMPS', json.dumps(_rank_stamps))"

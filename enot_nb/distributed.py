@@ -32,6 +32,7 @@ import torch.distributed as dist
 from enot_nb._defaults import DEFAULT_TIMEOUT
 from enot_nb._runtime.devices import device_for
 from enot_nb._runtime.env import read_layout
+from enot_nb._runtime.ray_rank import RayContext, context
 from enot_nb._runtime.sync import collective_device, sync_model
 from enot_nb.errors import DistributedRuntimeException, LaunchConfigError
 
@@ -47,6 +48,7 @@ __all__ = [
     "is_master",
     "master_first",
     "master_only",
+    "ray_context",
     "sync_model",
 ]
 
@@ -329,3 +331,33 @@ def _broadcast_master_status(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.broadcast(flag, src=0)
     return bool(flag.item())
+
+
+def ray_context() -> RayContext:
+    """Where this rank of a session on Ray runs: its node, its agent actor, its bundle and GPUs.
+
+    A rank is a child of its Ray actor, not a Ray worker, and Ray's own API refuses to run in it
+    (it would connect the rank to the cluster as a new driver): this answers from what the actor
+    handed the rank when it started it.
+
+    Returns:
+        The rank's ``RayContext`` (``node_id``, ``node_ip``, ``actor_id``, ``actor_name``,
+        ``placement_group_id``, ``bundle_index``, ``gpu_ids``).
+
+    Raises:
+        RuntimeError: this process is not a rank of a session on Ray.
+
+    Example:
+        ```python
+        %%enot_distributed
+        from enot_nb.distributed import ray_context
+        print(get_rank(), ray_context().node_ip)
+        ```
+    """
+    found = context()
+    if found is None:
+        raise RuntimeError(
+            "ray_context() answers in a rank of a session on Ray only (`%enot_session start --engine ray`); "
+            "this process is not one"
+        )
+    return found

@@ -114,6 +114,8 @@ class WorkerFailure:
     released: bool = False
     """It waited in a collective with a failed rank and the session released it: no failure of
     its own (its transport error is the release, not a cause)."""
+    node: str | None = None
+    """Where it ran, where that is not this machine (a Ray node: its id and IP)."""
 
     @classmethod
     def raised(cls, rank: int, report: Any, attempt: int, output_tail: str) -> WorkerFailure:
@@ -196,6 +198,7 @@ class WorkerFailure:
         else:
             cause = self.message or f"exited with code {self.exitcode}"
         where = f"rank {self.rank}" + (f" (attempt {self.attempt})" if self.attempt else "")
+        where += f" on node {self.node}" if self.node else ""
         return f"{where} {cause}"
 
     def report(self) -> str:

@@ -28,6 +28,51 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "ray-ranks-name-no-peers",
+        "enot_nb/_launch/ray_ranks.py",
+        "        return tuple(sorted(found))\n",
+        "        return ()\n",
+        [
+            "tests/ray_engine/test_ray_session.py::"
+            "test_a_stop_press_and_an_exception_keep_ddp_in_the_same_ranks_idle_or_loaded[idle]"
+        ],
+    ),
+    Mutation(
+        "ray-rank-may-connect-to-ray",
+        "enot_nb/_worker/bootstrap.py",
+        "    ray_rank.install()  # on Ray: the rank never connects to Ray itself\n",
+        "    pass\n",
+        [
+            "tests/ray_engine/test_ray_session.py::test_a_rank_knows_its_place_from_ray_context_and_never_joins_ray_itself"
+        ],
+    ),
+    Mutation(
+        "ray-session-stop-keeps-its-connection",
+        "enot_nb/_launch/ray_ranks.py",
+        "        ray.shutdown()\n",
+        "        pass\n",
+        [
+            "tests/ray_engine/test_ray_session.py::test_a_rank_knows_its_place_from_ray_context_and_never_joins_ray_itself"
+        ],
+    ),
+    Mutation(
+        "released-ranks-judged-by-the-clock-alone",
+        "enot_nb/_session/kernel/workers.py",
+        "            if not any(_grew(before.get(rank), now) for rank, now in after.items()):\n",
+        "            if True:\n",
+        ["tests/session/test_work_kept.py::test_released_ranks_that_work_their_way_back_slowly_are_waited_for"],
+    ),
+    Mutation(
+        "a-death-shown-after-the-restart",
+        "enot_nb/_session/kernel/workers.py",
+        "                self._say_died(dead)\n",
+        "                pass\n",
+        [
+            "tests/session/test_work_kept.py::"
+            "test_a_peer_killed_mid_training_is_named_before_the_restart_idle_or_loaded[idle]"
+        ],
+    ),
+    Mutation(
         "arrays-over-a-new-storage-left-behind",
         "enot_nb/_session/kernel/flow.py",
         "            if not set(arrays) <= set(reached.found.names):\n",
@@ -406,8 +451,8 @@ MUTATIONS = [
     Mutation(
         "session-abort-leaves-peer-sockets-open",
         "enot_nb/_session/worker/groups.py",
-        "    for fd in connections_with(peers):\n",
-        "    for fd in connections_with(set()):\n",
+        "    for fd in sockets.connections_to(peers):\n",
+        "    for fd in sockets.connections_to(()):\n",
         ["tests/session/test_faults.py::test_a_rank_blocked_in_a_collective_is_released_and_the_group_made_again"],
     ),
     Mutation(
@@ -1135,7 +1180,7 @@ MUTATIONS = [
         "                local_rank=rank,\n",
         [
             "tests/unit/test_ray_layout.py::test_an_uneven_placement_numbers_ranks_node_by_node",
-            "tests/ray/test_ray_session.py::test_ranks_on_two_nodes_train_ddp_as_a_local_session_does",
+            "tests/ray_engine/test_ray_session.py::test_ranks_on_two_nodes_train_ddp_as_a_local_session_does",
         ],
     ),
     Mutation(
@@ -1261,14 +1306,14 @@ MUTATIONS = [
         "enot_nb/_launch/ray_ranks.py",
         "        self._signal([r for r in ranks if r.running], signal.SIGINT)\n",
         "        self._signal([], signal.SIGINT)\n",
-        ["tests/ray/test_ray_session.py::test_the_stop_button_interrupts_every_rank_which_stay_idle_after"],
+        ["tests/ray_engine/test_ray_session.py::test_the_stop_button_interrupts_every_rank_which_stay_idle_after"],
     ),
     Mutation(
         "ray-fork-server-keeps-the-actors-signal-mask",
         "enot_nb/_worker/forkserver.py",
         "    signal.pthread_sigmask(signal.SIG_SETMASK, set())\n",
         "",
-        ["tests/ray/test_ray_session.py::test_the_stop_button_interrupts_every_rank_which_stay_idle_after"],
+        ["tests/ray_engine/test_ray_session.py::test_the_stop_button_interrupts_every_rank_which_stay_idle_after"],
     ),
     Mutation(
         "ray-actor-death-cause-unnamed",
@@ -1276,8 +1321,8 @@ MUTATIONS = [
         "        self.ray_causes[r.rank] = _ray_cause(err)\n",
         "",
         [
-            "tests/ray/test_ray_session.py::test_an_actor_killed_mid_cell_fails_the_cell_naming_its_rank_and_node",
-            "tests/ray/test_ray_session.py::test_a_node_removed_mid_cell_fails_the_cell_naming_its_rank_and_node",
+            "tests/ray_engine/test_ray_session.py::test_an_actor_killed_mid_cell_fails_the_cell_naming_its_rank_and_node",
+            "tests/ray_engine/test_ray_session.py::test_a_node_removed_mid_cell_fails_the_cell_naming_its_rank_and_node",
         ],
     ),
     Mutation(
@@ -1285,7 +1330,7 @@ MUTATIONS = [
         "enot_nb/_launch/ray_agent.py",
         "mmap.mmap(self.result_fd, size, prot=mmap.PROT_READ)",
         "mmap.mmap(self.result_fd, size // 2, prot=mmap.PROT_READ)",
-        ["tests/ray/test_ray_session.py::test_big_state_goes_both_ways_through_the_object_store"],
+        ["tests/ray_engine/test_ray_session.py::test_big_state_goes_both_ways_through_the_object_store"],
     ),
     Mutation(
         "plain-pickled-again-while-held-still",

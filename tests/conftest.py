@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -53,3 +54,21 @@ def no_leftover_processes():
 def start_method(request):
     """Each test that takes it runs under both start methods."""
     return request.param
+
+
+BUSY_PROCESSES = 4
+"""The load of ``cpu_load``: busy processes, twice the cores of a CI machine (2)."""
+
+
+@pytest.fixture(params=[0, BUSY_PROCESSES], ids=["idle", "loaded"])
+def cpu_load(request):
+    """The test runs on an idle machine, and again beside BUSY_PROCESSES processes that spin on
+    the CPU for its whole length (a long run on a shared machine); they are killed after it."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(request.param)]
+    try:
+        yield request.param
+    finally:
+        for process in busy:
+            process.kill()
+        for process in busy:
+            process.wait()

@@ -417,3 +417,56 @@ def test_a_nccl_session_trains_on_with_the_same_ddp_after_a_failed_cell():
             s.run(f"step()\nif dist.get_rank() == {GPUS - 1}:\n    raise ValueError('mid-epoch')\nstep()")
         s.run("step()")  # the same ddp, on the group as it is now
         assert s.run("next(model.parameters()).device.type") == "cuda"
+
+
+# ----------------------------------------------------------------------------- the Ray engine
+
+
+def test_a_ray_session_gives_each_rank_the_gpu_ray_assigned_it(tmp_path):
+    """A one-node Ray cluster on loopback with this machine's GPUs: ``--gpus-per-rank 1`` places
+    one rank per GPU, nccl by default; each rank's device is the GPU Ray assigned its actor
+    (``ray_context().gpu_ids``, as ``CUDA_VISIBLE_DEVICES`` shows it at ``LOCAL_RANK``)."""
+    pytest.importorskip("ray", reason="the Ray engine's GPU case needs Ray: pip install -e '.[ray]'")
+    from tests.kernel import Kernel
+    from tests.ray_engine.loopback import ray_variables
+
+    env = ray_variables(str(tmp_path))
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.run(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={GPUS}",
+            f"--num-gpus={GPUS}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    try:
+        assert head.returncode == 0, head.stderr
+        kernel = Kernel(extra_env=env)
+        try:
+            kernel.ok("%load_ext enot_nb")
+            started = kernel.ok(f"%enot_session start -n {GPUS} --engine ray --address auto --gpus-per-rank 1", 400)
+            assert f"{GPUS} rank(s), nccl" in started.stdout, started.stdout
+            run = kernel.ok(
+                "%%enot_distributed\nimport os, torch, torch.distributed as dist\n"
+                "from enot_nb.distributed import ray_context\n"
+                "t = torch.ones(1, device='cuda')\ndist.all_reduce(t)\n"
+                "print(repr((torch.cuda.current_device(), os.environ['CUDA_VISIBLE_DEVICES'], "
+                "ray_context().gpu_ids, t.item())))"
+            )
+            device, visible, assigned, total = eval(run.stdout.strip())
+            assert visible.split(",")[device] == assigned[0] and total == float(GPUS)
+            print(f"GPU-ROW Ray session: rank 0 on GPU {assigned[0]} (cuda:{device}), nccl all_reduce over {GPUS}")
+            kernel.ok("%enot_session stop")
+        finally:
+            kernel.shutdown()
+    finally:
+        subprocess.run([ray_cli, "stop"], env={**os.environ, **env}, timeout=240)

@@ -20,11 +20,12 @@ from enot_nb._launch import attempt as _attempt
 from enot_nb._launch.attempt import Attempt, load_payload, stack_report
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._launch.ranks import Rank
-from enot_nb._processes import forkserver_client, framing
+from enot_nb._processes import forkserver_client, framing, sockets
 from enot_nb._processes import rendezvous as _rendezvous
-from enot_nb._processes.groups import resident_mib
+from enot_nb._processes.groups import cpu_seconds, resident_mib
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._processes.protocol import Payload, SessionCommand, StopWorker
+from enot_nb._processes.sockets import End
 from enot_nb._serialize import picklers, result_file
 from enot_nb._worker import bootstrap
 from enot_nb.errors import LaunchError, WorkerFailedError, WorkerFailure, signal_name_of
@@ -183,9 +184,9 @@ class LocalRanks:
         assert self.attempt is not None
         self.attempt.stopper.stop(ranks, (signal.SIGTERM, signal.SIGKILL))
 
-    def peers(self) -> tuple[int, ...]:
-        """The ranks' pids: a rank finds its connections with them in /proc (see groups)."""
-        return tuple(r.pid for r in self.ranks if r.pid is not None)
+    def peers(self) -> tuple[End, ...]:
+        """The ends of the ranks' TCP sockets, from /proc (see _processes/sockets)."""
+        return sockets.ends_of(r.pid for r in self.ranks if r.pid is not None and r.running)
 
     def meeting_point(self) -> str:
         """Where the ranks meet to make the world group again: a fresh store each time."""
@@ -206,6 +207,10 @@ class LocalRanks:
         if rank.pid is None:
             return None
         return resident_mib(rank.pid)
+
+    def cpu_seconds(self, rank: Rank) -> float | None:
+        """The rank's CPU time so far, from /proc (its progress while it does not answer)."""
+        return cpu_seconds(rank.pid) if rank.pid is not None and rank.running else None
 
     def why_ended(self, rank: Rank) -> str:
         """How a rank's process ended: the signal that killed it, or its exit code."""

@@ -15,7 +15,9 @@ ranks only through it::
     dump_stacks(ranks)      where each rank is, as text (for the stop button's report)
     interrupt(ranks)        KeyboardInterrupt raised in each rank
     stop(ranks)             the ranks ended: asked, then forced
-    peers()                 how a rank names its peers when it cuts its connections with them
+    peers()                 the ends (address, port) of the ranks' TCP sockets: a rank cuts its
+                            connections with them when it aborts its groups (_processes/sockets)
+    cpu_seconds(rank)       the rank's CPU time so far: its progress while it does not answer
     meeting_point()         where the ranks meet to make their world group again (a fresh one)
     load(payload)           a rank's result, loaded
     resident_mib(rank)      the rank's resident memory (for the session's table), or None
@@ -32,8 +34,9 @@ and relaying its traffic (ray_agent).
 
 Above it, nothing opens a pipe, reads ``/proc``, maps a task file or sends a signal: a rank's
 record (``ranks``) carries what it answered and whether it runs; ``pid`` is the host's name for
-it (shown in the session's table), and ``peers()`` gives those names to a rank that cuts its
-connections (it finds them locally, see _session/worker/groups). One-off launches still run on
+it (shown in the session's table); ``peers()`` names the ranks by their sockets' ends, which
+mean the same on every node (a rank finds its own connections with them, see
+_session/worker/groups). One-off launches still run on
 an ``Attempt`` directly (the local engine this implementation is built on).
 """
 
@@ -44,6 +47,7 @@ from typing import Any, Protocol
 
 from enot_nb._launch.ranks import Rank
 from enot_nb._processes.protocol import Payload, SessionCommand
+from enot_nb._processes.sockets import End
 from enot_nb.errors import WorkerFailure
 
 
@@ -74,7 +78,9 @@ class RankHost(Protocol):
 
     def stop(self, ranks: list[Rank]) -> None: ...
 
-    def peers(self) -> tuple[int, ...]: ...
+    def peers(self) -> tuple[End, ...]: ...
+
+    def cpu_seconds(self, rank: Rank) -> float | None: ...
 
     def meeting_point(self) -> str: ...
 

@@ -30,10 +30,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._processes import forkserver_client
+from enot_nb._processes import forkserver_client, sockets
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.framing import LaunchFds
-from enot_nb._processes.groups import ServerGroup, resident_mib
+from enot_nb._processes.groups import ServerGroup, cpu_seconds, resident_mib
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap
 
@@ -90,14 +90,15 @@ class RankAgent:
         self.exitcode: int | None = None
         self.rank = -1
 
-    def where(self, bundle: int) -> tuple[int, str, str, int, tuple[str, ...], str]:
-        """(bundle, node id, node IP, pid, assigned GPU ids, enot_nb's folder): where this actor
-        landed (see ray_layout.Landing)."""
+    def where(self, bundle: int) -> tuple[int, str, str, int, tuple[str, ...], str, str]:
+        """(bundle, node id, node IP, pid, assigned GPU ids, enot_nb's folder, actor id): where
+        this actor landed (see ray_layout.Landing)."""
         import ray
 
         context = ray.get_runtime_context()
         gpus = tuple(str(g) for g in ray.get_gpu_ids())
-        return bundle, context.get_node_id(), ray.util.get_node_ip_address(), os.getpid(), gpus, bootstrap.PACKAGE_DIR
+        node_ip, actor = str(ray.util.get_node_ip_address()), context.get_actor_id() or ""
+        return bundle, context.get_node_id(), node_ip, os.getpid(), gpus, bootstrap.PACKAGE_DIR, actor
 
     def free_port(self, address: str) -> int:
         """A port free on this node's ``address`` (the master's store binds it next)."""
@@ -233,6 +234,19 @@ class RankAgent:
         assert self.result_fd is not None
         # A view of the file: Ray copies it into the store once, after this returns.
         return numpy.frombuffer(mmap.mmap(self.result_fd, size, prot=mmap.PROT_READ), dtype=numpy.uint8)
+
+    def tcp_ends(self) -> tuple[tuple[str, int], ...]:
+        """The ends of the worker's TCP sockets (see _processes/sockets): how its peers on other
+        nodes find their connections with it."""
+        if self.pid is None or self.exitcode is not None:
+            return ()
+        return sockets.ends_of([self.pid])
+
+    def cpu_seconds(self) -> float | None:
+        """The worker's CPU time so far (its progress, while it does not answer)."""
+        if self.pid is None or self.exitcode is not None:
+            return None
+        return cpu_seconds(self.pid)
 
     def memory(self) -> float | None:
         """The worker's resident memory (MiB), from /proc."""

@@ -26,6 +26,8 @@ class Landing:
     """The GPUs Ray assigned to the actor (``ray.get_gpu_ids()``)."""
     package_dir: str = ""
     """Where enot_nb lies on the node (the runtime_env's copy): its frames are ours in a stack."""
+    actor_id: str = ""
+    """The actor's Ray id (hex): the rank's ``ray_context()`` names it."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ module itself is imported only when a session asks for the Ray engine.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -53,6 +54,8 @@ from enot_nb._processes import framing
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._processes.protocol import ErrorReport, InMemfd, Payload, RunTask, SessionCommand, StopWorker
+from enot_nb._processes.sockets import End
+from enot_nb._runtime.ray_rank import RayContext
 from enot_nb._serialize import picklers, result_file
 from enot_nb._serialize.shm import pwrite_all
 from enot_nb._worker import bootstrap, streams
@@ -80,6 +83,7 @@ def connect(address: str | None) -> None:
     connection made before (``ray.init`` in the notebook) is used as it is: enot_nb must then
     be in its runtime_env or installed on the nodes. (Ray Client's ``ray://`` is refused by
     EngineOptions.)"""
+    global _connected_here
     if ray.is_initialized():
         return
     # enot_nb travels with the job (Ray uploads local modules only at the job's level); torch
@@ -90,6 +94,20 @@ def connect(address: str | None) -> None:
         configure_logging=False,
         runtime_env={"py_modules": [PACKAGE_DIR]},
     )
+    _connected_here = True
+
+
+def disconnect() -> None:
+    """The connection ``connect`` made, ended (a session's close): a kernel whose cluster is
+    stopped later then shuts down cleanly. A connection the user made first is left alone."""
+    global _connected_here
+    if _connected_here:
+        _connected_here = False
+        ray.shutdown()
+
+
+_connected_here = False
+"""Whether this process's Ray connection is the one ``connect`` made (not the user's own)."""
 
 
 class RayRanks:
@@ -130,8 +148,13 @@ class RayRanks:
         """Place the ranks, start each one's worker through its agent, and wait until every
         rank is connected; WorkerFailedError if one fails first, LaunchError where Ray cannot
         place them in time."""
-        connect(self.address)
         nprocs = self.plan.nprocs
+        print(
+            f"enot_nb: starting {nprocs} rank(s) on Ray: connecting, placing them, then an actor and a worker each",
+            file=sys.stderr,
+            flush=True,
+        )
+        connect(self.address)
         self.group = self._placement_group(nprocs)
         decorate: Any = ray.remote  # its stubs lack concurrency_groups, which Ray takes
         agent_class = decorate(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)(RankAgent)
@@ -145,7 +168,10 @@ class RayRanks:
             for i in range(nprocs)
         ]
         self.agents = dict(enumerate(actors))  # by bundle until placed
-        landings = [Landing(*where) for where in self._get([a.where.remote(i) for i, a in enumerate(actors)])]
+        # An actor answers once Ray started its process (and the job's runtime_env on its node):
+        # slow on a loaded machine, so bounded by the session's timeout, as the placement is.
+        arrived = self._get([a.where.remote(i) for i, a in enumerate(actors)], wait=self.place_timeout)
+        landings = [Landing(*where) for where in arrived]
         places = place_ranks(landings)
         self.agents = {p.rank: actors[p.landing.bundle] for p in places}
         self.places = {p.rank: p for p in places}
@@ -194,7 +220,8 @@ class RayRanks:
         launches = {
             rank: AgentLaunch(
                 rank=rank,
-                env=torchrun_variables(place, plan.nprocs, master, port, plan.run_id, threads),
+                env=torchrun_variables(place, plan.nprocs, master, port, plan.run_id, threads)
+                | self._context(place).variables(),
                 env_defaults=defaults,
                 init_kwargs=init_kwargs,
                 threads=threads,
@@ -205,7 +232,8 @@ class RayRanks:
             )
             for rank, place in self.places.items()
         }
-        pids = self._get([self._call(rank, "start", launches[rank]) for rank in sorted(self.places)])
+        starts = [self._call(rank, "start", launches[rank]) for rank in sorted(self.places)]
+        pids = self._get(starts, wait=max(RAY_CALL_WAIT, self.place_timeout))
         for r, pid in zip(self._ranks, pids):
             r.pid = pid
             self._read_next(r)
@@ -213,16 +241,26 @@ class RayRanks:
         while not all(r.connected for r in self._ranks):
             if self.failures or any(not r.running for r in self._ranks) or time.monotonic() > deadline:
                 self.wait(2.0, until=lambda: False)  # the others' ends, for the report
-                failures = self.failures or [
-                    WorkerFailure.died(r.rank, r.exitcode or -9, 0, r.err_tail(), self._cause(r))
-                    for r in self._ranks
-                    if not r.running
-                ]
+                failures = self.failures or [self._died(r, r.exitcode or -9) for r in self._ranks if not r.running]
                 if not failures:
                     raise LaunchError(f"the ranks did not connect within {self.place_timeout:g} s")
                 failures.sort(key=WorkerFailure.caused_by_a_lost_peer)
                 raise WorkerFailedError(failures)
             self.poll(READ_POLL)
+
+    def _context(self, place: RankPlace) -> RayContext:
+        """What the rank's ``ray_context()`` answers (see _runtime/ray_rank)."""
+        assert self.group is not None
+        landing = place.landing
+        return RayContext(
+            node_id=landing.node_id,
+            node_ip=landing.node_ip,
+            actor_id=landing.actor_id,
+            actor_name=self.names[place.rank],
+            placement_group_id=self.group.id.hex(),
+            bundle_index=landing.bundle,
+            gpu_ids=landing.gpu_ids,
+        )
 
     def close(self) -> None:
         """Stop every rank (StopWorker, then SIGTERM, SIGKILL through its agent), end the agents
@@ -381,7 +419,11 @@ class RayRanks:
         self.io.drain(r)
         if r.outcome is not None or (exitcode != 0 and r.stopped_by_us(exitcode)):
             return
-        self.failures.append(WorkerFailure.died(r.rank, exitcode, 0, r.err_tail(), self._cause(r)))
+        self.failures.append(self._died(r, exitcode))
+
+    def _died(self, r: Rank, exitcode: int) -> WorkerFailure:
+        died = WorkerFailure.died(r.rank, exitcode, 0, r.err_tail(), self._cause(r))
+        return dataclasses.replace(died, node=self._node(r))
 
     def _agent_died(self, r: Rank, err: Exception) -> None:
         """Ray says the rank's actor is gone (killed, its node lost): its worker died with it."""
@@ -392,15 +434,19 @@ class RayRanks:
         r.signal_cause = self._cause(r)
         self._exited(r, -signal.SIGKILL)
 
-    def _cause(self, r: Rank) -> str | None:
+    def _node(self, r: Rank) -> str | None:
+        """The rank's node in words: its id (as the table shows it) and IP."""
         place = self.places.get(r.rank)
-        where = f"on node {place.landing.node_id[:12]} ({place.landing.node_ip})" if place else ""
+        return f"{place.landing.node_id[:12]} ({place.landing.node_ip})" if place else None
+
+    def _cause(self, r: Rank) -> str | None:
         cause = self.ray_causes.get(r.rank)
-        return f"its Ray actor {where} died: {cause}" if cause else None
+        return f"its Ray actor died: {cause}" if cause else None
 
     def _record_error(self, r: Rank, info: ErrorReport) -> None:
         info = info._replace(traceback=as_in_the_notebook(info.traceback))
-        self.failures.append(WorkerFailure.raised(r.rank, info, 0, r.err_tail()))
+        failure = WorkerFailure.raised(r.rank, info, 0, r.err_tail())
+        self.failures.append(dataclasses.replace(failure, node=self._node(r)))
 
     def wait(self, seconds: float, until: Callable[[], bool]) -> None:
         deadline = time.monotonic() + seconds
@@ -412,10 +458,18 @@ class RayRanks:
 
     # ------------------------------------------------------------------------- the rest
 
-    def peers(self) -> tuple[int, ...]:
-        """None: a rank finds its peers' connections in its own /proc, and its peers' pids are
-        other nodes' (aborting its groups closes its side of every connection)."""
-        return ()
+    def peers(self) -> tuple[End, ...]:
+        """The ends of the ranks' TCP sockets, each read on its node by its agent (a rank's pid
+        means nothing on another node; its sockets' addresses do)."""
+        live = [r.rank for r in self._ranks if r.running and r.rank in self.agents]
+        calls = [self._call(rank, "tcp_ends") for rank in live]
+        found: set[End] = set()
+        for call in calls:
+            try:
+                found.update(self._get(call))
+            except LaunchError:
+                pass  # its agent is gone: so are its connections
+        return tuple(sorted(found))
 
     def meeting_point(self) -> str:
         """A fresh store on rank 0's node, at a port its agent found free."""
@@ -444,12 +498,22 @@ class RayRanks:
         except LaunchError:
             return None
 
+    def cpu_seconds(self, rank: Rank) -> float | None:
+        """The rank's CPU time so far, read on its node by its agent."""
+        if not rank.running or rank.rank not in self.agents:
+            return None
+        try:
+            return self._get(self._call(rank.rank, "cpu_seconds"))
+        except LaunchError:
+            return None
+
     def why_ended(self, rank: Rank) -> str:
-        cause = self._cause(rank)
-        if cause is not None:
-            return cause
         exitcode = rank.exitcode
-        return signal_name_of(exitcode) if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+        ended = self._cause(rank) or (
+            signal_name_of(exitcode) if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+        )
+        node = self._node(rank)
+        return f"{ended}, on node {node}" if node else ended
 
     def location(self, rank: Rank) -> tuple[str, str] | None:
         """(node id, node IP) of the rank, for the session's table."""
@@ -476,12 +540,12 @@ class RayRanks:
     def _call(self, rank: int, method: str, *args: Any, group: str = "control") -> Any:
         return getattr(self.agents[rank], method).options(concurrency_group=group).remote(*args)
 
-    def _get(self, refs: Any) -> Any:
-        """Ray's answer within RAY_CALL_WAIT; LaunchError naming the cause if none comes."""
+    def _get(self, refs: Any, wait: float = RAY_CALL_WAIT) -> Any:
+        """Ray's answer within ``wait`` seconds; LaunchError naming the cause if none comes."""
         try:
-            return ray.get(refs, timeout=RAY_CALL_WAIT)
+            return ray.get(refs, timeout=wait)
         except ray.exceptions.GetTimeoutError as err:
-            raise LaunchError(f"a Ray actor of the session did not answer within {RAY_CALL_WAIT:g} s") from err
+            raise LaunchError(f"a Ray actor of the session did not answer within {wait:g} s") from err
         except ray.exceptions.RayActorError as err:
             raise LaunchError(f"a Ray actor of the session died: {_ray_cause(err)}") from err
 

@@ -283,3 +283,14 @@ def resident_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A process's CPU time so far (user and system, every thread), from /proc; None where it
+    cannot be read (gone). A rank that does not answer but whose CPU time grows is working."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

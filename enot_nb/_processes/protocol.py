@@ -199,9 +199,10 @@ class ReportGroups(NamedTuple):
 
 class AbortGroups(NamedTuple):
     """Abort every process group: a peer blocked in a collective with this rank is released.
-    ``peers``: the other ranks' pids, whose connections with this rank are shut down."""
+    ``peers``: the ends (address, port) of the ranks' TCP sockets; this rank's connections with
+    them are shut down (see _processes/sockets)."""
 
-    peers: tuple[int, ...]
+    peers: tuple[tuple[str, int], ...]
 
 
 class Regroup(NamedTuple):

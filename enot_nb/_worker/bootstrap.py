@@ -39,6 +39,7 @@ from enot_nb._processes.protocol import (
     Result,
     WorkerMessage,
 )
+from enot_nb._runtime import ray_rank
 from enot_nb._serialize import result_file, shm
 from enot_nb._worker import stacks, streams
 
@@ -130,6 +131,7 @@ def become_worker(spec: WorkerSpec) -> None:
     os.environ.clear()
     os.environ.update(spec.env)
     os.environ[WORKER_MARKER] = "1"
+    ray_rank.install()  # on Ray: the rank never connects to Ray itself
     os.chdir(spec.cwd)
     sys.path[:] = spec.sys_path
     import torch

@@ -333,7 +333,7 @@ CASES = [
 
 
 def _run_case(kernels, method, steps, setup, probes, start=None):
-    """``start``: the line that starts the session (tests/ray: on the Ray engine)."""
+    """``start``: the line that starts the session (tests/ray_engine: on the Ray engine)."""
     local, dist = kernels
     seen: list[tuple[list, list]] = []
     for kernel in (local, dist):

@@ -465,3 +465,108 @@ def test_twenty_stop_presses_at_random_moments_of_training_leave_the_same_ddp_tr
             assert _notebook_matches_master(s, ns), f"press {press}"
         s.run("train_epoch(ddp, opt, 3)")
         assert s.run(REPLICAS_EQUAL) is True
+
+
+def _pids(s) -> list[int]:
+    return [row.pid for row in s.status().rows]
+
+
+def test_a_stop_press_and_an_exception_keep_ddp_in_the_same_ranks_idle_or_loaded(tmp_path, cpu_load, capfd):
+    """The two faults a session recovers from in place, on an idle machine and beside busy
+    processes: a press during DDP training, then one rank's exception mid-epoch. Nothing
+    restarts (the same processes), the same ``ddp`` and ``opt`` train on, the replicas equal."""
+    ns: dict = {}
+    fifo = tmp_path / "training"
+    os.mkfifo(fifo)
+    with start("fork", namespace=ns) as s:
+        s.run(BN_MODEL + EPOCH)
+        pids = _pids(s)
+        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
+        press.start()
+        with pytest.raises(KeyboardInterrupt):
+            s.run(
+                "for epoch in range(100000):\n    train_epoch(ddp, opt, 3)\n"
+                f"    if epoch == 1 and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
+            )
+        press.join()
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run("train_epoch(ddp, opt, 10, fail_at=4)")
+        assert failed.value.rank == 1 and "rank 1 fails mid-epoch" in str(failed.value)
+        assert "session restarted" not in capfd.readouterr().out
+        assert _pids(s) == pids  # the same ranks: nothing restarted
+        assert s.run(REPLICAS_EQUAL) is True
+        s.run("train_epoch(ddp, opt, 3)")  # the same wrapper and optimizer train on
+        assert s.run(REPLICAS_EQUAL) is True
+        assert _notebook_matches_master(s, ns)
+
+
+def test_a_peer_killed_mid_training_is_named_before_the_restart_idle_or_loaded(tmp_path, cpu_load, capfd, monkeypatch):
+    """Rank 1 SIGKILLed while the ranks train: its death is shown (rank, how it ended) before the
+    session restarts; the master's progress (the model, the optimizer, its step count) is kept
+    and the new ranks train on from it, the replicas equal."""
+    from enot_nb._session.kernel.session import Session
+
+    shown_before: list[str] = []
+    restart = Session.restart
+
+    def restart_seen(self, why=None):
+        shown_before.append(capfd.readouterr().err)
+        return restart(self, why)
+
+    monkeypatch.setattr(Session, "restart", restart_seen)
+    fifo = tmp_path / "training"
+    os.mkfifo(fifo)
+    ns: dict = {}
+    with start("fork", namespace=ns) as s:
+        s.run(BN_MODEL + EPOCH)
+        victim = _pids(s)[1]
+
+        def kill_once_training() -> None:
+            with open(fifo) as said:
+                if said.read(1):
+                    os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_training, daemon=True)
+        killer.start()
+        with pytest.raises(WorkerFailedError) as failed:
+            s.run(
+                "for epoch in range(100000):\n    train_epoch(ddp, opt, 3)\n"
+                f"    if epoch == 1 and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
+            )
+        killer.join()
+        assert failed.value.rank == 1 and failed.value.signal_name == "SIGKILL"
+        assert len(shown_before) == 1 and "enot_nb: rank 1 died (SIGKILL)" in shown_before[0], shown_before
+        assert ns["steps"] >= 6 and s.run("steps") == ns["steps"]  # the master's progress, kept
+        s.run("ddp = DDP(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)")
+        s.run("train_epoch(ddp, opt, 3)")
+        assert s.run(REPLICAS_EQUAL) is True
+
+
+def test_released_ranks_that_work_their_way_back_slowly_are_waited_for(tmp_path, monkeypatch, capfd):
+    """A press lands; the ranks spend CPU seconds on their way back (a ``finally`` that works,
+    as a loaded machine's slow unwinding does), more than the release wait: they are waited for
+    as long as their CPU time grows, not taken for stuck and restarted."""
+    from enot_nb._session.kernel import workers
+
+    monkeypatch.setattr(workers, "RELEASE_WAIT", 0.5)
+    fifo = tmp_path / "working"
+    os.mkfifo(fifo)
+    with start("fork") as s:
+        s.run("import time, torch.distributed as dist\nx = 1")
+        pids = _pids(s)
+        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
+        press.start()
+        with pytest.raises(KeyboardInterrupt):
+            s.run(
+                "try:\n"
+                f"    if dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
+                "    time.sleep(600)\n"
+                "finally:\n"
+                "    began = time.process_time()\n"
+                "    while time.process_time() - began < 4.0:\n"
+                "        pass\n"
+            )
+        press.join()
+        assert "session restarted" not in capfd.readouterr().out
+        assert _pids(s) == pids
+        assert s.run("x + 1") == 2

@@ -145,8 +145,14 @@ class Session:
         if self in _live:
             _live.remove(self)
             atexit.unregister(self.close)
-        if workers is not None:
-            workers.close()
+        try:
+            if workers is not None:
+                workers.close()
+        finally:
+            if self.engine.engine == "ray" and not any(s.engine.engine == "ray" for s in _live):
+                from enot_nb._launch import ray_ranks  # imported already: the session started on Ray
+
+                ray_ranks.disconnect()
         self.flow.mirror.reset()  # its shadow fork too
         self.flow.close()
 

@@ -60,6 +60,10 @@ from enot_nb.errors import WorkerFailure
 FAIL_GRACE = float(os.environ.get("ENOT_NB_SESSION_FAIL_GRACE", "1.0"))
 # Seconds released ranks get to get back to idle (and to make their group again).
 RELEASE_WAIT = float(os.environ.get("ENOT_NB_SESSION_RELEASE_WAIT", "10.0"))
+# Seconds more that released ranks get at most while their CPU time grows (see
+# _wait_working), judged over PROGRESS_WINDOW seconds at a time.
+PROGRESS_WAIT = float(os.environ.get("ENOT_NB_SESSION_PROGRESS_WAIT", "50.0"))
+PROGRESS_WINDOW = 1.0
 
 
 class RankState(enum.Enum):
@@ -231,7 +235,9 @@ class CommandRound:
         host = self.host
         failed_at: float | None = None
         while self._waiting():
-            if any(not r.running for r in host.ranks):
+            dead = [r for r in host.ranks if not r.running]
+            if dead:
+                self._say_died(dead)
                 self._save_the_masters_state()
                 return  # a rank died: the caller restarts the session
             if host.failures and failed_at is None:
@@ -241,6 +247,17 @@ class CommandRound:
                 self._release_stuck(RELEASE_WAIT)
                 return
             host.poll(timeout)
+
+    def _say_died(self, dead: list[Rank]) -> None:
+        """A death shown at once, before the wait for the master's state and the restart (a
+        start on a cluster takes a while): which rank, how it ended, and where."""
+        for r in dead:
+            print(
+                f"enot_nb: rank {r.rank} died ({self.host.why_ended(r)}); the session restarts once the "
+                "master's state is taken (the error follows)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _save_the_masters_state(self) -> None:
         """A rank died mid-task while the master lives: the master gets INTERRUPT_SAVE_WAIT
@@ -270,16 +287,32 @@ class CommandRound:
         self.released |= {r.rank for r in self._waiting()}
         host.send(AbortGroups(host.peers()), idle)
         outcome.regrouped = True  # the groups are gone: made again below
-        self._wait_all(wait)
+        self._wait_working(wait, self._waiting)
         stuck = self._waiting()
         if stuck:
             outcome.restart = (
                 f"rank(s) {', '.join(str(r.rank) for r in stuck)} did not get back to idle within "
-                f"{wait:g} s of being released (stuck where Python cannot run)"
+                f"{wait:g} s of being released, and used no CPU time in the last {PROGRESS_WINDOW:g} s "
+                "(stuck where Python cannot run)"
             )
 
     def _wait_all(self, seconds: float) -> None:
         self.host.wait(seconds, until=lambda: not self._waiting())
+
+    def _wait_working(self, seconds: float, pending: Callable[[], list[Rank]]) -> None:
+        """Until no rank is ``pending``, ``seconds`` at most; then PROGRESS_WINDOW seconds more at
+        a time while a pending rank's CPU time grows (a loaded machine slows a rank's way back; a
+        rank blocked in a wait uses none), PROGRESS_WAIT seconds more at most."""
+        host = self.host
+        host.wait(seconds, until=lambda: not pending())
+        deadline = time.monotonic() + PROGRESS_WAIT
+        before = {r.rank: host.cpu_seconds(r) for r in pending()}
+        while pending() and time.monotonic() < deadline:
+            host.wait(min(PROGRESS_WINDOW, max(0.0, deadline - time.monotonic())), until=lambda: not pending())
+            after = {r.rank: host.cpu_seconds(r) for r in pending()}
+            if not any(_grew(before.get(rank), now) for rank, now in after.items()):
+                return
+            before = after
 
     def _interrupt(self) -> None:
         """The stop button: each running rank's stack, then KeyboardInterrupt in each; those
@@ -295,7 +328,7 @@ class CommandRound:
         self.host.interrupt(self._waiting())
         self._wait_all(_attempt.INTERRUPT_SAVE_WAIT)
         if self._waiting():
-            self._release_stuck(_attempt.INTERRUPT_SAVE_WAIT)
+            self._release_stuck(RELEASE_WAIT)
 
     def _keep_or_regroup(self) -> None:
         """After a failed or interrupted cell: the world group is kept when every rank agrees on
@@ -327,12 +360,13 @@ class CommandRound:
         failures = host.failures
         host.failures = []
         host.send(command, host.ranks)
-        deadline = time.monotonic() + RELEASE_WAIT
-        while any(r.running and r.outcome is None and r.groups is None for r in host.ranks):
-            left = deadline - time.monotonic()
-            if left <= 0 or any(not r.running for r in host.ranks):
-                break
-            host.poll(left)
+
+        def unanswered() -> list[Rank]:
+            if any(not r.running for r in host.ranks):
+                return []  # one died: the others' answers change nothing
+            return [r for r in host.ranks if r.outcome is None and r.groups is None]
+
+        self._wait_working(RELEASE_WAIT, unanswered)
         host.failures = failures
         return _exchange_failed(host.ranks)
 
@@ -347,7 +381,9 @@ def _exchange_failed(ranks: Sequence[Rank]) -> str | None:
         elif isinstance(r.outcome, ErrorReport):
             whys.append(f"rank {r.rank}: {r.outcome.type or 'sys.exit'}: {r.outcome.message}")
         elif r.outcome is None and r.groups is None:
-            whys.append(f"rank {r.rank} did not answer within {RELEASE_WAIT:g} s")
+            whys.append(
+                f"rank {r.rank} did not answer within {RELEASE_WAIT:g} s, nor use CPU time for {PROGRESS_WINDOW:g} s"
+            )
     return "; ".join(whys) or None
 
 
@@ -384,6 +420,11 @@ def _state_kept(saved: bool | None, died: int) -> str:
         f"; the master could not send its state within {2 * _attempt.INTERRUPT_SAVE_WAIT:g} s (a wait Python "
         "cannot interrupt): the notebook holds the state from before the cell"
     )
+
+
+def _grew(before: float | None, after: float | None) -> bool:
+    """CPU time used between two readings (a clock tick or more)."""
+    return before is not None and after is not None and after > before
 
 
 def _groups_agree(reports: list[dict[str, int] | None]) -> bool:

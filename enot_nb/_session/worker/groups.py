@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterable
 from typing import Any, NamedTuple
+
+from enot_nb._processes import sockets
+from enot_nb._processes.sockets import End
 
 
 class Subgroup(NamedTuple):
@@ -52,18 +56,20 @@ def sequences() -> dict[str, int] | None:
         return None
 
 
-def abort_groups(peers: set[int]) -> None:
+def abort_groups(peers: Iterable[End]) -> None:
     """Abort every process group, so that a peer that waits in a collective with this rank is
     released with an error and returns to idle. NCCL's abort does it; gloo closes its
     connections only when the group object dies, and a DDP wrapper (or a user's subgroup) keeps
-    it alive: so this rank's connections with the ``peers`` are shut down too (a peer blocked
-    in a gloo wait sees "connection closed" within milliseconds)."""
+    it alive: so this rank's connections with the ``peers`` (the ends of their TCP sockets, see
+    _processes/sockets) are shut down too (a peer blocked in a gloo wait sees "connection
+    closed" within milliseconds)."""
     import torch.distributed as dist
 
     # Our own descriptors of them, taken while the groups still hold them (an abort may close
     # theirs, and a number closed may be reused by then).
     connections = []
-    for fd in connections_with(peers):
+    others = set(peers) - set(sockets.ends_of([os.getpid()]))  # not its connections with itself
+    for fd in sockets.connections_to(others):
         try:
             connections.append(socket.socket(fileno=os.dup(fd)))
         except OSError:
@@ -83,56 +89,6 @@ def abort_groups(peers: set[int]) -> None:
             pass
         finally:
             connection.close()
-
-
-def connections_with(peers: set[int]) -> list[int]:
-    """This process's descriptors of TCP connections whose other end a process in ``peers``
-    holds (read from /proc: the socket inodes, and the connections' addresses)."""
-    mine = _socket_inodes(os.getpid())
-    theirs: set[int] = set()
-    for pid in peers:
-        theirs |= set(_socket_inodes(pid))
-    table = _tcp_connections()
-    by_ends = {ends: inode for inode, ends in table.items()}
-    found = []
-    for inode, fd in mine.items():
-        ends = table.get(inode)
-        if ends is not None and by_ends.get((ends[1], ends[0])) in theirs:
-            found.append(fd)
-    return found
-
-
-def _socket_inodes(pid: int) -> dict[int, int]:
-    """inode -> descriptor of each socket ``pid`` holds (nothing if /proc cannot tell)."""
-    inodes = {}
-    folder = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return {}
-    for name in names:
-        try:
-            target = os.readlink(f"{folder}/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes[int(target[8:-1])] = int(name)
-    return inodes
-
-
-def _tcp_connections() -> dict[int, tuple[str, str]]:
-    """inode -> (local address, remote address) of every TCP socket in this network namespace."""
-    table = {}
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as lines:
-                next(lines)
-                for line in lines:
-                    fields = line.split()
-                    table[int(fields[9])] = (fields[1], fields[2])
-        except (OSError, StopIteration, IndexError, ValueError):
-            continue
-    return table
 
 
 def regroup(init_method: str, default_backend: str, timeout: Any) -> None:

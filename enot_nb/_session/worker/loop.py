@@ -146,7 +146,7 @@ def _answer(command: SessionCommand) -> None:
                 bootstrap.send(Groups(groups.sequences()))
             case AbortGroups(peers=peers):  # no answer: the rank has answered its task already
                 _record_subgroups(_session())
-                groups.abort_groups(set(peers) - {os.getpid()})
+                groups.abort_groups(peers)
             case Regroup(init_method=init_method):
                 session = _session()
                 _record_subgroups(session)

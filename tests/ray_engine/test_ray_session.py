@@ -8,13 +8,16 @@ import json
 
 import pytest
 
-from tests.ray.conftest import actor_name, kill_actor
+from tests.ray_engine.conftest import NEEDS_RAY, actor_name, kill_actor
 from tests.session.test_session_parity import CASES, _run_case
+from tests.session.test_work_kept import BN_MODEL, EPOCH, REPLICAS_EQUAL
+
+pytest.importorskip("ray", reason=NEEDS_RAY)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 START = "%enot_session start -n 2 --engine ray --placement spread"
-START_WAIT = 180  # seconds a start may take: a cluster's first actors, each node's fork server
+START_WAIT = 400  # seconds a start may take: a cluster's first actors, each node's fork server (loaded)
 
 ENVIRONMENT = (
     "%%enot_distributed\n"
@@ -48,7 +51,7 @@ def _rows(kernel) -> list[dict]:
     code = (
         "import dataclasses, json\nprint(json.dumps([dataclasses.asdict(r) for r in enot_nb.session().status().rows]))"
     )
-    return json.loads(kernel.ok(code).stdout)
+    return json.loads(kernel.ok(code, timeout=300).stdout)
 
 
 def test_ranks_on_two_nodes_train_ddp_as_a_local_session_does(kernel):
@@ -250,3 +253,106 @@ def test_an_uneven_pack_numbers_ranks_node_by_node_as_torchrun(kernel):
     assert seen == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 1, 1, 2)]
     nodes = [r["node"] for r in rows]
     assert nodes[0] == nodes[1] != nodes[2]
+
+
+LOADED_WAIT = 300
+"""Seconds a cell of the fault cases may take beside busy processes (its ranks get a third of a core)."""
+RESTART_WAIT = 900
+"""Seconds a cell that restarts the session may take beside busy processes: new actors, each node's
+fork server and workers importing torch on a third of a core (311 s measured, 2026-12-07)."""
+TRAIN = (
+    "%%enot_distributed\nfor epoch in range(100000):\n    train_epoch(ddp, opt, 3)\n"
+    "    if epoch == 1 and dist.get_rank() == 0:\n        print('training', flush=True)\n"
+)
+
+
+def _equal_replicas(kernel) -> bool:
+    return kernel.ok("%%enot_distributed\n" + REPLICAS_EQUAL, timeout=LOADED_WAIT).result["text/plain"] == "True"
+
+
+@pytest.mark.timeout(900)
+def test_a_stop_press_and_an_exception_keep_ddp_in_the_same_ranks_idle_or_loaded(kernel, cpu_load):
+    """As a local session (test_work_kept), across two nodes, idle and beside busy processes: a
+    press during DDP training releases the ranks waiting in the DDP wrapper's gloo group (the
+    idle rank cuts its connections with them, found by their sockets' ends on each node), then
+    one rank's exception mid-epoch; nothing restarts, the same ``ddp`` and ``opt`` train on."""
+    kernel.ok(START, timeout=START_WAIT)
+    kernel.ok("%%enot_distributed\n" + BN_MODEL + EPOCH, timeout=LOADED_WAIT)
+    pids = [r["pid"] for r in _rows(kernel)]
+    pressed: list[bool] = []
+
+    def press_once_training(run):
+        if "training" in run.stdout and not pressed:
+            pressed.append(True)
+            kernel.manager.interrupt_kernel()
+
+    said = ""
+    run = kernel.run(TRAIN, timeout=LOADED_WAIT, on_output=press_once_training)
+    said += run.stdout + run.stderr
+    assert pressed and run.error is not None and run.error["ename"] == "KeyboardInterrupt", said + run.traceback
+    run = kernel.run("%%enot_distributed\ntrain_epoch(ddp, opt, 10, fail_at=4)", timeout=LOADED_WAIT)
+    said += run.stdout + run.stderr
+    assert run.error is not None and "rank 1 fails mid-epoch" in run.traceback + run.stderr, said
+    assert "session restarted" not in said, said
+    assert [r["pid"] for r in _rows(kernel)] == pids  # the same ranks
+    assert _equal_replicas(kernel)
+    kernel.ok("%%enot_distributed\ntrain_epoch(ddp, opt, 3)", timeout=LOADED_WAIT)
+    assert _equal_replicas(kernel)
+    kernel.ok("%enot_session stop", timeout=LOADED_WAIT)
+
+
+@pytest.mark.timeout(1500)
+def test_a_rank_killed_mid_training_is_named_with_its_node_before_the_restart(kernel, cpu_load):
+    """The rank's own process SIGKILLed (its actor lives on): a line names the rank, the signal
+    and its node before the session restarts, and the master's progress is kept."""
+    import os
+    import signal
+
+    kernel.ok(START, timeout=START_WAIT)
+    kernel.ok("%%enot_distributed\n" + BN_MODEL + EPOCH, timeout=LOADED_WAIT)
+    rows = _rows(kernel)
+    killed: list[bool] = []
+
+    def kill_once_training(run):
+        if "training" in run.stdout and not killed:
+            killed.append(True)
+            os.kill(rows[1]["pid"], signal.SIGKILL)  # a loopback cluster: the rank runs here
+
+    run = kernel.run(TRAIN, timeout=RESTART_WAIT, on_output=kill_once_training)
+    assert killed and run.error is not None, run.stdout + run.stderr
+    streams = [c["text"] for kind, c in run.arrived if kind == "stream"]
+    died = next(i for i, text in enumerate(streams) if "enot_nb: rank 1 died (SIGKILL" in text)
+    restarted = next(i for i, text in enumerate(streams) if "session restarted" in text)
+    assert died < restarted, streams
+    assert f"on node {rows[1]['node']}" in streams[died], streams[died]
+    assert "rank 1" in run.traceback and f"node {rows[1]['node']}" in run.traceback, run.traceback
+    steps = kernel.ok("print(steps)", timeout=LOADED_WAIT).stdout.strip()
+    assert int(steps) >= 6 and kernel.ok("%%enot_distributed\nsteps", timeout=LOADED_WAIT).result["text/plain"] == steps
+    kernel.ok("%enot_session stop", timeout=LOADED_WAIT)
+
+
+def test_a_rank_knows_its_place_from_ray_context_and_never_joins_ray_itself(kernel):
+    """``ray_context()`` names each rank's node as the table does; Ray's own API refuses to run in
+    a rank (it would connect it as a new driver); the session's stop ends the kernel's
+    connection to Ray, and leaves alone one the user made first."""
+    kernel.ok(START, timeout=START_WAIT)
+    rows = _rows(kernel)
+    kernel.ok(
+        "%%enot_distributed\nimport torch.distributed as dist\nfrom enot_nb.distributed import ray_context\n"
+        "places = [None, None]\ndist.all_gather_object(places, ray_context().node_id)"
+    )
+    places = json.loads(kernel.ok("print(json.dumps(places))").stdout)
+    assert [p[:12] for p in places] == [r["node"] for r in rows]
+    run = kernel.run("%%enot_distributed\nimport ray\nray.get_runtime_context().get_node_id()", timeout=60)
+    assert run.error is not None and "enot_nb.distributed.ray_context()" in run.traceback, run.traceback
+    assert "Connected to Ray" not in run.stdout + run.stderr
+    assert kernel.ok("import ray\nprint(ray.is_initialized())").stdout.strip() == "True"
+    kernel.ok("%enot_session stop")
+    assert kernel.ok("print(ray.is_initialized())").stdout.strip() == "False"
+    kernel.ok(
+        "import os\nray.init(log_to_driver=False, runtime_env={'py_modules': [os.path.dirname(enot_nb.__file__)]})"
+    )
+    kernel.ok(START, timeout=START_WAIT)
+    kernel.ok("%enot_session stop")
+    assert kernel.ok("print(ray.is_initialized())").stdout.strip() == "True"  # the user's own
+    kernel.ok("ray.shutdown()")

@@ -20,14 +20,9 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the Ray engine's tests need Ray: pip install -e '.[ray]'")
-
-from ray._private.authentication_test_utils import reset_auth_token_state  # noqa: E402 - after the skip
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from tests._util import LEAK_GRACE, ended_within  # noqa: E402
-from tests.kernel import Kernel  # noqa: E402
-from tests.ray.loopback import ray_variables  # noqa: E402
+from tests._util import LEAK_GRACE, ended_within
+from tests.kernel import Kernel
+from tests.ray_engine.loopback import ray_variables
 
 NODE_CPUS = 2
 FAST_HEALTH_CHECKS = {
@@ -38,9 +33,16 @@ FAST_HEALTH_CHECKS = {
 SETUP = "%load_ext enot_nb\nimport torch, enot_nb\n"
 
 
+NEEDS_RAY = "the Ray engine's tests need Ray: pip install -e '.[ray]'"
+"""Each module that needs Ray skips with this (``pytest.importorskip``); this file imports Ray only
+inside its fixtures, so that collecting the folder without Ray skips instead of failing."""
+
+
 @pytest.fixture
 def ray_env(monkeypatch):
     """The variables every process of the test's cluster, its drivers and kernels share."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
     folder = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths live under it
     env = ray_variables(folder)
     for name, value in env.items():
@@ -79,6 +81,9 @@ def cluster(ray_env, monkeypatch):
     """Two nodes (a head and a worker), NODE_CPUS each, dashboard off; shut down after the test.
     Started in a folder of their own: Ray's workers put theirs on sys.path, and this checkout's
     would hide the enot_nb the engine ships (as on a real cluster, nodes have none)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
     monkeypatch.chdir(ray_env["RAY_TMPDIR"])
     nodes = Cluster(
         initialize_head=True,
