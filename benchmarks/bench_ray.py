@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.bench_session import SETUP, TRIVIAL, _apart, _ipyparallel, ddp_steps
@@ -70,13 +72,16 @@ print("RESULT", json.dumps([local_cell, on_ray, local, statistics.median(floor)]
 """
 
 
-def run(repeats: int) -> list[Row]:
-    try:
-        from ray._private.authentication_test_utils import reset_auth_token_state
-        from ray.cluster_utils import Cluster
-    except ImportError:
-        return [Row(BENCH, "not measured (Ray is not installed: pip install -e '.[ray]')", 0.0, "s", "local")]
+@contextmanager
+def loopback_cluster() -> Iterator[tuple[str, str]]:
+    """Two Ray nodes on this machine, as tests/ray_engine's (loopback, token authentication, a
+    ``RAY_TMPDIR`` of its own, 2 CPUs each): its address, and its folder, where a kernel attached
+    to it works (Ray puts a driver's folder on its workers' sys.path). The environment and the
+    working folder are restored after."""
     import os
+
+    from ray._private.authentication_test_utils import reset_auth_token_state
+    from ray.cluster_utils import Cluster
 
     folder = tempfile.mkdtemp(prefix="ray-")
     env = ray_variables(folder)
@@ -90,7 +95,26 @@ def run(repeats: int) -> list[Row]:
     )
     try:
         cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-        kernel = Kernel(extra_env={"RAY_ADDRESS": cluster.address}, cwd=Path(folder))
+        yield cluster.address, folder
+    finally:
+        cluster.shutdown()
+        os.chdir(cwd)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reset_auth_token_state()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(repeats: int) -> list[Row]:
+    try:
+        import ray  # noqa: F401 - only whether it is there
+    except ImportError:
+        return [Row(BENCH, "not measured (Ray is not installed: pip install -e '.[ray]')", 0.0, "s", "local")]
+    with loopback_cluster() as (address, folder):
+        kernel = Kernel(extra_env={"RAY_ADDRESS": address}, cwd=Path(folder))
         try:
             kernel.ok(SETUP)
             n = max(20, repeats * 5)
@@ -104,16 +128,6 @@ def run(repeats: int) -> list[Row]:
             )
         finally:
             kernel.shutdown()
-    finally:
-        cluster.shutdown()
-        os.chdir(cwd)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        reset_auth_token_state()
-        shutil.rmtree(folder, ignore_errors=True)
     (ray_start, ray_cell, ray_ddp), (local_start, session_cell, local_ddp) = on_ray, local
     rows = [
         Row(BENCH, "the cell run locally (reference)", local_cell, "s", "local", 1.0, "", n),

@@ -1,12 +1,13 @@
 """Where a session cell's time goes: each phase stamped in the kernel and on the ranks.
 
-Usage: .venv/bin/python benchmarks/session_profile.py [--cells N] [--tree PATH] [--cell pass|ddp]
+Usage: .venv/bin/python benchmarks/session_profile.py [--cells N] [--tree PATH] [--cell pass|ddp] [--ray]
 
 A real kernel with a two-rank gloo session runs N session cells, each its own execute request:
 trivial ones (``pass``), or bench_session's 50 DDP steps (``ddp``, the steps stamped too);
 wrappers stamp the phases of each (the kernel's own steps, and on each rank from reading the
 task to sending the answer), and the medians over the cells are printed. The stamps cost about
-a microsecond each. ``--tree``: the checkout whose ``enot_nb`` runs (default: this one).
+a microsecond each. ``--ray``: the session on the Ray engine, one rank per node of a two-node
+cluster on this machine (bench_ray's). ``--tree``: the checkout whose ``enot_nb`` runs (default: this one).
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ KERNEL = (
     STAMPS.format(name="_kernel_stamps")
     + r"""
 from enot_nb._session.kernel import flow as _flow, session as _session, workers as _workers
-from enot_nb._launch.local_ranks import LocalRanks as _Local
+from {host_module} import {host_class} as _Host
 for owner, name, label in [
     (_session.Session, "run_cell", "the session's part (Session.run_cell)"),
     (_flow.NamespaceFlow, "cell", "the task made (compare, reach, push)"),
     (_flow.NamespaceFlow, "pickle", "the task pickled"),
-    (_Local, "put_task", "the task written"),
-    (_Local, "send", "the command sent"),
+    (_Host, "put_task", "the task written"),
+    (_Host, "send", "the command sent"),
     (_workers.CommandRound, "_supervise", "waiting for the ranks' answers"),
-    (_Local, "load", "the master's answer loaded"),
+    (_Host, "load", "the master's answer loaded"),
     (_flow.NamespaceFlow, "after_cell", "the answer applied"),
 ]:
     _kernel_stamps_wrap(owner, name, label)
@@ -119,13 +120,37 @@ def main() -> int:
     parser.add_argument("--cells", type=int, default=100)
     parser.add_argument("--tree", default=str(ROOT))
     parser.add_argument("--cell", choices=["pass", "ddp"], default="pass")
+    parser.add_argument("--ray", action="store_true")
     args = parser.parse_args()
     cell = "%%enot_distributed\n" + ("pass" if args.cell == "pass" else bench_session.FIFTY_STEPS)
-    kernel = Kernel(extra_env={"PYTHONPATH": args.tree})
+    if args.ray:
+        from benchmarks.bench_ray import loopback_cluster
+
+        with loopback_cluster() as (address, folder):
+            ours, theirs = profile(args, cell, {"RAY_ADDRESS": address}, folder)
+    else:
+        ours, theirs = profile(args, cell, {}, None)
+    print(f"| where | phase | median over {args.cells} cells |")
+    print("|---|---|---|")
+    for label, ms in kernel_phases(ours).items():
+        print(f"| kernel | {label} | {ms:.3f} ms |")
+    for line in theirs.splitlines():
+        if "STAMPS " in line:
+            rank = line.split("]")[0].strip("[") if line.startswith("[") else "rank 0"
+            for label, ms in rank_phases(json.loads(line.split("STAMPS ", 1)[1])).items():
+                print(f"| {rank} | {label} | {ms:.3f} ms |")
+    return 0
+
+
+def profile(args: argparse.Namespace, cell: str, env: dict[str, str], folder: str | None) -> tuple[list, str]:
+    """The kernel's stamps and the ranks' (their printed lines) over ``args.cells`` cells."""
+    kernel = Kernel(extra_env={"PYTHONPATH": args.tree, **env}, cwd=Path(folder) if folder else ROOT)
+    start = "%enot_session start -n 2 --engine ray --placement spread" if args.ray else "%enot_session start -n 2"
+    host = ("enot_nb._launch.ray_ranks", "RayRanks") if args.ray else ("enot_nb._launch.local_ranks", "LocalRanks")
     try:
         kernel.ok(f"import sys; sys.path[:0] = [{args.tree!r}]\n%load_ext enot_nb")
-        kernel.ok("%enot_session start -n 2 --backend gloo")
-        kernel.ok(KERNEL)
+        kernel.ok(start + " --backend gloo", timeout=300)
+        kernel.ok(KERNEL.replace("{host_module}", host[0]).replace("{host_class}", host[1]))
         kernel.ok(RANKS)
         if args.cell == "ddp":
             for line in bench_session.ddp_setup():
@@ -144,16 +169,7 @@ def main() -> int:
         kernel.ok("%enot_session stop")
     finally:
         kernel.shutdown()
-    print(f"| where | phase | median over {args.cells} cells |")
-    print("|---|---|---|")
-    for label, ms in kernel_phases(ours).items():
-        print(f"| kernel | {label} | {ms:.3f} ms |")
-    for line in theirs.splitlines():
-        if "STAMPS " in line:
-            rank = line.split("]")[0].strip("[") if line.startswith("[") else "rank 0"
-            for label, ms in rank_phases(json.loads(line.split("STAMPS ", 1)[1])).items():
-                print(f"| {rank} | {label} | {ms:.3f} ms |")
-    return 0
+    return ours, theirs
 
 
 if __name__ == "__main__":

@@ -149,10 +149,8 @@ class Session:
             if workers is not None:
                 workers.close()
         finally:
-            if self.engine.engine == "ray" and not any(s.engine.engine == "ray" for s in _live):
-                from enot_nb._launch import ray_ranks  # imported already: the session started on Ray
-
-                ray_ranks.disconnect()
+            if self.engine.engine == "ray":
+                _end_ray_connection()
         self.flow.mirror.reset()  # its shadow fork too
         self.flow.close()
 
@@ -426,7 +424,11 @@ def start_workers(plan: Any, mirror: str | None, engine: EngineOptions | None = 
     try:
         workers.start()
     except BaseException:
-        workers.close()
+        try:
+            workers.close()
+        finally:
+            if host is not None:
+                _end_ray_connection()
         raise
     if mirror is not None:
         where = f"{plan.start_method}"
@@ -439,6 +441,15 @@ def start_workers(plan: Any, mirror: str | None, engine: EngineOptions | None = 
             f"in {time.monotonic() - started:.2f} s",
         )
     return workers
+
+
+def _end_ray_connection() -> None:
+    """The connection to Ray a session made, ended once no live session is on Ray (a session's
+    close, or a start that failed)."""
+    if not any(s.engine.engine == "ray" for s in _live):
+        from enot_nb._launch import ray_ranks  # imported already: a session started on Ray
+
+        ray_ranks.disconnect()
 
 
 def restart_line(
