@@ -451,7 +451,7 @@ MUTATIONS = [
     Mutation(
         "session-abort-leaves-peer-sockets-open",
         "enot_nb/_session/worker/groups.py",
-        "    for fd in sockets.connections_to(peers):\n",
+        "    for fd in sockets.connections_to(others):\n",
         "    for fd in sockets.connections_to(()):\n",
         ["tests/session/test_faults.py::test_a_rank_blocked_in_a_collective_is_released_and_the_group_made_again"],
     ),
