@@ -65,8 +65,8 @@ MUTATIONS = [
     Mutation(
         "a-death-shown-after-the-restart",
         "enot_nb/_session/kernel/workers.py",
-        "                self._say_died(dead)\n",
-        "                pass\n",
+        "        for r in dead:\n            if r.rank in self.said_dead:\n",
+        "        for r in []:\n            if r.rank in self.said_dead:\n",
         [
             "tests/session/test_work_kept.py::"
             "test_a_peer_killed_mid_training_is_named_before_the_restart_idle_or_loaded[idle]"

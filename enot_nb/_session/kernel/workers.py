@@ -167,6 +167,8 @@ class CommandRound:
         """The ranks released from a collective (see _release_stuck): named so, never failures."""
         self.stopped: set[int] = set()
         """The master, stopped to send its state after a peer died (see _save_the_masters_state)."""
+        self.said_dead: set[int] = set()
+        """The ranks whose death was shown already (see _say_died)."""
         self.saved: bool | None = None
         """After a wait for the master's state (see _save_the_masters_state): whether it came in
         time; None where there was no wait (run() then reads what the master sent)."""
@@ -192,6 +194,7 @@ class CommandRound:
                 outcome.restart = "the stop button was pressed again while the ranks were being stopped"
                 self.hold.start()
         dead = [r for r in ranks if not r.running]
+        self._say_died(dead)  # where the others answered before the death was seen
         master = next(r for r in ranks if r.rank == 0)
         if dead and outcome.restart is None:
             r = dead[0]
@@ -252,6 +255,9 @@ class CommandRound:
         """A death shown at once, before the wait for the master's state and the restart (a
         start on a cluster takes a while): which rank, how it ended, and where."""
         for r in dead:
+            if r.rank in self.said_dead:
+                continue
+            self.said_dead.add(r.rank)
             print(
                 f"enot_nb: rank {r.rank} died ({self.host.why_ended(r)}); the session restarts once the "
                 "master's state is taken (the error follows)",
