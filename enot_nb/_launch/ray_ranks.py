@@ -436,8 +436,8 @@ class RayRanks:
 
     def _node(self, r: Rank) -> str | None:
         """The rank's node in words: its id (as the table shows it) and IP."""
-        place = self.places.get(r.rank)
-        return f"{place.landing.node_id[:12]} ({place.landing.node_ip})" if place else None
+        where = self.location(r)
+        return f"{where[0]} ({where[1]})" if where else None
 
     def _cause(self, r: Rank) -> str | None:
         cause = self.ray_causes.get(r.rank)

@@ -157,16 +157,24 @@ def test_a_node_removed_mid_cell_fails_the_cell_naming_its_rank_and_node(cluster
     kernel.ok("%enot_session stop")
 
 
+def _press_once_said(kernel, word: str, pressed: list[bool]):
+    """An ``on_output`` that presses the stop button (interrupts the kernel) the first time the
+    cell's output says ``word``, and records it in ``pressed``."""
+
+    def press(run) -> None:
+        if word in run.stdout and not pressed:
+            pressed.append(True)
+            kernel.manager.interrupt_kernel()
+
+    return press
+
+
 def test_the_stop_button_interrupts_every_rank_which_stay_idle_after(kernel):
     kernel.ok(START, timeout=START_WAIT)
     kernel.ok("%%enot_distributed\nimport torch, torch.distributed as dist\nmarks = []")
     pids = [r["pid"] for r in _rows(kernel)]
     pressed: list[bool] = []
-
-    def press_once_training(run):
-        if "training" in run.stdout and not pressed:
-            pressed.append(True)
-            kernel.manager.interrupt_kernel()
+    press_once_training = _press_once_said(kernel, "training", pressed)
 
     run = kernel.run(
         "%%enot_distributed\nmarks.append(dist.get_rank())\nprint('training', flush=True)\n"
@@ -280,11 +288,7 @@ def test_a_stop_press_and_an_exception_keep_ddp_in_the_same_ranks_idle_or_loaded
     kernel.ok("%%enot_distributed\n" + BN_MODEL + EPOCH, timeout=LOADED_WAIT)
     pids = [r["pid"] for r in _rows(kernel)]
     pressed: list[bool] = []
-
-    def press_once_training(run):
-        if "training" in run.stdout and not pressed:
-            pressed.append(True)
-            kernel.manager.interrupt_kernel()
+    press_once_training = _press_once_said(kernel, "training", pressed)
 
     said = ""
     run = kernel.run(TRAIN, timeout=LOADED_WAIT, on_output=press_once_training)

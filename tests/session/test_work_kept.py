@@ -101,6 +101,16 @@ def _press_when_said(fifo) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+def _press_during(s, fifo, cell: str) -> None:
+    """``cell`` run on the session ``s``, the stop button pressed once its master writes to
+    ``fifo``: the cell ends in KeyboardInterrupt."""
+    press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
+    press.start()
+    with pytest.raises(KeyboardInterrupt):
+        s.run(cell)
+    press.join()
+
+
 def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, start_method, capfd):
     """The stop button pressed while the ranks train (the master says so through a FIFO): the
     next cell trains on with the same ``ddp`` and ``opt``, the replicas equal."""
@@ -110,14 +120,12 @@ def test_a_stop_press_during_training_leaves_ddp_and_opt_training(tmp_path, star
 
     with start(start_method, namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
-        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
-        press.start()
-        with pytest.raises(KeyboardInterrupt):
-            s.run(
-                "for epoch in range(100000):\n    train_epoch(ddp, opt, 5)\n"
-                f"    if epoch == 2 and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
-            )
-        press.join()
+        _press_during(
+            s,
+            fifo,
+            "for epoch in range(100000):\n    train_epoch(ddp, opt, 5)\n"
+            f"    if epoch == 2 and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n",
+        )
         report = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[rank ")]
         assert 0 < len(report) < 40, report  # each rank's own frames, a few of torch's
         for r in (0, 1):  # each rank's cell frame is there
@@ -142,24 +150,22 @@ def test_a_press_inside_a_no_grad_entry_leaves_autograd_as_it_was(tmp_path, capf
 
     with start("fork", namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
-        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
-        press.start()
-        with pytest.raises(KeyboardInterrupt):
-            s.run(
-                "import signal\n"
-                "class Entering:\n"
-                "    def __enter__(self):\n"
-                "        torch.set_grad_enabled(False)\n"
-                "        if dist.get_rank() == 0:\n"
-                f"            open({str(fifo)!r}, 'w').write('x')\n"
-                "        while True:\n"
-                "            signal.pause()  # the press lands here: the with block has not begun\n"
-                "    def __exit__(self, *exc):\n"
-                "        torch.set_grad_enabled(True)\n"
-                "with Entering():\n"
-                "    pass\n"
-            )
-        press.join()
+        _press_during(
+            s,
+            fifo,
+            "import signal\n"
+            "class Entering:\n"
+            "    def __enter__(self):\n"
+            "        torch.set_grad_enabled(False)\n"
+            "        if dist.get_rank() == 0:\n"
+            f"            open({str(fifo)!r}, 'w').write('x')\n"
+            "        while True:\n"
+            "            signal.pause()  # the press lands here: the with block has not begun\n"
+            "    def __exit__(self, *exc):\n"
+            "        torch.set_grad_enabled(True)\n"
+            "with Entering():\n"
+            "    pass\n",
+        )
         assert "autograd" in capfd.readouterr().err
         assert s.run("torch.is_grad_enabled()") is True
         s.run("train_epoch(ddp, opt, 3)")
@@ -453,14 +459,12 @@ def test_twenty_stop_presses_at_random_moments_of_training_leave_the_same_ddp_tr
             fifo = tmp_path / f"training-{press}"
             os.mkfifo(fifo)
             after = rng.randint(0, 12)
-            presser = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
-            presser.start()
-            with pytest.raises(KeyboardInterrupt):
-                s.run(
-                    "for n in range(100000):\n    train_epoch(ddp, opt, 1)\n"
-                    f"    if n == {after} and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
-                )
-            presser.join()
+            _press_during(
+                s,
+                fifo,
+                "for n in range(100000):\n    train_epoch(ddp, opt, 1)\n"
+                f"    if n == {after} and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n",
+            )
             assert s.run(REPLICAS_EQUAL) is True, f"press {press}"
             assert _notebook_matches_master(s, ns), f"press {press}"
         s.run("train_epoch(ddp, opt, 3)")
@@ -481,14 +485,12 @@ def test_a_stop_press_and_an_exception_keep_ddp_in_the_same_ranks_idle_or_loaded
     with start("fork", namespace=ns) as s:
         s.run(BN_MODEL + EPOCH)
         pids = _pids(s)
-        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
-        press.start()
-        with pytest.raises(KeyboardInterrupt):
-            s.run(
-                "for epoch in range(100000):\n    train_epoch(ddp, opt, 3)\n"
-                f"    if epoch == 1 and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
-            )
-        press.join()
+        _press_during(
+            s,
+            fifo,
+            "for epoch in range(100000):\n    train_epoch(ddp, opt, 3)\n"
+            f"    if epoch == 1 and dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n",
+        )
         with pytest.raises(WorkerFailedError) as failed:
             s.run("train_epoch(ddp, opt, 10, fail_at=4)")
         assert failed.value.rank == 1 and "rank 1 fails mid-epoch" in str(failed.value)
@@ -554,19 +556,17 @@ def test_released_ranks_that_work_their_way_back_slowly_are_waited_for(tmp_path,
     with start("fork") as s:
         s.run("import time, torch.distributed as dist\nx = 1")
         pids = _pids(s)
-        press = threading.Thread(target=_press_when_said, args=(fifo,), daemon=True)
-        press.start()
-        with pytest.raises(KeyboardInterrupt):
-            s.run(
-                "try:\n"
-                f"    if dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
-                "    time.sleep(600)\n"
-                "finally:\n"
-                "    began = time.process_time()\n"
-                "    while time.process_time() - began < 4.0:\n"
-                "        pass\n"
-            )
-        press.join()
+        _press_during(
+            s,
+            fifo,
+            "try:\n"
+            f"    if dist.get_rank() == 0:\n        open({str(fifo)!r}, 'w').write('x')\n"
+            "    time.sleep(600)\n"
+            "finally:\n"
+            "    began = time.process_time()\n"
+            "    while time.process_time() - began < 4.0:\n"
+            "        pass\n",
+        )
         assert "session restarted" not in capfd.readouterr().out
         assert _pids(s) == pids
         assert s.run("x + 1") == 2
