@@ -12,6 +12,8 @@
 * A session cell that reaches a ResNet-50-sized model and changes nothing, against the same cell
   run locally; one that updates it in place, against a one-off cell doing the same (today's
   return cost), both over the local cell.
+* ``%enot_session check`` over a ResNet-50-sized DDP model and its momentum, against a trivial
+  session cell: the replicas agreeing, and one weight drifted on rank 1.
 * The push: the notebook holds 2 GiB the ranks hold too; a plain cell writes one 1 MiB tensor;
   the next session cell, against the same session cell after a plain cell that wrote nothing.
 
@@ -403,6 +405,60 @@ print("RESULT", json.dumps([m(local_read), m(session_read), m(no_return_read), m
     ]
 
 
+REPLICATED = """%%enot_distributed --no-return
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from benchmarks.shapes import resnet50_like
+torch.manual_seed(0)
+ddp = DDP(resnet50_like())
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+for p in ddp.parameters():
+    p.grad = torch.ones_like(p)
+opt.step()
+"""
+"""A ResNet-50-sized DDP model and its momentum on the ranks (2 x 102 MB replicated), kept there."""
+
+
+def replica_check(kernel, repeats: int) -> list[Row]:
+    """``%enot_session check`` over a ResNet-50-sized DDP model and its optimizer's momentum,
+    client-timed as a user runs it, alternating with a trivial session cell: where the replicas
+    agree (a checksum of each on each rank, gathered), and where rank 1's largest weight drifted
+    (that tensor also broadcast from the master and measured)."""
+    bench = "session: %enot_session check, a ResNet-50-sized DDP model and its momentum (2 x 102 MB)"
+    kernel.ok("%enot_session start -n 2 --backend gloo")
+    kernel.ok(REPLICATED)
+    trivial_cell, check = "%%enot_distributed\npass", "%enot_session check"
+    agree, drifted, reference = [], [], []
+    for _ in range(2):  # warm up
+        client_cell(kernel, trivial_cell), client_cell(kernel, check)
+    for _ in range(repeats):
+        reference.append(client_cell(kernel, trivial_cell))
+        agree.append(client_cell(kernel, check))
+    kernel.ok(
+        "%%enot_distributed --no-return\nif dist.get_rank() == 1:\n    with torch.no_grad():\n"
+        "        max(ddp.module.parameters(), key=torch.Tensor.numel).add_(1e-3)"
+    )
+    for _ in range(repeats):
+        drifted.append(client_cell(kernel, check))
+    kernel.ok("%enot_session stop")
+    m = statistics.median
+    base = m(reference)
+    return [
+        Row(bench, "a trivial session cell (reference)", base, "s", "trivial cell", 1.0, "", repeats),
+        Row(bench, "the check, the replicas agreeing", m(agree), "s", "trivial cell", m(agree) / base, "", repeats),
+        Row(
+            bench,
+            "the check, rank 1's largest weight drifted (2.4M values)",
+            m(drifted),
+            "s",
+            "trivial cell",
+            m(drifted) / base,
+            "",
+            repeats,
+        ),
+    ]
+
+
 def push(kernel, repeats: int) -> list[Row]:
     bench = "session: a plain cell writes 1 MiB while the notebook (and the ranks) hold 2 GiB"
     found = kernel_json(
@@ -609,6 +665,6 @@ def run(repeats: int = 5) -> list[Row]:
     try:
         kernel.ok(SETUP)
         rows = trivial(kernel, repeats) + ddp_steps(kernel, repeats) + resnet(kernel, repeats)
-        return rows + push(kernel, repeats) + costs(kernel, repeats)
+        return rows + replica_check(kernel, repeats) + push(kernel, repeats) + costs(kernel, repeats)
     finally:
         kernel.shutdown()

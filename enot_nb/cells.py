@@ -72,6 +72,7 @@ def run_distributed_cell(
         shown=args.output != "none",
         keep_on_error=args.on_error == "keep",
         future_flags=_cell.notebook_future_flags(shell),
+        check_replicas=args.check_replicas,
     )
     compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error: raised before anything starts
     check_sync(shell.user_ns, options.sync)
@@ -210,6 +211,7 @@ def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> Non
             no_sync=args.no_sync,
             returns=option_names(args.returns),
             no_return=args.no_return,
+            check_replicas=args.check_replicas,
             **exported_options,
         )
     except SyntaxError:

@@ -105,6 +105,7 @@ def export_cell(
     no_sync: bool = False,
     returns: list[str] | None = None,
     no_return: bool = False,
+    check_replicas: bool = False,
     timeout: float = DEFAULT_TIMEOUT.total_seconds(),
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
@@ -131,6 +132,7 @@ def export_cell(
         no_sync: as the magic's ``--no-sync``.
         returns: as the magic's ``--return``.
         no_return: as the magic's ``--no-return``.
+        check_replicas: as the magic's ``--check-replicas``: rank 0 prints the report.
 
     Returns:
         The paths written and the torchrun command line.
@@ -188,6 +190,7 @@ def export_cell(
         "no_sync": no_sync,
         "returns": returns,
         "no_return": no_return,
+        "check_replicas": check_replicas,
         "command": command,
     }
     write_atomically(
@@ -340,6 +343,7 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
             no_sync=options["no_sync"],
             returns=options["returns"],
             no_return=options["no_return"],
+            check_replicas=options.get("check_replicas", False),  # (a script exported before it existed)
             shown=rank == 0 and options["output"] != "none",
             source_header="%%enot_distributed\n",
             figure_dir=str(path.parent),
@@ -347,6 +351,8 @@ def run_exported(script: str, code: str, options: dict[str, Any]) -> NoReturn:
         )
         namespace = {"__name__": "__main__", "__builtins__": __builtins__, **shipped["values"]}
         outcome = _cell.run_cell(code, namespace, cell_options)
+        if outcome is not None and outcome.replicas is not None:
+            print(outcome.replicas, file=sys.stderr)  # shown under --output none too, as in a notebook
         if outcome is not None:
             _save_results(path, outcome, namespace)
         exitcode = 0

@@ -129,6 +129,12 @@ class EnotMagics(Magics):
         help="do not run: write a torchrun script for this cell at PATH, with the variables "
         "it uses beside it (see enot_nb.load_results)",
     )
+    @argument(
+        "--check-replicas",
+        action="store_true",
+        help="after the cell, compare every replicated tensor (DDP's parameters and buffers, a replicated "
+        "optimizer's state) across the ranks, naming each that differs",
+    )
     @argument("--fresh", action="store_true", help="while a session runs: run this cell as a one-off launch")
     @cell_magic
     def enot_distributed(self, line: str, cell: str) -> Any:
@@ -149,9 +155,10 @@ class EnotMagics(Magics):
     @argument(
         "action",
         nargs="?",
-        choices=["start", "stop", "restart", "status"],
+        choices=["start", "stop", "restart", "status", "check"],
         default="status",
-        help="start the session's workers, stop them, start them again, or show them (the default)",
+        help="start the session's workers, stop them, start them again, show them (the default), or "
+        "check that their replicas agree",
     )
     @_with_arguments(*_WORKER_ARGUMENTS, *_ENGINE_ARGUMENTS)
     @argument(
@@ -164,7 +171,8 @@ class EnotMagics(Magics):
     @line_magic
     def enot_session(self, line: str) -> Any:
         """Workers that live across cells: %enot_session start -n 2, %enot_session (their
-        table), %enot_session restart, %enot_session stop."""
+        table), %enot_session restart, %enot_session stop, %enot_session check (do the replicas
+        agree?)."""
         args = parse_argstring(EnotMagics.enot_session, line)
         given = given_options(EnotMagics.enot_session, line)
         try:

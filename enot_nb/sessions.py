@@ -52,6 +52,7 @@ def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args:
         first_line=2,
         source_header=f"%%enot_distributed {line}\n",
         future_flags=_cell.notebook_future_flags(shell),
+        check_replicas=args.check_replicas,
     )
     check_sync(shell.user_ns, run.sync)
     failure: BaseException | None = None
@@ -65,15 +66,20 @@ def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args:
 
 
 def run_session_command(shell: InteractiveShell | None, args: argparse.Namespace, given: dict[str, str]) -> Any:
-    """``%enot_session [start|stop|restart|status] [options]``, parsed (``given``: the options
+    """``%enot_session [start|stop|restart|status|check] [options]``, parsed (``given``: the options
     written on the line, see magic.given_options); LaunchConfigError for a bad option."""
     live = session()
-    if args.action == "status":
+    if args.action in ("status", "check"):
         if given:
             raise UsageError("%enot_session: options go with start or restart, e.g. %enot_session start -n 2")
         if live is None:
             print("enot_nb: no session is running; start one with `%enot_session start -n N`")
             return None
+        if args.action == "check":
+            try:
+                return live.check()
+            except WorkerFailedError as err:
+                raise err.with_traceback(None) from None
         return live.status()
     if args.action == "stop":
         if live is None:

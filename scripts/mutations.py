@@ -28,6 +28,44 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        # Every rank's checksums taken for rank 0's: no drift is ever found.
+        "replica-check-compares-the-master-with-itself",
+        "enot_nb/_worker/replica_check.py",
+        "    table = torch.stack(every).cpu()  # [rank, replica]\n",
+        "    table = torch.stack([every[0]] * world).cpu()\n",
+        [
+            "tests/diagnosis/test_replica_check.py::test_a_drift_on_rank_1_is_named_with_its_rank_and_distance_and_nothing_is_changed[fork]"
+        ],
+    ),
+    Mutation(
+        # BatchNorm's running statistics, which DDP sends from rank 0 at each forward, counted as drift.
+        "replica-check-resynced-buffers-count-as-drift",
+        "enot_nb/_worker/replicas.py",
+        "resynced and id(tensor) in buffers))",
+        "False))",
+        [
+            "tests/diagnosis/test_replica_check.py::test_a_drift_on_rank_1_is_named_with_its_rank_and_distance_and_nothing_is_changed[fork]"
+        ],
+    ),
+    Mutation(
+        "replica-check-distance-not-measured",
+        "enot_nb/_worker/replica_check.py",
+        "        mine[j] = _max_abs_difference(local, master)\n",
+        "        mine[j] = 1.0\n",
+        [
+            "tests/diagnosis/test_replica_check.py::test_a_drift_on_rank_1_is_named_with_its_rank_and_distance_and_nothing_is_changed[fork]"
+        ],
+    ),
+    Mutation(
+        "replica-check-not-run-after-a-cell",
+        "enot_nb/_worker/cell.py",
+        "            report = replica_check.check_replicas(namespace)\n",
+        "            pass\n",
+        [
+            "tests/diagnosis/test_replica_check.py::test_a_one_off_cell_with_check_replicas_names_a_drift_and_the_sharded_state[fork]"
+        ],
+    ),
+    Mutation(
         "ray-ranks-name-no-peers",
         "enot_nb/_launch/ray_ranks.py",
         "        return tuple(sorted(found))\n",
@@ -668,7 +706,7 @@ MUTATIONS = [
     Mutation(
         # The walk ends at the first object it looks for (``opt``), before ``nets['G']``.
         "repair-walk-ends-at-the-first-found",
-        "enot_nb/_session/worker/repair.py",
+        "enot_nb/_worker/held.py",
         "            if not self.left:\n                raise _AllFound\n",
         "            raise _AllFound\n",
         [
@@ -693,7 +731,7 @@ MUTATIONS = [
     Mutation(
         # Nothing tracked: no wrapper is rebound (and the walk finds nothing to look for).
         "repair-no-wrapper-tracked",
-        "enot_nb/_session/worker/repair.py",
+        "enot_nb/_worker/held.py",
         "    return [o for o in objects if type(o) in hits and _live(o)] if hits else []\n",
         "    return []\n",
         [
@@ -729,7 +767,7 @@ MUTATIONS = [
     Mutation(
         # A wrapper a dict holds (``nets['G']``) is rebound but never compared.
         "repair-ddp-replicas-only-in-variables",
-        "enot_nb/_session/worker/replicas.py",
+        "enot_nb/_worker/replicas.py",
         "        if isinstance(obj, sharded_types.ddp):\n",
         "        if isinstance(obj, sharded_types.ddp) and held.parents[i][0] == 0:\n",
         [
@@ -738,7 +776,7 @@ MUTATIONS = [
     ),
     Mutation(
         "repair-ddp-buffers-not-compared",
-        "enot_nb/_session/worker/replicas.py",
+        "enot_nb/_worker/replicas.py",
         "(*ddp.module.named_parameters(), *ddp.module.named_buffers())",
         "(*ddp.module.named_parameters(),)",
         [
@@ -747,7 +785,7 @@ MUTATIONS = [
     ),
     Mutation(
         "repair-optimizer-state-not-compared",
-        "enot_nb/_session/worker/replicas.py",
+        "enot_nb/_worker/replicas.py",
         "            if isinstance(value, torch.Tensor) and not _is_dtensor(value):\n",
         "            if False:\n",
         [
@@ -758,7 +796,7 @@ MUTATIONS = [
         # ZeRO's per-rank inner optimizer taken for a replica: its keys differ on the ranks, so
         # it is named as held differently, though the cell left it consistent.
         "repair-zero-inner-optimizer-a-replica",
-        "enot_nb/_session/worker/replicas.py",
+        "enot_nb/_worker/replicas.py",
         '            inner.add(id(getattr(obj, "optim", None)))\n',
         "            pass\n",
         ["tests/session/test_work_kept.py::test_zeros_shards_are_left_as_each_rank_holds_them[fork]"],
@@ -767,7 +805,7 @@ MUTATIONS = [
         # Keys not compared across ranks: each rank takes its replicas by rank 0's keys, which
         # a hand-made sharded optimizer's state does not match.
         "repair-keys-not-compared-across-ranks",
-        "enot_nb/_session/worker/replicas.py",
+        "enot_nb/_worker/replicas.py",
         "        everywhere = torch.tensor([k in by_key for k in keys.tolist()], dtype=torch.int64, device=device)\n",
         "        everywhere = torch.ones(len(keys), dtype=torch.int64, device=device)\n",
         [
@@ -1655,7 +1693,7 @@ MUTATIONS = [
     ),
     Mutation(
         "repair-takes-the-kernels-copies-for-the-ranks-objects",
-        "enot_nb/_session/worker/repair.py",
+        "enot_nb/_worker/held.py",
         "    return [o for o in objects if type(o) in hits and _live(o)] if hits else []\n",
         "    return [o for o in objects if type(o) in hits] if hits else []\n",
         ["tests/session/test_work_kept.py::test_a_zero_optimizer_the_notebook_holds_is_not_taken_for_a_ranks"],

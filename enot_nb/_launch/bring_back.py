@@ -48,6 +48,8 @@ def bring_back(
         problems = apply.apply_changes(namespace, registry, changes, options.returns)
     for line in problems:  # something the cell changed did not reach the notebook: an error
         print(f"enot_nb: {line}", file=sys.stderr)
+    if outcome.replicas is not None:  # --check-replicas
+        print(outcome.replicas)
     notes = [Note(name, f"{name!r} was not brought back: {reason}") for name, reason in outcome.not_returned.items()]
     if outcome.detached:
         names = ", ".join(outcome.detached)

@@ -149,4 +149,12 @@ class SyncTask:
     onto its own device (a restart's restore)."""
 
 
-Task = CellTask | CallTask | PullTask | SyncTask
+@dataclass
+class CheckTask:
+    """``Session.check()``: the replicas compared across the ranks (see _worker/replica_check);
+    rank 0's report comes back. Nothing is pushed: what plain cells changed waits for the next task."""
+
+    push: None = None
+
+
+Task = CellTask | CallTask | PullTask | SyncTask | CheckTask

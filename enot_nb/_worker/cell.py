@@ -31,8 +31,9 @@ from enot_nb._state import collect, reach
 from enot_nb._state.kinds import held_still, let_go
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot, SnapshotKeeper
-from enot_nb._worker import bootstrap, frontend, preload, sharded
+from enot_nb._worker import bootstrap, frontend, preload, replica_check, sharded
 from enot_nb._worker import figures as _figures
+from enot_nb._worker.replica_check import ReplicaReport
 
 CELL_FILENAME = "<enot_distributed cell>"
 
@@ -65,6 +66,8 @@ class CellOptions:
     cell's workers, which end; a session's live FSDP modules must stay sharded)."""
     future_flags: int = 0
     """The ``from __future__`` features the notebook's cells compile with (see notebook_future_flags)."""
+    check_replicas: bool = False
+    """--check-replicas: after the cell, every rank compares its replicas with the master's."""
 
 
 @dataclass
@@ -93,6 +96,8 @@ class CellOutcome:
     on_device: list[str] = field(default_factory=list)
     """A session master's variables that hold tensors on its GPU (a module, a tensor, an
     optimizer's state): a restart puts them back on each rank's GPU (see _session/worker)."""
+    replicas: ReplicaReport | None = None
+    """--check-replicas: what the check after the cell found."""
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -177,16 +182,22 @@ def run_cell(
             gathered = sharded.gather_whole(namespace, sorted(reached & set(namespace)), whole_before)
         for line in gathered:
             print(f"enot_nb: {line}", file=sys.stderr)
+    report = None
+    if options.check_replicas:  # every rank: a collective
+        with unwarned():
+            report = replica_check.check_replicas(namespace)
     _show_new_figures(figures_before, rank == 0 and options.shown)
     has_value = last is not None and not suppressed and value is not None
     if tracker is None:
         if rank != 0:
             return None
         # --no-return: nothing comes back, but the cell's value is shown, as a local cell shows it
-        return CellOutcome(has_value=has_value, value_bundle=_bundle(value, shell) if has_value else None)
+        bundle = _bundle(value, shell) if has_value else None
+        return CellOutcome(has_value=has_value, value_bundle=bundle, replicas=report)
     with unwarned():
         outcome = tracker.outcome(options, value if has_value else None, has_value, last, shell, body)
         tracker.keep()
+    outcome.replicas = report
     return outcome
 
 

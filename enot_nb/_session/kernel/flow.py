@@ -52,6 +52,8 @@ class CellRun:
     source_header: str = ""
     future_flags: int = 0
     """The notebook's ``from __future__`` features (see _cell.notebook_future_flags)."""
+    check_replicas: bool = False
+    """--check-replicas: the replicas compared across the ranks after the cell."""
 
 
 @dataclass
@@ -430,4 +432,5 @@ def _cell_options(run: CellRun, back: bool, names_only: bool) -> _cell.CellOptio
         shown=run.output != "none",
         keep_on_error=True,  # a failed session cell keeps what the master reached, as a local cell
         gather_sharded=False,  # the ranks' FSDP modules live on, sharded
+        check_replicas=run.check_replicas,
     )

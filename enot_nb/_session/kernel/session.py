@@ -24,8 +24,10 @@ from enot_nb._log import unwarned
 from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, PreparedTask
 from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
+from enot_nb._session.tasks import CheckTask
 from enot_nb._state.kinds import held_still
 from enot_nb._worker import cell as _cell
+from enot_nb._worker.replica_check import ReplicaReport
 from enot_nb.errors import LaunchConfigError, LaunchError, StaleWrapperError, WorkerFailedError
 
 __all__ = ["CellRun", "RankStatus", "Session", "SessionStatus", "session"]
@@ -350,6 +352,27 @@ class Session:
             ```
         """
         self._task(lambda: self.flow.push_values(values), self.output, self.flow.after_push)
+
+    def check(self) -> ReplicaReport:
+        """Do the ranks' replicas still agree? Every tensor replicated by construction (each DDP
+        wrapper's parameters and buffers, the state of an optimizer over them) is compared
+        across the ranks, each rank's against the master's; sharded state (ZeRO, FSDP, DTensor
+        shards) is named, never compared. Nothing is changed or pushed.
+
+        Returns:
+            The report: each tensor and rank that differs, by its max abs difference
+            (``differences``; ``agree`` when none does); shown as a short text.
+
+        Raises:
+            WorkerFailedError: a rank failed or died during the check.
+
+        Example:
+            ```python
+            report = session.check()
+            assert report.agree, report
+            ```
+        """
+        return self._task(lambda: PreparedTask(task=CheckTask()), self.output, lambda prepared, done: done.result)
 
     def _task(
         self, make: Callable[[], PreparedTask], output: str, apply: Callable[[PreparedTask, CommandOutcome], Any]

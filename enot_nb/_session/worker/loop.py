@@ -50,12 +50,12 @@ from enot_nb._processes.protocol import (
 from enot_nb._serialize import result_file, shm
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.kept import KeptSnapshot
-from enot_nb._session.tasks import CallTask, CellTask, NotHeld, PullTask, RegistrySpecs, SyncTask, Task
+from enot_nb._session.tasks import CallTask, CellTask, CheckTask, NotHeld, PullTask, RegistrySpecs, SyncTask, Task
 from enot_nb._session.worker import devices, groups, repair, wrappers
 from enot_nb._state import apply, collect
 from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
-from enot_nb._worker import bootstrap, frontend, sharded
+from enot_nb._worker import bootstrap, frontend, replica_check, sharded
 from enot_nb._worker import cell as _cell
 
 
@@ -233,6 +233,8 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
         case SyncTask():
             devices.to_rank_device(namespace, task.to_device)
             return None
+        case CheckTask():
+            return replica_check.check_replicas(namespace)
         case _:
             assert_never(task)
 

@@ -17,29 +17,22 @@ where the cell may have left the shards out of step.
 What a rank holds is walked at any depth, as a cell's registry is (``held``): a wrapper or a
 subgroup in a dict, a list or an object's attribute is found, named by its path
 (``nets['G']``) and put back there. The walk ends once it has found every object of the kinds
-it acts on that the process holds (see _Search).
+it acts on that the process holds (see held._Search).
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from enot_nb._session.worker.groups import Subgroup
-from enot_nb._session.worker.replicas import (
-    Equalized,
-    equalize,
-    imported_classes,
-    reached_through,
-    replicated_by_construction,
-)
-from enot_nb._state.kinds import Kind, held_still
+from enot_nb._state.kinds import Kind
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.states import object_dict, slots
+from enot_nb._worker.held import DDP, HELD_KINDS, ZERO, imported_classes, reach, reached_through, tracked
+from enot_nb._worker.replicas import Equalized, equalize, replicated_by_construction
 from enot_nb.errors import DistributedRuntimeException
 
 _NAMED_AT_MOST = 5
@@ -55,7 +48,7 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
 
     if not dist.is_initialized():
         return None
-    found = _tracked(imported_classes(*_WHAT_REPAIR_FINDS))
+    found = tracked(imported_classes(*HELD_KINDS))
     # Lost subgroups: every holder of each is wanted, so the walk goes to its end.
     held = reach(namespace, None if lost else found)
     remade = _remade(lost, held)
@@ -68,7 +61,7 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
             f"FSDP module(s) {_listed(guarded)} were sharded over the groups that are gone: using one "
             "raises an error that says how to shard it again"
         )
-    wrapper, zero = imported_classes(_WHAT_REPAIR_FINDS[0]), imported_classes(_ZERO)
+    wrapper, zero = imported_classes(DDP), imported_classes(ZERO)
     parts += _rebind(held, [o for o in found if isinstance(o, wrapper)], remade)
     parts += _move_zero(held, [o for o in found if isinstance(o, zero)], remade)
     replication = replicated_by_construction(held)
@@ -82,78 +75,6 @@ def repair(namespace: dict[str, Any], lost: Sequence[Subgroup] = (), destroyed: 
             "before training on"
         )
     return "enot_nb: " + "; ".join(parts) if parts else None
-
-
-def reach(namespace: dict[str, Any], looking_for: list[Any] | None = None) -> Registry:
-    """What the rank's variables hold, at any depth, walked as a cell's registry is (breadth
-    first from the names in sorted order; a large plain container is one object): the same
-    objects at the same paths on every rank that ran the same cells. ``looking_for``: the walk
-    stops once it has registered each of these (none: at once), None: it goes to its end."""
-    search = _Search.of_namespace(namespace, [])  # the namespace alone, at index 0
-    assert isinstance(search, _Search)
-    if looking_for is not None and not looking_for:
-        return search
-    search.left = None if looking_for is None else {id(o) for o in looking_for}
-    with held_still():
-        try:
-            search.extend(sorted(user_variables(namespace)), namespace)
-        except _AllFound:
-            pass
-    return search
-
-
-class _AllFound(Exception):
-    pass
-
-
-@dataclass
-class _Search(Registry):
-    """A registry walk that ends once it has registered every object it looks for (their paths
-    are those of the whole walk: breadth first, a path is found before any longer one). With
-    the optimizer and the wrapper in variables, the walk ends among the variables, whatever
-    large data they also hold: a walk to its end costs about 13 us an object, 4 s over 300,000
-    small objects (docs/performance.md), and a rank that takes longer than the release wait to
-    repair makes the session restart."""
-
-    left: set[int] | None = None
-    """The ids of the objects not found yet; None: the walk goes to its end."""
-
-    def _add(self, obj: Any, kind: Kind, parent: int, step: str) -> int:
-        i = super()._add(obj, kind, parent, step)
-        if self.left is not None and id(obj) in self.left:
-            self.left.discard(id(obj))
-            if not self.left:
-                raise _AllFound
-        return i
-
-
-def _tracked(wanted: tuple[type, ...]) -> list[Any]:
-    """Every object of ``wanted`` (or a subclass) the collector tracks in this process: what
-    the walk looks for (see _Search), and a DDP wrapper that no variable holds is rebound too.
-    Found by type, once per type (a torch process tracks some 300,000 objects: 0.35 s asking
-    ``isinstance`` of each, which also asks a deprecated alias's ``__class__`` and warns)."""
-    if not wanted:
-        return []
-    objects = gc.get_objects()
-    hits = {t for t in set(map(type, objects)) if issubclass(t, wanted)}
-    return [o for o in objects if type(o) in hits and _live(o)] if hits else []
-
-
-def _live(obj: Any) -> bool:
-    """Whether ``obj`` was made on a rank: a DDP wrapper or a ZeroRedundancyOptimizer that has
-    no ``process_group`` is a copy (the notebook's, of the master's, without its group: a
-    forked rank inherits the kernel's objects), which holds no group to move."""
-    grouped = imported_classes(_WHAT_REPAIR_FINDS[0], _ZERO)
-    return not isinstance(obj, grouped) or "process_group" in (object_dict(obj) or {})
-
-
-_WHAT_REPAIR_FINDS = (
-    ("torch.nn.parallel.distributed", "DistributedDataParallel"),  # first: the wrappers rebound
-    ("torch.optim", "Optimizer"),
-    ("torch.distributed.fsdp", "FSDPModule"),
-    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
-    ("torch.distributed.tensor", "DTensor"),
-)
 
 
 def _rebind(held: Registry, wrappers: list[Any], remade: _Remade) -> list[str]:
@@ -180,9 +101,6 @@ def _rebind(held: Registry, wrappers: list[Any], remade: _Remade) -> list[str]:
             "(DistributedDataParallel(module, process_group=dist.new_group(...)))"
         )
     return parts
-
-
-_ZERO = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
 
 
 def _move_zero(held: Registry, optimizers: list[Any], remade: _Remade) -> list[str]:

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from enot_nb._session.worker.replicas import imported_classes
+from enot_nb._worker.held import DDP, imported_classes
 from enot_nb.errors import StaleWrapperError
 
 _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -25,7 +25,7 @@ _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()
 def guard_stale(namespace: dict[str, Any]) -> list[str]:
     """Guard each DDP wrapper the namespace holds (in a variable or an attribute of one) whose
     module's parameters are no longer those it was built with; the names of those newly guarded."""
-    ddp_type = imported_classes(("torch.nn.parallel.distributed", "DistributedDataParallel"))
+    ddp_type = imported_classes(DDP)
     if not ddp_type:
         return []
     guarded = []
@@ -45,7 +45,7 @@ def guard_stale(namespace: dict[str, Any]) -> list[str]:
 def _held(namespace: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """The variables, then each one's own attributes (``trainer.ddp``), by name: where a user keeps
     a wrapper. Not deeper: this runs after every push, and a walk of all the rank holds would cost
-    what the push saves (a repair walks it: see repair.reach)."""
+    what the push saves (a repair walks it: see held.reach)."""
     variables = sorted((n, v) for n, v in namespace.items() if not n.startswith("_"))
     yield from variables
     for name, value in variables:

@@ -1,5 +1,6 @@
-"""What every rank of a session holds a copy of by construction, and making the copies the
-master's again (after a failed or interrupted cell, see repair).
+"""What every rank holds a copy of by construction, and making the copies the master's again
+(after a failed or interrupted session cell, see _session/worker/repair), or comparing them
+(see replica_check).
 
 One rule decides what is a replica (``replicated_by_construction``): DDP keeps its wrapped
 module's parameters and buffers equal on every rank, and an optimizer stepping the same DDP
@@ -12,19 +13,20 @@ sizes) crash the ranks in the broadcast.
 Each replica is named by a key the ranks agree on without sending objects: where it is held
 (its path from the rank's variables, and for optimizer state the parameters its optimizer
 steps) and its size. ``equalize`` compares keys across ranks by their hashes: only what every
-rank holds under the same key is compared and taken; the rest is named, never broadcast.
+rank holds under the same key is compared and taken; the rest is named, never broadcast
+(``agreed``, which the check shares).
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from enot_nb._memory.digests import device_checksum
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.registry import Registry
+from enot_nb._worker.held import DDP, ZERO, imported_classes, reached_through
 
 
 class Replica(NamedTuple):
@@ -37,12 +39,18 @@ class Replica(NamedTuple):
     """What the ranks compare to know they hold the same replica: ``where``, its size, and for
     optimizer state which DDP parameters its optimizer steps."""
     storage: Any
+    tensor: Any
+    """The first tensor found over ``storage``: what a check compares, in its dtype."""
+    resynced: bool = False
+    """A buffer DDP sends from rank 0 at its next forward (``broadcast_buffers``): BatchNorm's
+    running statistics differ between forwards by design."""
 
 
 class _Candidate(NamedTuple):
     where: str
     key: str
     tensor: Any
+    resynced: bool = False
 
 
 class Sharded(NamedTuple):
@@ -92,9 +100,9 @@ def replicated_by_construction(held: Registry) -> Replication:
         if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, sharded_types.zero) and id(obj) not in inner:
             found += _optimizer_replicas(held.path(i), obj, params)
     replicas: dict[int, Replica] = {}
-    for where, key, tensor in sorted(found, key=lambda candidate: candidate.key):
+    for where, key, tensor, resynced in sorted(found, key=lambda candidate: candidate.key):
         for storage in tensor_storages(tensor):  # a storage two tensors share: its first key
-            replicas.setdefault(id(storage), Replica(where, f"{key} {storage.nbytes()}", storage))
+            replicas.setdefault(id(storage), Replica(where, f"{key} {storage.nbytes()}", storage, tensor, resynced))
     return Replication(list(replicas.values()), sharded)
 
 
@@ -102,6 +110,8 @@ def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], shar
     """A DDP wrapper's module's parameters and buffers (``ddp.module.0.weight``); recorded in
     ``params`` by the tensor's id (a DTensor among them: in ``sharded``)."""
     ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
+    resynced = bool(getattr(ddp, "broadcast_buffers", False))
+    buffers = {id(b) for b in ddp.module.buffers()}
     found = []
     for name, tensor in (*ddp.module.named_parameters(), *ddp.module.named_buffers()):
         if name in ignored:
@@ -111,7 +121,7 @@ def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], shar
             sharded.append(Sharded(where, "a DTensor in a DDP module"))
             continue
         params[id(tensor)] = where
-        found.append(_Candidate(where, where, tensor))
+        found.append(_Candidate(where, where, tensor, resynced and id(tensor) in buffers))
     return found
 
 
@@ -139,19 +149,13 @@ class _ShardedTypes(NamedTuple):
 
 def _sharded_types() -> _ShardedTypes:
     return _ShardedTypes(
-        ddp=imported_classes(("torch.nn.parallel.distributed", "DistributedDataParallel")),
-        zero=imported_classes(("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")),
+        ddp=imported_classes(DDP),
+        zero=imported_classes(ZERO),
         fsdp=imported_classes(
             ("torch.distributed.fsdp", "FSDPModule"),
             ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
         ),
     )
-
-
-def imported_classes(*found: tuple[str, str]) -> tuple[type, ...]:
-    """The classes named (module, name) whose modules are imported; never imported here: a rank
-    that has not imported one holds none of its objects."""
-    return tuple(c for module, name in found if isinstance(c := getattr(sys.modules.get(module), name, None), type))
 
 
 def _is_dtensor(obj: Any) -> bool:
@@ -165,19 +169,6 @@ def _is_sharded_tensor(obj: Any) -> bool:
         return False
     shard = getattr(sys.modules.get("torch.distributed.tensor"), "Shard", None)
     return isinstance(shard, type) and any(isinstance(p, shard) for p in getattr(obj, "placements", ()))
-
-
-def reached_through(held: Registry, i: int, types: tuple[type, ...]) -> bool:
-    """Whether object ``i`` was reached through an object of ``types`` (an FSDP module's own
-    submodules and parameters are named with it, not each on its own)."""
-    return bool(types) and any(isinstance(held.objects[a], types) for a in _ancestors(held, i))
-
-
-def _ancestors(held: Registry, i: int) -> Iterator[int]:
-    while i > 0:
-        i = held.parents[i][0]
-        if i > 0:
-            yield i
 
 
 class Equalized(NamedTuple):
@@ -195,6 +186,26 @@ def equalize(replicas: list[Replica]) -> Equalized:
     """Make every replica that all ranks hold under the same key the master's: compared by a
     checksum taken on its own device, the master's bytes broadcast over the world group where
     one rank's differ. A collective: every rank calls it, with what it holds."""
+    agreement = agreed(replicas)
+    return Equalized(_take_the_masters(agreement.common, agreement.device), agreement.apart, agreement.apart_elsewhere)
+
+
+class Agreement(NamedTuple):
+    """The replicas every rank holds under the same key, and the rest."""
+
+    common: list[Replica]
+    """In rank 0's order, the same on every rank."""
+    apart: list[str]
+    """This rank's replicas that another rank does not hold under the same key."""
+    apart_elsewhere: int
+    """The most replicas any rank holds under a key that some rank lacks."""
+    device: Any
+    """Where the ranks' collectives take tensors: the rank's GPU under nccl, else the CPU."""
+
+
+def agreed(replicas: list[Replica]) -> Agreement:
+    """Which replicas every rank holds under the same key, by the keys' hashes (rank 0's keys
+    broadcast, each rank says which it holds). A collective: every rank calls it."""
     import torch
     import torch.distributed as dist
 
@@ -214,7 +225,7 @@ def equalize(replicas: list[Replica]) -> Equalized:
     dist.all_reduce(elsewhere, op=dist.ReduceOp.MAX)
     shared = {id(r) for r in common}
     apart = [r.where for r in by_key.values() if id(r) not in shared]
-    return Equalized(_take_the_masters(common, device), apart, int(elsewhere))
+    return Agreement(common, apart, int(elsewhere), device)
 
 
 def _take_the_masters(common: list[Replica], device: Any) -> list[str]:
