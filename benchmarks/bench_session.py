@@ -12,6 +12,8 @@
 * A session cell that reaches a ResNet-50-sized model and changes nothing, against the same cell
   run locally; one that updates it in place, against a one-off cell doing the same (today's
   return cost), both over the local cell.
+* What knowing where each rank is costs 50 DDP steps: torch's flight recorder on and off (two
+  running torchrun scripts), the hang watch on and off (session cells), alternated.
 * ``%enot_session check`` over a ResNet-50-sized DDP model and its momentum, against a trivial
   session cell: the replicas agreeing, and one weight drifted on rank 1.
 * The push: the notebook holds 2 GiB the ranks hold too; a plain cell writes one 1 MiB tensor;
@@ -236,13 +238,13 @@ class RunningScript:
     """A torchrun script running session_steps_job.serve, already past its start: one block of
     50 steps per ``block()``, between which it waits on a pipe per rank."""
 
-    def __init__(self, folder: str, name: str) -> None:
+    def __init__(self, folder: str, name: str, env: dict[str, str] | None = None) -> None:
         control = os.path.join(folder, name)
         for suffix in (".rank0", ".rank1", ".out"):
             os.mkfifo(control + suffix)
         self.process = subprocess.Popen(
             torchrun_command("session_steps_job.py", control),
-            env={**os.environ, **TORCHRUN_ENV},
+            env={**os.environ, **TORCHRUN_ENV, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -402,6 +404,60 @@ print("RESULT", json.dumps([m(local_read), m(session_read), m(no_return_read), m
             repeats,
         ),
         Row(bench, "one-off cell: over local (today's return cost)", oneoff_step - local_step, "s", "local", None),
+    ]
+
+
+def diagnosis_cost(kernel, repeats: int) -> list[Row]:
+    """What knowing where each rank is costs 50 DDP steps (issue 47: at most 5%), in paired,
+    alternating runs: torch's flight recorder, which records each collective (two running torchrun
+    scripts, one with ``TORCH_FR_BUFFER_SIZE=0``, one with enot_nb's 2000, their blocks
+    alternated); and the session's hang watch, which reads the ranks' CPU time each second
+    (session cells with ``--hang-after 0`` and ``--hang-after 300``, alternated)."""
+    bench = "diagnosis: what knowing where each rank is costs 50 DDP steps, 2 ranks"
+    n = max(30, repeats * 4)
+    folder = tempfile.mkdtemp()
+    scripts: list[RunningScript] = []
+    try:
+        off = RunningScript(folder, "off", {"TORCH_FR_BUFFER_SIZE": "0"})
+        scripts.append(off)
+        on = RunningScript(folder, "on", {"TORCH_FR_BUFFER_SIZE": "2000"})
+        scripts.append(on)
+        without, recorded = [], []
+        for i in range(-2, n):
+            pair = (off.block(), on.block()) if i % 2 else (on.block(), off.block())[::-1]
+            if i >= 0:
+                without.append(pair[0])
+                recorded.append(pair[1])
+        off.close()
+        on.close()
+    finally:
+        for script in scripts:
+            script.process.kill()
+        shutil.rmtree(folder)
+    kernel.ok(CELL_CLOCK)
+    kernel.ok("%enot_session start -n 2 --backend gloo", timeout=300)
+    for line in ddp_setup():
+        kernel.ok(line)
+    cells = ("%%enot_distributed --hang-after 0\n" + FIFTY_STEPS, "%%enot_distributed --hang-after 300\n" + FIFTY_STEPS)
+    for _ in range(2):
+        for cell in cells:
+            kernel.ok(cell)
+    cell_times(kernel)
+    for i in range(n):
+        for cell in cells if i % 2 else cells[::-1]:
+            kernel.ok(cell)
+    times = cell_times(kernel)[-2 * n :]
+    unwatched = [times[j] if i % 2 else times[j + 1] for i, j in enumerate(range(0, 2 * n, 2))]
+    watched = [times[j + 1] if i % 2 else times[j] for i, j in enumerate(range(0, 2 * n, 2))]
+    kernel.ok("%enot_session stop")
+    m = statistics.median
+    fr = m([b / a for a, b in zip(without, recorded)])
+    hang = m([b / a for a, b in zip(unwatched, watched)])
+    return [
+        Row(bench, "torchrun script, flight recorder off (reference)", m(without), "s", "off", 1.0, "", n),
+        Row(bench, "torchrun script, flight recorder on (2000 kept)", m(recorded), "s", "off", fr, "<= 1.05x", n),
+        Row(bench, "session cell, --hang-after 0 (reference)", m(unwatched), "s", "unwatched", 1.0, "", n),
+        Row(bench, "session cell, --hang-after 300 (watched)", m(watched), "s", "unwatched", hang, "<= 1.05x", n),
     ]
 
 
@@ -665,6 +721,7 @@ def run(repeats: int = 5) -> list[Row]:
     try:
         kernel.ok(SETUP)
         rows = trivial(kernel, repeats) + ddp_steps(kernel, repeats) + resnet(kernel, repeats)
-        return rows + replica_check(kernel, repeats) + push(kernel, repeats) + costs(kernel, repeats)
+        rows += diagnosis_cost(kernel, repeats) + replica_check(kernel, repeats)
+        return rows + push(kernel, repeats) + costs(kernel, repeats)
     finally:
         kernel.shutdown()

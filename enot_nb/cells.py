@@ -199,7 +199,9 @@ def _export(shell: InteractiveShell, code: str, args: argparse.Namespace) -> Non
 
     options = launch_options(args)  # every launch option, as the exported script takes it
     exported_options = {
-        k: v for k, v in vars(options).items() if k not in ("start_method", "node_rank", "max_restarts")
+        k: v
+        for k, v in vars(options).items()
+        if k not in ("start_method", "node_rank", "max_restarts", "hang_after")  # no launcher there
     }
     exported_options["timeout"] = cast(datetime.timedelta, options.timeout).total_seconds()  # see LaunchOptions
     try:

@@ -67,6 +67,7 @@ def notebook_launcher(
     node_rank: int = 0,
     max_restarts: int = 0,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    hang_after: float | None = None,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` processes and return global rank 0's result.
 
@@ -95,6 +96,8 @@ def notebook_launcher(
         node_rank: this node's rank among them.
         max_restarts: start a failed group again up to this many times.
         timeout: the process group's timeout (how long a collective may wait).
+        hang_after: when no rank has made progress (used CPU time) for this many seconds, show
+            each rank's last collective and where it waits (the launch goes on); None: never.
 
     Returns:
         What ``fn`` returned on global rank 0.
@@ -140,6 +143,7 @@ def notebook_launcher(
         node_rank=node_rank,
         max_restarts=max_restarts,
         timeout=timeout,
+        hang_after=hang_after,
     )
     return launch_job(
         plan_launch(options),

@@ -22,7 +22,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from enot_nb import sessions
-from enot_nb._defaults import DEFAULT_TIMEOUT
+from enot_nb._defaults import DEFAULT_TIMEOUT, SESSION_HANG_AFTER
 from enot_nb._launch.options import EngineOptions, LaunchOptions, in_magic_words
 from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._worker import preload
@@ -64,6 +64,14 @@ _NODE_ARGUMENTS = (
     argument("--nnodes", type=int, default=1, help="number of nodes running this cell"),
     argument("--node-rank", type=int, default=0, help="rank of this node"),
     argument("--max-restarts", type=int, default=0, help="restart a failed group this many times"),
+)
+_HANG_AFTER = argument(
+    "--hang-after",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="when no rank has used CPU time for this long, show each rank's last collective and where it waits "
+    f"(the cell goes on; 0: never; default: never in a one-off cell, {SESSION_HANG_AFTER:g} in a session)",
 )
 # Where a session's ranks run (%enot_session start / restart only): this machine, or a Ray cluster.
 _ENGINE_ARGUMENTS = (
@@ -121,7 +129,7 @@ class EnotMagics(Magics):
         help="when a rank fails: leave the notebook as it was (discard, the default), or "
         "keep the state the master reached (best effort); a session cell always keeps it",
     )
-    @_with_arguments(_WORKER_ARGUMENTS[6], *_NODE_ARGUMENTS)
+    @_with_arguments(_WORKER_ARGUMENTS[6], *_NODE_ARGUMENTS, _HANG_AFTER)
     @argument(
         "--export",
         default=None,
@@ -160,7 +168,7 @@ class EnotMagics(Magics):
         help="start the session's workers, stop them, start them again, show them (the default), or "
         "check that their replicas agree",
     )
-    @_with_arguments(*_WORKER_ARGUMENTS, *_ENGINE_ARGUMENTS)
+    @_with_arguments(*_WORKER_ARGUMENTS, _HANG_AFTER, *_ENGINE_ARGUMENTS)
     @argument(
         "--mirror",
         choices=["all", "none"],

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
+from enot_nb._defaults import SESSION_HANG_AFTER
 from enot_nb._launch.notes import NOTES
 from enot_nb._launch.options import EngineOptions, LaunchOptions
 from enot_nb._session.kernel.flow import CellRun
@@ -53,6 +54,7 @@ def run_session_cell(shell: InteractiveShell | None, live: Any, cell: str, args:
         source_header=f"%%enot_distributed {line}\n",
         future_flags=_cell.notebook_future_flags(shell),
         check_replicas=args.check_replicas,
+        hang_after=args.hang_after,
     )
     check_sync(shell.user_ns, run.sync)
     failure: BaseException | None = None
@@ -116,11 +118,14 @@ def _session_options(args: argparse.Namespace, given: dict[str, str], live: Any)
         "cuda_reproducible": "reproducible",
         "start_method": "start_method",
         "timeout": "timeout",
+        "hang_after": "hang_after",
     }
     options: dict[str, Any] = {}
     for name, dest in dests.items():
         keep = live is not None and dest not in given
         options[name] = getattr(live.options, name) if keep else getattr(args, dest)
+    if "hang_after" not in given and live is None:
+        options["hang_after"] = SESSION_HANG_AFTER  # a session watches for hangs unless told not to
     options["mirror"] = live.mirror_mode if live is not None and "mirror" not in given else args.mirror
     for name in EngineOptions.names():  # where the ranks run: kept on a restart unless given
         keep = live is not None and name not in given

@@ -28,6 +28,50 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "collectives-table-never-reached-not-named",
+        "enot_nb/_launch/collective_table.py",
+        "            elif latest.seq < top.seq:\n",
+        "            elif False:\n",
+        [
+            "tests/diagnosis/test_collectives.py::test_the_table_names_a_rank_that_never_reached_a_collective_and_where_it_is"
+        ],
+    ),
+    Mutation(
+        "collectives-not-in-the-stack-dump",
+        "enot_nb/_worker/stacks.py",
+        '("\\n".join(lines) + "\\n" + collectives.encoded(taken))',
+        '("\\n".join(lines) + "\\n")',
+        [
+            "tests/diagnosis/test_collectives.py::test_a_mismatched_collective_is_named_when_the_ranks_hang_and_on_the_stop_press[fork]"
+        ],
+    ),
+    Mutation(
+        "hang-watch-never-finds-a-hang",
+        "enot_nb/_launch/hang_watch.py",
+        "        self._said = True\n        return True\n",
+        "        self._said = True\n        return False\n",
+        [
+            "tests/diagnosis/test_collectives.py::test_a_hang_is_found_by_hang_after_and_the_cell_goes_on_in_a_session_and_a_one_off_cell[fork]"
+        ],
+    ),
+    Mutation(
+        # A rank busy computing taken for a hang: CPU time is not looked at.
+        "hang-watch-ignores-cpu-time",
+        "enot_nb/_launch/hang_watch.py",
+        "        if moved:\n",
+        "        if False:\n",
+        [
+            "tests/diagnosis/test_collectives.py::test_a_hang_is_found_by_hang_after_and_the_cell_goes_on_in_a_session_and_a_one_off_cell[fork]"
+        ],
+    ),
+    Mutation(
+        "timeout-sends-no-collectives",
+        "enot_nb/_worker/bootstrap.py",
+        "        timed_out = collectives.encoded(collectives.timed_out(exc))\n",
+        '        timed_out = ""\n',
+        ["tests/diagnosis/test_collectives.py::test_a_collective_that_times_out_shows_where_each_rank_stood[fork]"],
+    ),
+    Mutation(
         # Every rank's checksums taken for rank 0's: no drift is ever found.
         "replica-check-compares-the-master-with-itself",
         "enot_nb/_worker/replica_check.py",

@@ -419,6 +419,57 @@ def test_a_nccl_session_trains_on_with_the_same_ddp_after_a_failed_cell():
         assert s.run("next(model.parameters()).device.type") == "cuda"
 
 
+def test_a_nccl_ranks_collectives_are_recorded_and_its_replicas_checked_on_its_gpu():
+    """nccl: the flight recorder names the rank's collectives (op, group, dtype and shape), which
+    the collectives table reads; the replica check compares DDP's CUDA parameters and momentum
+    where they live (checksums on the GPU, all-gathered over nccl), and with two GPUs names a
+    weight the last rank moved."""
+    ns: dict = {}
+    with enot_nb.Session(nprocs=GPUS, backend="nccl", namespace=ns, quiet=True) as s:
+        s.run(
+            "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "from enot_nb._worker import collectives\n"
+            "t = torch.ones(4, device='cuda')\ndist.all_reduce(t)\ntorch.cuda.synchronize()\n"
+            "ddp = DDP(torch.nn.Linear(8, 8).cuda())\nopt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)\n"
+            "ddp(torch.ones(2, 8, device='cuda')).sum().backward()\nopt.step()"
+        )
+        recorded = s.run("[(c.op, c.group, c.tensors) for c in collectives.snapshot().collectives]")
+        assert any(op == "all_reduce" and group == "WORLD" and tensors for op, group, tensors in recorded), recorded
+        report = s.check()
+        assert report.agree and report.compared == 4, report
+        if GPUS >= 2:
+            s.run(f"if dist.get_rank() == {GPUS - 1}:\n    with torch.no_grad():\n        ddp.module.bias[0] += 0.25")
+            drifted = s.check().drifted
+            assert [(d.where, d.rank) for d in drifted] == [("ddp.module.bias", GPUS - 1)], drifted
+            assert abs(drifted[0].max_abs_difference - 0.25) < 1e-6
+
+
+@pytest.mark.skipif(GPUS < 2, reason="a mismatch needs two nccl ranks, and NCCL refuses two ranks on one GPU")
+def test_a_nccl_mismatch_is_named_in_the_collectives_table_on_a_stop_press():
+    with running_kernel("%load_ext enot_nb") as k:
+        k.ok("%enot_session start -n 2 --backend nccl")
+        k.ok(
+            "%%enot_distributed\nimport torch, torch.distributed as dist\ndist.all_reduce(torch.ones(4, device='cuda'))"
+        )
+        pressed = []
+
+        def press(run) -> None:
+            if "ranks-in-place" in run.stdout and not pressed:
+                pressed.append(True)
+                time.sleep(3)  # both ranks are in their collectives by now
+                k.manager.interrupt_kernel()
+
+        run = k.run(
+            "%%enot_distributed\nprint('ranks-in-place', flush=True)\n"
+            "if dist.get_rank() == 0:\n    dist.broadcast(torch.ones(8, device='cuda'), 0)\n"
+            "else:\n    dist.all_reduce(torch.ones(1024, device='cuda'))\ntorch.cuda.synchronize()",
+            timeout=240,
+            on_output=press,
+        )
+        assert pressed and "rank 1 waits in all_reduce #" in run.stderr, run.stderr
+        assert "rank 0 is in broadcast #" in run.stderr
+
+
 # ----------------------------------------------------------------------------- the Ray engine
 
 

@@ -26,19 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import assert_never
 
-from enot_nb._launch import relay
+from enot_nb._launch import collective_table, relay
+from enot_nb._launch.hang_watch import HangWatch
 from enot_nb._launch.ranks import Rank, RankIO, close_pipes, make_ranks
 from enot_nb._launch.tracebacks import as_in_the_notebook
 from enot_nb._log import log
 from enot_nb._processes import forkserver_client, oom, watchdog_client
 from enot_nb._processes import rendezvous as _rendezvous
 from enot_nb._processes.framing import LaunchFds
-from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup
+from enot_nb._processes.groups import ForkedGroup, ServerGroup, WorkerGroup, cpu_seconds
 from enot_nb._processes.interrupts import finish, interrupts_deferred
 from enot_nb._processes.protocol import ErrorReport, FrontEndMessage, Inline, InMemfd, Payload, Result
 from enot_nb._processes.starts import start_error
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap, preload, streams
+from enot_nb._worker.collectives import Snapshot
 from enot_nb.errors import LaunchError, LaunchInterrupted, WorkerFailure, sigkill_cause
 
 if TYPE_CHECKING:
@@ -129,6 +131,9 @@ class Stopper:
     def after_failure(self) -> None:
         """The first failure stops everyone else: SIGTERM, then SIGKILL."""
         self.stopping = True
+        timed_out = collective_table.timed_out(self.attempt.ranks)
+        if timed_out:
+            self.show_collectives(collective_table.TIMED_OUT, timed_out)
         first = self.attempt.failures[0]
         log.debug("attempt %d: first failure, rank %d (exit code %s)", self.attempt.attempt, first.rank, first.exitcode)
         self.stop([r for r in self.attempt.ranks if r.running], _ESCALATION[1:])
@@ -161,12 +166,13 @@ class Stopper:
                 file=sys.stderr,
                 flush=True,
             )
+            for r in running:
+                r.stack_text = ""  # (a hang shown before)
             self.signal_running(signal.SIGUSR1, running)
             attempt.io.capturing_stacks = True
             self.wait(STACK_DUMP_WAIT, force_show=True)
             attempt.io.capturing_stacks = False
-            for r in running:
-                print(stack_report(r.rank, r.stack_text), file=sys.stderr, flush=True)
+            print(where_ranks_are({r.rank: r.stack_text for r in running}), file=sys.stderr, flush=True)
         master = next((r for r in attempt.ranks if r.rank == 0 and r.running), None)
         if master is not None and attempt.group is not None:
             self.signal_running(signal.SIGINT, [master])
@@ -174,6 +180,36 @@ class Stopper:
                 INTERRUPT_SAVE_WAIT, force_show=False, until=lambda: master.partial is not None or not master.running
             )
         self.stop(attempt.ranks)
+
+    def show_hang(self) -> None:
+        """No rank has made progress for the hang watch's seconds: where each is and its last
+        collective, once; the launch goes on (the user chooses to stop)."""
+        after = self.attempt.hang.after
+        self.show_collectives(
+            f"no rank has made progress (used CPU time) for {after:g} s; the launch goes on: press stop to stop it"
+        )
+
+    def show_collectives(self, why: str, known: dict[int, Snapshot] | None = None) -> None:
+        """``why``, then the ranks' collectives side by side: ``known`` (those sent with a
+        timeout's error) and the running ranks' (each asked for its dump); their stacks where
+        no rank issued a collective."""
+        attempt = self.attempt
+        running = [r for r in attempt.ranks if r.running and r.rank not in (known or {})]
+        texts: dict[int, str] = {}
+        snapshots = dict(known or {})
+        if running and attempt.io is not None:
+            for r in running:
+                r.stack_text = ""
+            self.signal_running(signal.SIGUSR1, running)
+            attempt.io.capturing_stacks = True
+            self.wait(STACK_DUMP_WAIT, force_show=True)
+            attempt.io.capturing_stacks = False
+            texts, dumped = collective_table.split_dumps({r.rank: r.stack_text for r in running})
+            snapshots.update(dumped)
+        shown = collective_table.table(snapshots) or "\n".join(
+            stack_report(rank, text) for rank, text in sorted(texts.items())
+        )
+        print(f"\nenot_nb: {why}\n{shown}", file=sys.stderr, flush=True)
 
     def wait(self, seconds: float, force_show: bool, until: Callable[[], bool] | None = None) -> None:
         """Read output and exits for up to ``seconds``, or until all is quiet (``force_show``),
@@ -218,6 +254,10 @@ class Attempt:
         self.rendezvous_dir: str | None = None
         self.multiprocessing_dir: str | None = None  # DataLoader workers' sockets; removed at close
         self.stopper = Stopper(self)
+        self.hang = HangWatch(
+            None if session else plan.hang_after,  # a session watches its own cells (see _session/kernel/workers)
+            lambda: {r.rank: cpu_seconds(r.pid) for r in self.ranks if r.pid is not None and r.running},
+        )
         self.oom_kills: int | None = None
         """The OOM kills the kernel had counted in this cgroup by the last death seen (or the start)."""
 
@@ -289,11 +329,14 @@ class Attempt:
     # ------------------------------------------------------------------------- supervise
 
     def _supervise(self) -> None:
+        self.hang.start()
         while any(r.exitcode is None for r in self.ranks):
             if self.failures and not self.stopper.stopping:
                 self.stopper.after_failure()
                 continue
-            self.handle(self.select(None))
+            self.handle(self.select(self.hang.due()))
+            if not self.failures and self.hang.found():
+                self.stopper.show_hang()
 
     def select(self, timeout: float | None) -> list:
         """Wait for events; exits the group already holds are handled first, without waiting."""
@@ -525,6 +568,15 @@ _HELPER_THREAD_FILES = (
 LIBRARY_FRAMES_SHOWN = 3
 """Library frames a stop report shows per thread: the innermost ones, above the user's own
 (where the rank is blocked: a backward, a collective); the whole dump goes to the debug log."""
+
+
+def where_ranks_are(dumps: dict[int, str]) -> str:
+    """The ranks' dumps for the notebook: each rank's stack (see stack_report), then their
+    collectives side by side (see collective_table), where they issued any."""
+    texts, snapshots = collective_table.split_dumps(dumps)
+    shown = [stack_report(rank, text) for rank, text in sorted(texts.items())]
+    collectives = collective_table.table(snapshots)
+    return "\n".join(shown + ([collectives] if collectives else []))
 
 
 def stack_report(rank: int, text: str) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from enot_nb._launch import attempt as _attempt
-from enot_nb._launch.attempt import Attempt, load_payload, stack_report
+from enot_nb._launch.attempt import Attempt, load_payload
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._launch.ranks import Rank
 from enot_nb._processes import forkserver_client, framing, sockets
@@ -159,8 +159,8 @@ class LocalRanks:
         self.attempt.stopper.wait(seconds, force_show=False, until=until)
 
     def dump_stacks(self, ranks: list[Rank]) -> dict[int, str]:
-        """Each rank's stack (SIGUSR1 by its pidfd: the worker prints it between fences on
-        stderr), read for STACK_DUMP_WAIT seconds at most, as a report each."""
+        """Each rank's dump (SIGUSR1 by its pidfd: the worker prints its stack and its
+        collectives between fences on stderr), read for STACK_DUMP_WAIT seconds at most."""
         attempt = self.attempt
         assert attempt is not None and attempt.group is not None and attempt.io is not None
         for r in ranks:
@@ -171,7 +171,7 @@ class LocalRanks:
             attempt.stopper.wait(_attempt.STACK_DUMP_WAIT, force_show=True)
         finally:
             attempt.io.capturing_stacks = False
-        return {r.rank: stack_report(r.rank, r.stack_text) for r in ranks}
+        return {r.rank: r.stack_text for r in ranks}
 
     def interrupt(self, ranks: list[Rank]) -> None:
         attempt = self.attempt

@@ -51,6 +51,9 @@ class LaunchOptions:
     max_restarts: int = 0
     timeout: datetime.timedelta | float = DEFAULT_TIMEOUT
     """The process group's timeout (seconds, or a timedelta)."""
+    hang_after: float | None = None
+    """Seconds without progress (no rank's CPU time moves) after which the notebook shows where
+    each rank is and its last collective; None or 0: never (see _launch/hang_watch)."""
 
     # The magic's flag for each field (UsageError messages name the flag the user typed).
     FLAGS: ClassVar[dict[str, str]] = {
@@ -67,6 +70,7 @@ class LaunchOptions:
         "node_rank": "--node-rank",
         "max_restarts": "--max-restarts",
         "timeout": "--timeout",
+        "hang_after": "--hang-after",
     }
 
     def __post_init__(self) -> None:
@@ -105,6 +109,7 @@ class LaunchOptions:
                 f"backend={self.backend!r} must be a name such as 'nccl' or 'gloo'", parameter="backend"
             )
         object.__setattr__(self, "timeout", as_timedelta(self.timeout))
+        object.__setattr__(self, "hang_after", as_hang_after(self.hang_after))
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise LaunchConfigError(
                 f"master_addr={self.master_addr!r} must be a host name or an IP "
@@ -134,6 +139,17 @@ class LaunchOptions:
 def check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise LaunchConfigError(f"{name}={value!r} must be an integer >= {low}", parameter=name)
+
+
+def as_hang_after(seconds: Any) -> float | None:
+    """``hang_after`` checked: positive seconds, or None for never (0 too)."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_TIMEOUT_S:
+        raise LaunchConfigError(
+            f"hang_after={seconds!r} must be seconds (at most a year), or 0 or None for never", parameter="hang_after"
+        )
+    return float(seconds) or None
 
 
 def as_timedelta(timeout: Any) -> datetime.timedelta:

@@ -36,6 +36,8 @@ class LaunchPlan:
     max_restarts: int
     run_id: str
     """TORCHELASTIC_RUN_ID: one per launch, the same on every node and every restart."""
+    hang_after: float | None = None
+    """LaunchOptions.hang_after."""
 
     @property
     def world_size(self) -> int:
@@ -81,6 +83,7 @@ def plan_launch(options: LaunchOptions) -> LaunchPlan:
         master_port=options.master_port,
         threads=_threads_per_worker(nprocs),
         max_restarts=options.max_restarts,
+        hang_after=options.hang_after,
         run_id=(
             f"enot_nb-{master_addr}-{options.master_port}" if options.nnodes > 1 else f"enot_nb-{uuid.uuid4().hex[:12]}"
         ),

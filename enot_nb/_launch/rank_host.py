@@ -12,7 +12,7 @@ ranks only through it::
                             display data, and each rank's messages and outcome, into its record
                             (``ranks``: outcome, payload, partial, groups, pushed); deaths learnt
     wait(seconds, until)    poll until ``until()`` holds, or for ``seconds`` at most
-    dump_stacks(ranks)      where each rank is, as text (for the stop button's report)
+    dump_stacks(ranks)      where each rank is, as its dump's text (stack, collectives: see attempt.where_ranks_are)
     interrupt(ranks)        KeyboardInterrupt raised in each rank
     stop(ranks)             the ranks ended: asked, then forced
     peers()                 the ends (address, port) of the ranks' TCP sockets: a rank cuts its

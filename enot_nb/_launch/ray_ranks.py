@@ -43,7 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from enot_nb._launch import attempt as _attempt
 from enot_nb._launch import relay
-from enot_nb._launch.attempt import load_payload, stack_report
+from enot_nb._launch.attempt import load_payload
 from enot_nb._launch.output import StreamSink
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._launch.ranks import STREAMS, Rank, RankIO
@@ -348,7 +348,7 @@ class RayRanks:
                 self.poll(0.2)
         finally:
             self.io.capturing_stacks = False
-        return {r.rank: stack_report(r.rank, self._as_here(r, r.stack_text)) for r in ranks}
+        return {r.rank: self._as_here(r, r.stack_text) for r in ranks}
 
     def _as_here(self, r: Rank, text: str) -> str:
         """A rank's stack with enot_nb's frames under this process's enot_nb folder (the node

@@ -286,11 +286,40 @@ def resident_mib(pid: int) -> float | None:
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """A process's CPU time so far (user and system, every thread), from /proc; None where it
-    cannot be read (gone). A rank that does not answer but whose CPU time grows is working."""
+    """A process's CPU time so far (user and system, every thread), with its live descendants'
+    (a DataLoader's workers do a rank's work), from /proc; None where it cannot be read (gone). A
+    rank that does not answer but whose CPU time grows is working."""
+    own = _own_cpu_seconds(pid)
+    if own is None:
+        return None
+    return own + sum(_own_cpu_seconds(child) or 0.0 for child in _descendants(pid))
+
+
+def _own_cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live processes under ``pid``, from each thread's ``children`` (Linux 3.5+); none where
+    the kernel does not list them."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as listed:
+                    children = [int(c) for c in listed.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found

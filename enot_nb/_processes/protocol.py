@@ -149,6 +149,9 @@ class ErrorReport(NamedTuple):
     connecting: bool = False
     """It failed while the ranks were connecting (gloo's connectFullMesh), before any user code
     ran: the launcher starts the attempt again (see launcher.run_plan)."""
+    collectives: str = ""
+    """A collective timed out: the rank's collectives as it failed (_worker/collectives.encoded),
+    which the kernel sets beside the other ranks'; empty otherwise."""
 
 
 FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage

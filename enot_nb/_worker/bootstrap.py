@@ -41,7 +41,7 @@ from enot_nb._processes.protocol import (
 )
 from enot_nb._runtime import ray_rank
 from enot_nb._serialize import result_file, shm
-from enot_nb._worker import stacks, streams
+from enot_nb._worker import collectives, stacks, streams
 
 WORKER_MARKER = "ENOT_NB_WORKER"  # set in every worker: a launch from inside a worker is refused
 _PR_SET_PDEATHSIG = 1
@@ -131,6 +131,7 @@ def become_worker(spec: WorkerSpec) -> None:
     os.environ.clear()
     os.environ.update(spec.env)
     os.environ[WORKER_MARKER] = "1"
+    collectives.record()  # before the process group is made: torch reads it then
     ray_rank.install()  # on Ray: the rank never connects to Ray itself
     os.chdir(spec.cwd)
     sys.path[:] = spec.sys_path
@@ -297,7 +298,11 @@ def report_failure(exc: BaseException, connecting: bool = False) -> int:
         code, message, error_type = 1, str(exc), type(exc).__name__
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))) if error_type else None
     try:
-        send(ErrorReport(error_type, message, text, code, connecting))
+        timed_out = collectives.encoded(collectives.timed_out(exc))
+    except Exception:  # noqa: BLE001 - the error matters more than the collectives
+        timed_out = ""
+    try:
+        send(ErrorReport(error_type, message, text, code, connecting, timed_out))
     except OSError:
         pass
     return code

@@ -1,6 +1,6 @@
-"""Where a rank is, on request: SIGUSR1 (sent by the launcher when the stop button is pressed)
-prints every thread's Python stack to stderr, in faulthandler's format, from a helper thread
-that holds the GIL.
+"""Where a rank is, on request: SIGUSR1 (sent by the launcher when the stop button is pressed,
+or when no rank makes progress) prints every thread's Python stack to stderr, in faulthandler's
+format, and the rank's last collectives (see collectives), from a helper thread that holds the GIL.
 
 faulthandler's own dump (``faulthandler.register``) walks every thread's frames from inside the
 signal handler, without the GIL, while the threads change them: a rank stopped in the middle of
@@ -19,6 +19,8 @@ import sys
 import threading
 import traceback
 from typing import Any
+
+from enot_nb._worker import collectives
 
 
 def install() -> None:
@@ -57,6 +59,10 @@ def _dump() -> None:
             lines.append(f'  File "{entry.filename}", line {entry.lineno} in {entry.name}')
         lines.append("")
     try:
-        os.write(2, ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace"))
+        taken = collectives.snapshot()
+    except Exception:  # noqa: BLE001 - the stack matters more than the collectives
+        taken = None
+    try:
+        os.write(2, ("\n".join(lines) + "\n" + collectives.encoded(taken)).encode("utf-8", "backslashreplace"))
     except OSError:
         pass

@@ -18,8 +18,9 @@ def test_launch_options_are_one_definition_for_every_front():
     launcher = set(inspect.signature(enot_nb.notebook_launcher).parameters)
     assert fields <= launcher
     export = set(inspect.signature(enot_nb.export_cell).parameters)
-    # An export runs nothing here: where and how torchrun starts it is torchrun's to say.
-    assert fields - {"start_method", "node_rank", "max_restarts"} <= export
+    # An export runs nothing here: where and how torchrun starts it is torchrun's to say, and
+    # torchrun watches it (no hang watch).
+    assert fields - {"start_method", "node_rank", "max_restarts", "hang_after"} <= export
     from enot_nb.magic import EnotMagics
 
     parser = EnotMagics.enot_distributed.parser

@@ -54,6 +54,8 @@ class CellRun:
     """The notebook's ``from __future__`` features (see _cell.notebook_future_flags)."""
     check_replicas: bool = False
     """--check-replicas: the replicas compared across the ranks after the cell."""
+    hang_after: float | None = None
+    """--hang-after for this cell (0: never); None: the session's."""
 
 
 @dataclass

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from enot_nb._defaults import DEFAULT_TIMEOUT
+from enot_nb._defaults import DEFAULT_TIMEOUT, SESSION_HANG_AFTER
 from enot_nb._launch import relay
 from enot_nb._launch.bring_back import CellInterrupted
-from enot_nb._launch.options import EngineOptions, LaunchOptions
+from enot_nb._launch.options import EngineOptions, LaunchOptions, as_hang_after
 from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._log import unwarned
 from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, PreparedTask
@@ -63,6 +63,9 @@ class Session:
         cuda_reproducible: init_torch's flag.
         start_method: "fork", "spawn", or None (fork unless CUDA is initialized here).
         timeout: the process group's timeout.
+        hang_after: when no rank has used CPU time for this many seconds during a cell, the
+            notebook shows each rank's last collective and where it waits (the cell goes on);
+            None or 0: never. A cell's ``--hang-after`` overrides it.
         mirror: "all" (the notebook mirrors the master; its changes reach every rank before
             the next task) or "none" (nothing flows unless asked: pull, push).
         namespace: what code run here sees and gets back (default: the notebook's; outside
@@ -101,6 +104,7 @@ class Session:
         cuda_reproducible: bool = False,
         start_method: str | None = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        hang_after: float | None = SESSION_HANG_AFTER,
         mirror: str = "all",
         namespace: dict[str, Any] | None = None,
         output: str = "master",
@@ -265,7 +269,7 @@ class Session:
         """A cell with the magic's per-cell options (see ``run``)."""
         compile(code, _cell.CELL_FILENAME, "exec")  # a syntax error before anything is sent
         self._ready().cells += 1
-        return self._task(lambda: self.flow.cell(code, run), run.output, self.flow.after_cell)
+        return self._task(lambda: self.flow.cell(code, run), run.output, self.flow.after_cell, run.hang_after)
 
     def launch(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on every rank, with the rank's session namespace as its
@@ -375,12 +379,16 @@ class Session:
         return self._task(lambda: PreparedTask(task=CheckTask()), self.output, lambda prepared, done: done.result)
 
     def _task(
-        self, make: Callable[[], PreparedTask], output: str, apply: Callable[[PreparedTask, CommandOutcome], Any]
+        self,
+        make: Callable[[], PreparedTask],
+        output: str,
+        apply: Callable[[PreparedTask, CommandOutcome], Any],
+        hang_after: float | None = None,
     ) -> Any:
         """A task made (after a restart, if ranks had died), sent, its outcome applied by
         ``apply`` (see SessionWorkers.run_task); then new workers where the old ones must be
         replaced (from the notebook, which now holds what the master reached); its failure
-        raised."""
+        raised. ``hang_after``: the cell's (0: never), None: the session's."""
         workers = self._ready()
         with held_still() as still, unwarned():  # until the task is sent, nothing changes the notebook's objects
             prepared = make()
@@ -392,7 +400,8 @@ class Session:
                 return apply(prepared, done)
 
         try:
-            value = workers.run_task(pickled, output, applied)
+            watch = self.options.hang_after if hang_after is None else hang_after
+            value = workers.run_task(pickled, output, applied, as_hang_after(watch))
         finally:
             self.last = workers.last
             if self.last is not None and self.last.restart is not None:

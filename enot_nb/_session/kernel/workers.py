@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enot_nb._launch import attempt as _attempt
-from enot_nb._launch import relay
+from enot_nb._launch import collective_table, relay
+from enot_nb._launch.hang_watch import HangWatch, soonest
 from enot_nb._launch.local_ranks import LocalRanks
 from enot_nb._launch.plan import LaunchPlan
 from enot_nb._launch.rank_host import RankHost
@@ -53,6 +54,7 @@ from enot_nb._processes.protocol import (
 )
 from enot_nb._session.mirror.mirror import PickledTask
 from enot_nb._session.worker import loop as session_loop
+from enot_nb._worker.collectives import Snapshot
 from enot_nb.errors import WorkerFailure
 
 # Seconds the other ranks get to answer once one rank's cell failed, before the kernel takes
@@ -117,9 +119,11 @@ class SessionWorkers:
         """Stop every rank and release everything."""
         self.host.close()
 
-    def run_task(self, task: PickledTask, output: str, apply: Callable[[CommandOutcome], Any]) -> Any:
-        """Lay the task out for the ranks, send it to every rank, supervise it; ``apply``'s
-        value. From the moment every rank answered until ``apply`` (the notebook taking the
+    def run_task(
+        self, task: PickledTask, output: str, apply: Callable[[CommandOutcome], Any], hang_after: float | None = None
+    ) -> Any:
+        """Lay the task out for the ranks, send it to every rank, supervise it (``hang_after``:
+        see hang_watch); ``apply``'s value. From the moment every rank answered until ``apply`` (the notebook taking the
         answer) has returned, presses are held; one then is raised after it. The outcome is
         ``last`` (also if ``apply`` or a press raised)."""
         self.last = None  # until this task's end: an error before it must not pass for it
@@ -129,7 +133,7 @@ class SessionWorkers:
         command = RunTask(size, tuple(task.specs), task.objects, task.storages, parent, task.has_push, self.tasks)
         hold = PressHold()
         try:
-            self.last = outcome = CommandRound(self.host, hold).run(command)
+            self.last = outcome = CommandRound(self.host, hold, hang_after).run(command)
             outcome.task_bytes = size
             if outcome.restart is None and outcome.regrouped:
                 print(
@@ -160,8 +164,9 @@ class CommandRound:
     """One command on every rank, supervised until each answered (see the module's docstring):
     its outcome, the stuck ranks released, the group kept or made again."""
 
-    def __init__(self, host: RankHost, hold: PressHold) -> None:
+    def __init__(self, host: RankHost, hold: PressHold, hang_after: float | None = None) -> None:
         self.host, self.hold = host, hold
+        self.hang = HangWatch(hang_after, lambda: {r.rank: host.cpu_seconds(r) for r in self._waiting()})
         self.outcome = CommandOutcome()
         self.released: set[int] = set()
         """The ranks released from a collective (see _release_stuck): named so, never failures."""
@@ -237,6 +242,7 @@ class CommandRound:
     def _supervise(self) -> None:
         host = self.host
         failed_at: float | None = None
+        self.hang.start()
         while self._waiting():
             dead = [r for r in host.ranks if not r.running]
             if dead:
@@ -245,11 +251,35 @@ class CommandRound:
                 return  # a rank died: the caller restarts the session
             if host.failures and failed_at is None:
                 failed_at = time.monotonic()
+                timed_out = collective_table.timed_out(host.ranks)
+                if timed_out:
+                    self._show_collectives(collective_table.TIMED_OUT, timed_out)
             timeout = None if failed_at is None else failed_at + FAIL_GRACE - time.monotonic()
             if timeout is not None and timeout <= 0:
                 self._release_stuck(RELEASE_WAIT)
                 return
-            host.poll(timeout)
+            host.poll(soonest(timeout, self.hang.due()))
+            if failed_at is None and self.hang.found():
+                self._show_hang()
+
+    def _show_hang(self) -> None:
+        """No rank has made progress for the hang watch's seconds: where each is and its last
+        collective, once; the cell goes on (the user chooses to stop)."""
+        self._show_collectives(
+            f"no rank has made progress (used CPU time) for {self.hang.after:g} s; the cell goes on: press stop "
+            "to stop it (the session stays)"
+        )
+
+    def _show_collectives(self, why: str, known: dict[int, Snapshot] | None = None) -> None:
+        """``why``, then the ranks' collectives side by side: ``known`` (those sent with a
+        timeout's error) and the waiting ranks' (each asked for its dump); their stacks where no
+        rank issued a collective."""
+        waiting = [r for r in self._waiting() if r.rank not in (known or {})]
+        texts, snapshots = collective_table.split_dumps(self.host.dump_stacks(waiting) if waiting else {})
+        shown = collective_table.table({**(known or {}), **snapshots}) or "\n".join(
+            _attempt.stack_report(rank, text) for rank, text in sorted(texts.items())
+        )
+        print(f"\nenot_nb: {why}\n{shown}", file=sys.stderr, flush=True)
 
     def _say_died(self, dead: list[Rank]) -> None:
         """A death shown at once, before the wait for the master's state and the restart (a
@@ -329,8 +359,7 @@ class CommandRound:
         print(
             f"\nenot_nb: interrupted; where each of the {len(running)} running rank(s) is:", file=sys.stderr, flush=True
         )
-        for report in self.host.dump_stacks(running).values():
-            print(report, file=sys.stderr, flush=True)
+        print(_attempt.where_ranks_are(self.host.dump_stacks(running)), file=sys.stderr, flush=True)
         self.host.interrupt(self._waiting())
         self._wait_all(_attempt.INTERRUPT_SAVE_WAIT)
         if self._waiting():
