@@ -1,4 +1,4 @@
-"""``%%enot_distributed``, ``%enot_session`` and ``%enot_pull``: the magics parse their options
+"""``%%enot_distributed``, ``%enot_session``, ``%enot_pull`` and ``%enot_debug``: the magics parse their options
 and hand off, as ipyparallel's do: a one-off cell to cells.run_distributed_cell, a session cell
 and the session's commands to sessions.py.
 
@@ -27,7 +27,7 @@ from enot_nb._launch.options import EngineOptions, LaunchOptions, in_magic_words
 from enot_nb._launch.plan import LaunchPlan, plan_launch
 from enot_nb._worker import preload
 from enot_nb.cells import check_cell_syntax, launch_options, option_names, run_distributed_cell
-from enot_nb.errors import LaunchConfigError, NotHeldError, StaleError
+from enot_nb.errors import LaunchConfigError, LaunchError, NotHeldError, StaleError, WorkerFailedError
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -188,6 +188,26 @@ class EnotMagics(Magics):
         except LaunchConfigError as err:
             flag = LaunchOptions.FLAGS.get(err.parameter or "") or EngineOptions.FLAGS.get(err.parameter or "")
             raise UsageError(f"%enot_session{' ' + flag if flag else ''}: {in_magic_words(str(err))}") from None
+
+    @line_magic
+    def enot_debug(self, line: str) -> None:
+        """%enot_debug [RANK]: after a session cell failed, the debugger on the failing rank's
+        traceback (or RANK's), in the notebook, as %debug after a local cell."""
+        live = sessions.session()
+        if live is None:
+            raise UsageError(
+                "%enot_debug needs a session: a one-off cell's workers are gone once it fails; start one "
+                "(%enot_session start -n N) and run the cell there"
+            )
+        words = line.split()
+        if len(words) > 1 or (words and not words[0].isdigit()):
+            raise UsageError(f"%enot_debug [RANK]: RANK is a rank's number, e.g. %enot_debug 1 (got {line!r})")
+        try:
+            live.debug(int(words[0]) if words else None)
+        except WorkerFailedError as err:
+            raise err.with_traceback(None) from None
+        except LaunchError as err:
+            raise UsageError(f"%enot_debug: {err}") from None
 
     @line_magic
     def enot_pull(self, line: str) -> None:

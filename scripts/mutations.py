@@ -28,6 +28,31 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "rank-input-never-asks-the-notebook",
+        "enot_nb/_session/worker/loop.py",
+        "    rank_input.connect(_ask_the_notebook)\n",
+        "    pass\n",
+        ["tests/diagnosis/test_debugger.py::test_input_on_the_master_reads_the_front_end[fork]"],
+    ),
+    Mutation(
+        # The debugger's output stays on the rank: under --output master rank 1's never shows.
+        "debugger-output-not-sent-with-its-prompt",
+        "enot_nb/_worker/rank_input.py",
+        '        return read_line(prompt, shown + "\\n" if shown else "") + "\\n"\n',
+        '        return read_line(prompt) + "\\n"\n',
+        [
+            "tests/diagnosis/test_debugger.py::test_a_breakpoint_on_rank_1_is_driven_from_the_notebook_and_quitting_keeps_the_session[fork]"
+        ],
+    ),
+    Mutation(
+        # A failure inside the post-mortem (no stdin) taken for the failure to debug next.
+        "post-mortem-replaced-by-its-own-quit",
+        "enot_nb/_session/worker/loop.py",
+        "            session.failed = session.keep_failed or exc.__traceback__\n",
+        "            session.failed = exc.__traceback__\n",
+        ["tests/diagnosis/test_debugger.py::test_a_post_mortem_opens_on_the_rank_that_raised[fork]"],
+    ),
+    Mutation(
         "collectives-table-never-reached-not-named",
         "enot_nb/_launch/collective_table.py",
         "            elif latest.seq < top.seq:\n",

@@ -25,6 +25,7 @@ class CellRun:
     error: dict | None = None  # ename, evalue, traceback
     status: str = ""
     comms: list[dict] = field(default_factory=list)  # comm_open/comm_msg/comm_close messages
+    prompts: list[str] = field(default_factory=list)  # the input requests' prompts, in order
     arrived: list[tuple[str, dict]] = field(default_factory=list)  # (msg_type, content), in order
 
     def comm_states(self) -> list[dict]:
@@ -55,15 +56,21 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def run(self, code: str, timeout: float = 60, on_output=None) -> CellRun:
-        """Execute one cell and collect its output until the kernel is idle again."""
-        msg_id = self.client.execute(code)
+    def run(self, code: str, timeout: float = 60, on_output=None, answer=None, allow_stdin: bool = True) -> CellRun:
+        """Execute one cell and collect its output until the kernel is idle again. ``answer``:
+        the front end's stdin, ``answer(prompt, run)`` giving each line asked for (as a user
+        types it); without it, an input request fails the test. ``allow_stdin``: False is a
+        front end without stdin (nbclient, papermill)."""
+        msg_id = self.client.execute(code, allow_stdin=allow_stdin)
         run = CellRun(msg_id=msg_id)
         deadline = time.monotonic() + timeout
         while True:
+            self._answer_input(run, answer)
             try:
-                msg = self.client.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+                msg = self.client.get_iopub_msg(timeout=min(0.05, max(0.01, deadline - time.monotonic())))
             except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
                 raise TimeoutError(
                     f"cell did not finish in {timeout} s: {code[:200]!r}\n"
                     f"stdout so far: {run.stdout[-2000:]!r}\n"
@@ -95,6 +102,19 @@ class Kernel:
                 break
         run.status = reply["content"]["status"]
         return run
+
+    def _answer_input(self, run: CellRun, answer) -> None:
+        try:
+            msg = self.client.get_stdin_msg(timeout=0)
+        except queue.Empty:
+            return
+        if msg["msg_type"] != "input_request":
+            return
+        prompt = msg["content"]["prompt"]
+        run.prompts.append(prompt)
+        if answer is None:
+            raise AssertionError(f"the cell asked for input ({prompt!r}), and the test gives none")
+        self.client.input(answer(prompt, run))
 
     def ok(self, code: str, timeout: float = 60) -> CellRun:
         run = self.run(code, timeout)

@@ -33,6 +33,7 @@ from enot_nb._processes.protocol import (
     FrontEndMessage,
     Groups,
     Imported,
+    InputRequest,
     Partial,
     Payload,
     Pushed,
@@ -61,6 +62,7 @@ class Rank:
     imported: tuple[str, ...] = ()  # what a cell's master imported (Imported; see preload)
     groups: Groups | None = None  # a session rank's answer to ReportGroups
     pushed: bool = False  # a session rank applied its task's push (Pushed)
+    input_request: InputRequest | None = None  # a session rank asks for a line, unanswered yet
     device_memory: DeviceMemory | None = None  # a session rank's GPU memory after its last task
     signal_cause: str | None = None  # who killed it, where that can be told (see oom)
     stack_text: str = ""
@@ -212,6 +214,8 @@ class RankIO:
                 r.device_memory = message
             case Pushed():
                 r.pushed = True
+            case InputRequest():
+                r.input_request = message
             case ErrorReport():
                 r.outcome = message
                 self.on_error(r, message)

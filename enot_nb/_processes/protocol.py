@@ -154,11 +154,29 @@ class ErrorReport(NamedTuple):
     which the kernel sets beside the other ranks'; empty otherwise."""
 
 
+class InputRequest(NamedTuple):
+    """A session rank asks the notebook's front end for a line (``input()``, the debugger): the
+    kernel shows ``shown`` (what the rank's debugger printed since its last prompt: shown
+    whatever --output says), asks with ``prompt`` (naming the rank) and answers InputReply."""
+
+    prompt: str
+    shown: str = ""
+    password: bool = False
+
+
+class InputReply(NamedTuple):
+    """The line typed, without its newline; None where the front end has no stdin (``error``:
+    ipykernel's StdinNotImplementedError's words)."""
+
+    line: str | None
+    error: str = ""
+
+
 FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage
 """What the kernel publishes for the ranks whose output is shown (relay.show)."""
 FencedMessage: TypeAlias = Connected | Partial | Imported | FrontEndMessage
 """What a worker fences its output for: shown between what it printed before and after."""
-WorkerMessage: TypeAlias = FencedMessage | Groups | Pushed | DeviceMemory | Result | Done | ErrorReport
+WorkerMessage: TypeAlias = FencedMessage | Groups | Pushed | DeviceMemory | InputRequest | Result | Done | ErrorReport
 
 
 RankOutcome: TypeAlias = "Result | Done | ErrorReport"
@@ -224,7 +242,7 @@ class StopWorker(NamedTuple):
     """Leave the loop: the session is closing."""
 
 
-SessionCommand: TypeAlias = RunTask | Proceed | ReportGroups | AbortGroups | Regroup | Repair | StopWorker
+SessionCommand: TypeAlias = RunTask | Proceed | InputReply | ReportGroups | AbortGroups | Regroup | Repair | StopWorker
 
 
 # ----------------------------------------------------------------------------- fork server

@@ -157,4 +157,13 @@ class CheckTask:
     push: None = None
 
 
-Task = CellTask | CallTask | PullTask | SyncTask | CheckTask
+@dataclass
+class DebugTask:
+    """``%enot_debug``: the debugger on ``rank``'s last failed task's traceback, in the notebook
+    (see _worker/rank_input); the other ranks answer at once."""
+
+    rank: int
+    push: None = None
+
+
+Task = CellTask | CallTask | PullTask | SyncTask | CheckTask | DebugTask

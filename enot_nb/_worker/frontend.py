@@ -13,8 +13,9 @@ fall back to a text bar. ``install`` gives a worker the same front end under bot
   them on iopub under the cell (see ``enot_nb._launch.relay``);
 - ``shell.kernel`` replaced by a stand-in that knows only the message the kernel is answering
   (ipywidgets' Output widget reads it to capture output);
-- ``input()`` and ``getpass()`` refused with a clear error (ipykernel's would ask the front end
-  over the sockets), ``sys.displayhook`` showing values as display data;
+- ``input()``, ``getpass()`` and the debugger asking the notebook through the kernel (a session;
+  in a one-off cell, a clear error: see rank_input), ``sys.displayhook`` showing values as
+  display data;
 - a comm that comes back with the cell's state is adopted by the kernel (same id, no new open;
   see adopt_comm, the one function here that runs in the kernel).
 
@@ -25,15 +26,13 @@ Every rank installs it; the kernel shows what the ranks whose output is shown se
 from __future__ import annotations
 
 import base64
-import builtins
-import getpass
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from enot_nb._processes.protocol import ClearOutput, CommMessage, Display, FrontEndMessage
-from enot_nb._worker import figures
+from enot_nb._worker import figures, rank_input
 
 Send = Callable[[FrontEndMessage], None]
 
@@ -188,7 +187,7 @@ def install(kernel_parent: dict | None, send: Send | None) -> Any:
     shell.display_pub = PipePublisher(send)
     png = shell.display_formatter.formatters["image/png"]
     png.for_type_by_name("matplotlib.figure", "Figure", figures.figure_png)
-    builtins.input = getpass.getpass = _no_input  # ipykernel's ask the front end over its sockets
+    rank_input.install()  # ipykernel's would ask the front end over its sockets: ours ask through the kernel
     hook = _pipe_displayhook(shell)
     # The trap swaps sys.displayhook for the shell's during run_cell and restores "old_hook".
     shell.displayhook = shell.display_trap.hook = shell.display_trap.old_hook = sys.displayhook = hook
@@ -264,10 +263,3 @@ def _pipe_displayhook(shell: Any) -> Any:
             pass
 
     return PipeDisplayHook(shell=shell, cache_size=0)
-
-
-def _no_input(prompt: object = "", stream: object = None) -> NoReturn:
-    raise RuntimeError(
-        "input() and getpass() are not available in a distributed worker: read the "
-        "value in an ordinary cell before it and use the variable"
-    )

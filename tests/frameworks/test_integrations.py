@@ -441,11 +441,11 @@ def test_a_widget_made_in_the_cell_keeps_working_in_the_notebook(nb):
     assert [s.get("value") for s in run.comm_states()] == [1]
 
 
-def test_values_shown_by_the_displayhook_and_no_input(nb):
+def test_values_shown_by_the_displayhook_and_no_input_in_a_one_off_cell(nb):
     run = ok(distributed(nb, "get_ipython().run_cell('6 * 7')\nimport sys\nsys.displayhook(12345)"))
     assert [d["data"]["text/plain"] for d in run.displays] == ["42", "12345"]
     run = distributed(nb, "import getpass\nsecret = getpass.getpass('password: ')", timeout=60)
-    assert run.status == "error" and "getpass() are not available in a distributed worker" in run.traceback
+    assert run.status == "error" and "getpass() and the debugger need a way back from the notebook" in run.traceback
 
 
 def test_widgets_from_a_launched_function(nb):

@@ -9,8 +9,10 @@ rank's side is _session/worker/loop.
 from __future__ import annotations
 
 import atexit
+import bdb
 import dataclasses
 import datetime
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,13 +26,19 @@ from enot_nb._log import unwarned
 from enot_nb._session.kernel.flow import MIRRORS, CellRun, NamespaceFlow, PreparedTask
 from enot_nb._session.kernel.status import RankStatus, SessionStatus, devices, status_of
 from enot_nb._session.kernel.workers import CommandOutcome, SessionWorkers
-from enot_nb._session.tasks import CheckTask
+from enot_nb._session.tasks import CheckTask, DebugTask
 from enot_nb._state.kinds import held_still
 from enot_nb._worker import cell as _cell
 from enot_nb._worker.replica_check import ReplicaReport
 from enot_nb.errors import LaunchConfigError, LaunchError, StaleWrapperError, WorkerFailedError
 
 __all__ = ["CellRun", "RankStatus", "Session", "SessionStatus", "session"]
+
+
+class DebuggerQuit(bdb.BdbQuit):
+    """The user quit the debugger on a rank (``q``): the cell ended there, as a local cell's
+    ``q`` ends it (BdbQuit); the session stays."""
+
 
 _live: list[Session] = []
 
@@ -126,6 +134,7 @@ class Session:
         self.flow = NamespaceFlow(self.namespace, mirror)
         self.workers: SessionWorkers | None = None
         self.last: CommandOutcome | None = None  # the last task's end (its sizes: what moved)
+        self.failed_rank: int | None = None  # the rank whose error the last failed task raised (debug)
         if _live:
             raise LaunchError(
                 "a session is already running in this process; stop it first (`%enot_session stop` "
@@ -378,6 +387,33 @@ class Session:
         """
         return self._task(lambda: PreparedTask(task=CheckTask()), self.output, lambda prepared, done: done.result)
 
+    def debug(self, rank: int | None = None) -> None:
+        """The debugger on a failed cell's traceback, on the rank where it failed, in the
+        notebook (a post-mortem, as ``%debug`` after a local cell): its prompt names the rank;
+        ``q`` or ``c`` ends it, and the session keeps its state.
+
+        Args:
+            rank: the rank; default: the one whose error the last failed cell raised.
+
+        Raises:
+            LaunchError: no cell has failed on a rank of this session's workers.
+            WorkerFailedError: the rank holds no failed cell (``LookupError``), or its front end has
+                no stdin (``StdinNotImplementedError``).
+
+        Example:
+            ```python
+            session.debug()  # after a cell that raised on rank 1
+            ```
+        """
+        if rank is None:
+            rank = self.failed_rank
+        if rank is None:
+            raise LaunchError("no cell has failed on this session's ranks: %enot_debug follows a failed cell")
+        try:
+            self._task(lambda: PreparedTask(task=DebugTask(rank)), "master", lambda prepared, done: None, 0)
+        except DebuggerQuit:
+            pass  # q ends a post-mortem as c does
+
     def _task(
         self,
         make: Callable[[], PreparedTask],
@@ -407,6 +443,9 @@ class Session:
             if self.last is not None and self.last.restart is not None:
                 self.restart(self.last.restart)
         assert self.last is not None
+        failed = [f.rank for f in self.last.failures if not f.released and f.error_type != "BdbQuit"]
+        if failed and not isinstance(prepared.task, DebugTask):
+            self.failed_rank = failed[0]
         _raise_failure(self.last)
         return value
 
@@ -415,6 +454,14 @@ def _raise_failure(outcome: CommandOutcome) -> None:
     if outcome.interrupted:
         raise CellInterrupted()
     if outcome.failures:
+        quit_on = [f.rank for f in outcome.failures if f.error_type == "BdbQuit"]
+        if quit_on:  # the user quit the debugger: no error of theirs (IPython shows a BdbQuit as nothing)
+            said = (
+                f"the debugger was quit on rank {quit_on[0]}: the cell stopped there, and the ranks waiting "
+                "for it were released; the session keeps its state"
+            )
+            print(f"enot_nb: {said}", file=sys.stderr, flush=True)
+            raise DebuggerQuit(said)
         stale = {f.message for f in outcome.failures if f.error_type == StaleWrapperError.__name__}
         if len(stale) == 1 and all(f.message in stale or f.released for f in outcome.failures):
             raise StaleWrapperError(stale.pop())  # every rank raised it alike: once, in our words

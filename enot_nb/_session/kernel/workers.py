@@ -25,6 +25,7 @@ and a press in the middle would leave the notebook and its record out of step.
 from __future__ import annotations
 
 import enum
+import getpass
 import os
 import sys
 import time
@@ -43,6 +44,7 @@ from enot_nb._processes.interrupts import PressHold
 from enot_nb._processes.protocol import (
     AbortGroups,
     ErrorReport,
+    InputReply,
     Proceed,
     Regroup,
     Repair,
@@ -123,9 +125,9 @@ class SessionWorkers:
         self, task: PickledTask, output: str, apply: Callable[[CommandOutcome], Any], hang_after: float | None = None
     ) -> Any:
         """Lay the task out for the ranks, send it to every rank, supervise it (``hang_after``:
-        see hang_watch); ``apply``'s value. From the moment every rank answered until ``apply`` (the notebook taking the
-        answer) has returned, presses are held; one then is raised after it. The outcome is
-        ``last`` (also if ``apply`` or a press raised)."""
+        see hang_watch); ``apply``'s value. From the moment every rank answered until ``apply``
+        (the notebook taking the answer) has returned, presses are held; one then is raised
+        after it. The outcome is ``last`` (also if ``apply`` or a press raised)."""
         self.last = None  # until this task's end: an error before it must not pass for it
         size = self.host.put_task(task.main, task.buffers)
         self.host.show(output)
@@ -133,7 +135,9 @@ class SessionWorkers:
         command = RunTask(size, tuple(task.specs), task.objects, task.storages, parent, task.has_push, self.tasks)
         hold = PressHold()
         try:
-            self.last = outcome = CommandRound(self.host, hold, hang_after).run(command)
+            timeout = self.plan.init_kwargs.get("timeout")
+            seconds = timeout.total_seconds() if timeout is not None else None
+            self.last = outcome = CommandRound(self.host, hold, hang_after, seconds).run(command)
             outcome.task_bytes = size
             if outcome.restart is None and outcome.regrouped:
                 print(
@@ -164,8 +168,14 @@ class CommandRound:
     """One command on every rank, supervised until each answered (see the module's docstring):
     its outcome, the stuck ranks released, the group kept or made again."""
 
-    def __init__(self, host: RankHost, hold: PressHold, hang_after: float | None = None) -> None:
+    def __init__(
+        self, host: RankHost, hold: PressHold, hang_after: float | None = None, group_timeout: float | None = None
+    ) -> None:
         self.host, self.hold = host, hold
+        self.group_timeout = group_timeout
+        """The process group's timeout: how long the other ranks wait for one in the debugger."""
+        self.asked_at: dict[int, float] = {}
+        """When each rank first asked the notebook for a line in this command (see _answer_input)."""
         self.hang = HangWatch(hang_after, lambda: {r.rank: host.cpu_seconds(r) for r in self._waiting()})
         self.outcome = CommandOutcome()
         self.released: set[int] = set()
@@ -259,8 +269,37 @@ class CommandRound:
                 self._release_stuck(RELEASE_WAIT)
                 return
             host.poll(soonest(timeout, self.hang.due()))
+            for r in host.ranks:
+                if r.input_request is not None:
+                    self._answer_input(r)
             if failed_at is None and self.hang.found():
                 self._show_hang()
+
+    def _answer_input(self, r: Rank) -> None:
+        """A rank asks for a line (``input()``, the debugger): what its debugger printed, then
+        the front end's prompt naming the rank and the time its peers' collectives have left;
+        the line, or the front end's StdinNotImplementedError, goes back to the rank."""
+        from IPython.core.error import StdinNotImplementedError
+
+        request, r.input_request = r.input_request, None
+        assert request is not None
+        if request.shown:
+            print(request.shown, end="", flush=True)
+        began = self.asked_at.setdefault(r.rank, time.monotonic())
+        left = ""
+        if self.group_timeout is not None:
+            seconds = max(0, int(self.group_timeout - (time.monotonic() - began)))
+            left = f" · {seconds // 60}:{seconds % 60:02d} left"
+        prompt = f"[rank {r.rank}{left}] {request.prompt}"
+        try:
+            line = getpass.getpass(prompt) if request.password else input(prompt)
+            reply = InputReply(line)
+        except StdinNotImplementedError as err:  # nbclient, papermill: the rank gets it at once
+            reply = InputReply(None, str(err))
+        except EOFError:
+            reply = InputReply(None, "the notebook's stdin is closed")
+        self.host.send(reply, [r])
+        self.hang.start()  # the time the user took is no hang
 
     def _show_hang(self) -> None:
         """No rank has made progress for the hang watch's seconds: where each is and its last

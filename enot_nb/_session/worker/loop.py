@@ -38,6 +38,8 @@ from enot_nb._processes.protocol import (
     DeviceMemory,
     Done,
     Groups,
+    InputReply,
+    InputRequest,
     Proceed,
     Pushed,
     Regroup,
@@ -50,12 +52,22 @@ from enot_nb._processes.protocol import (
 from enot_nb._serialize import result_file, shm
 from enot_nb._session.mirror import paths
 from enot_nb._session.mirror.kept import KeptSnapshot
-from enot_nb._session.tasks import CallTask, CellTask, CheckTask, NotHeld, PullTask, RegistrySpecs, SyncTask, Task
+from enot_nb._session.tasks import (
+    CallTask,
+    CellTask,
+    CheckTask,
+    DebugTask,
+    NotHeld,
+    PullTask,
+    RegistrySpecs,
+    SyncTask,
+    Task,
+)
 from enot_nb._session.worker import devices, groups, repair, wrappers
 from enot_nb._state import apply, collect
 from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
-from enot_nb._worker import bootstrap, frontend, replica_check, sharded
+from enot_nb._worker import bootstrap, frontend, rank_input, replica_check, sharded
 from enot_nb._worker import cell as _cell
 
 
@@ -76,6 +88,10 @@ class WorkerSession:
     next Repair makes them again and puts them back (see repair)."""
     groups_destroyed: bool = False
     """An abort or a regroup destroyed every group since the last Repair."""
+    failed: Any = None
+    """The traceback of the last task that failed here (``%enot_debug``'s post-mortem)."""
+    keep_failed: Any = None
+    """Set while a post-mortem ends: its own failure (quit) does not replace ``failed``."""
 
 
 _SESSION: WorkerSession | None = None
@@ -108,6 +124,7 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
         sock=sock,
         reader=reader,
     )
+    rank_input.connect(_ask_the_notebook)
     while True:
         try:  # a press from the end of a task to here was ignored (see _answer): it came late
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the next task's to take
@@ -121,6 +138,16 @@ def serve(task_fd: int | None, backend: str, timeout: Any) -> NoReturn:
         _answer(command)
 
 
+def _ask_the_notebook(request: InputRequest) -> InputReply:
+    """A line from the notebook (see rank_input): asked on the message socket, answered on it
+    (a late Proceed of an earlier task is passed over)."""
+    session = _session()
+    bootstrap.send(request)
+    while not isinstance(command := framing.recv_message(session.sock, session.reader), InputReply):
+        pass
+    return command
+
+
 def _answer(command: SessionCommand) -> None:
     """Do one command and send its one answer. A stop press is ignored from the end of the task
     until the answer is sent (it would send a second one, see _cell.ignore_late_presses); one
@@ -129,6 +156,7 @@ def _answer(command: SessionCommand) -> None:
     try:
         match command:
             case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent):
+                _session().keep_failed = None
                 frontend.follow_parent(parent)
                 try:
                     result = run_task(size, specs, objects, storages, command.task if command.confirm else None)
@@ -140,7 +168,7 @@ def _answer(command: SessionCommand) -> None:
                 else:
                     bootstrap.send_outcome(rank, result)
                 _KEPT.finish_retake()  # while the notebook applies the answer
-            case Proceed():
+            case Proceed() | InputReply():
                 pass  # a late one (its task failed here): nothing to do
             case ReportGroups():
                 bootstrap.send(Groups(groups.sequences()))
@@ -166,6 +194,9 @@ def _answer(command: SessionCommand) -> None:
                 assert_never(command)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported; the worker stays
         _cell.ignore_late_presses()
+        session = _session()
+        if isinstance(command, RunTask):  # for a post-mortem (%enot_debug), but the debugger's own
+            session.failed = session.keep_failed or exc.__traceback__
         _KEPT.drop()  # the notebook takes no outcome from this task: it may be behind what is kept
         if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
             traceback.print_exc()
@@ -235,8 +266,26 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
             return None
         case CheckTask():
             return replica_check.check_replicas(namespace)
+        case DebugTask():
+            return _post_mortem(task.rank)
         case _:
             assert_never(task)
+
+
+def _post_mortem(rank: int) -> None:
+    """The debugger on this rank's last failed task, if it is ``rank``; the traceback is kept
+    for another look (a failure inside the debugger is not the user's cell's)."""
+    session = _session()
+    if session.rank != rank:
+        return None
+    failed = session.failed
+    if failed is None:
+        raise LookupError(f"rank {rank} has no failed cell to debug: %enot_debug follows a cell that failed there")
+    try:
+        rank_input.post_mortem(failed)
+    finally:
+        session.keep_failed = failed
+    return None
 
 
 def _run_cell(namespace: dict[str, Any], task: CellTask, keep: bool) -> Any:
