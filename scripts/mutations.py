@@ -28,6 +28,48 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "replica-check-compares-a-subgroup-ddp-across-the-world",
+        "enot_nb/_worker/replicas.py",
+        "    if _over_a_subgroup(ddp):\n",
+        "    if False:\n",
+        [
+            "tests/diagnosis/test_replica_check.py::"
+            "test_ddp_over_a_subgroup_is_named_not_compared_with_another_groups_replicas"
+        ],
+    ),
+    Mutation(
+        # The recorder said to be there when torch keeps none: the table has nothing to compare.
+        "recorder-taken-for-on-when-off",
+        "enot_nb/_worker/collectives.py",
+        '    if os.environ.get("TORCH_FR_BUFFER_SIZE", "").strip() == "0":\n        return None\n',
+        "",
+        ["tests/diagnosis/test_collectives.py::test_without_the_recorder_the_groups_numbers_say_which_rank_is_behind"],
+    ),
+    Mutation(
+        # IPython's debugger takes a KeyboardInterrupt for a fresh prompt: the rank never gets back.
+        "debugger-asks-again-after-a-stop",
+        "enot_nb/_worker/rank_input.py",
+        "            raise bdb.BdbQuit from None\n",
+        "            raise\n",
+        [
+            "tests/diagnosis/test_debugger.py::test_the_stop_button_at_a_prompt_and_a_peers_failure_close_the_debugger_and_keep_the_session[fork]"
+        ],
+    ),
+    Mutation(
+        "recorder-keeps-the-old-groups-numbers",
+        "enot_nb/_session/worker/loop.py",
+        "                collectives.forget_so_far()  # the new group's numbers start again\n",
+        "                pass\n",
+        ["tests/diagnosis/test_collectives.py::test_after_the_group_is_made_again_the_table_counts_on_the_new_group"],
+    ),
+    Mutation(
+        "debug-takes-any-rank-number",
+        "enot_nb/_session/kernel/session.py",
+        "        if not 0 <= rank < ranks:\n",
+        "        if False:\n",
+        ["tests/diagnosis/test_debugger.py::test_input_on_the_master_reads_the_front_end[fork]"],
+    ),
+    Mutation(
         "rank-input-never-asks-the-notebook",
         "enot_nb/_session/worker/loop.py",
         "    rank_input.connect(_ask_the_notebook)\n",
@@ -46,10 +88,10 @@ MUTATIONS = [
     ),
     Mutation(
         # A failure inside the post-mortem (no stdin) taken for the failure to debug next.
-        "post-mortem-replaced-by-its-own-quit",
+        "post-mortem-replaced-by-its-own-failure",
         "enot_nb/_session/worker/loop.py",
-        "            session.failed = session.keep_failed or exc.__traceback__\n",
-        "            session.failed = exc.__traceback__\n",
+        "        if isinstance(command, RunTask) and not session.debugging:  # for a post-mortem (%enot_debug)\n",
+        "        if isinstance(command, RunTask):\n",
         ["tests/diagnosis/test_debugger.py::test_a_post_mortem_opens_on_the_rank_that_raised[fork]"],
     ),
     Mutation(

@@ -59,7 +59,8 @@ class Kernel:
     def run(self, code: str, timeout: float = 60, on_output=None, answer=None, allow_stdin: bool = True) -> CellRun:
         """Execute one cell and collect its output until the kernel is idle again. ``answer``:
         the front end's stdin, ``answer(prompt, run)`` giving each line asked for (as a user
-        types it); without it, an input request fails the test. ``allow_stdin``: False is a
+        types it; None: none, as when the stop button is pressed at the prompt); without it, an
+        input request fails the test. ``allow_stdin``: False is a
         front end without stdin (nbclient, papermill)."""
         msg_id = self.client.execute(code, allow_stdin=allow_stdin)
         run = CellRun(msg_id=msg_id)
@@ -114,7 +115,9 @@ class Kernel:
         run.prompts.append(prompt)
         if answer is None:
             raise AssertionError(f"the cell asked for input ({prompt!r}), and the test gives none")
-        self.client.input(answer(prompt, run))
+        line = answer(prompt, run)
+        if line is not None:  # None: no answer (the test pressed stop instead)
+            self.client.input(line)
 
     def ok(self, code: str, timeout: float = 60) -> CellRun:
         run = self.run(code, timeout)

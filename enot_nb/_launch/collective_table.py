@@ -48,11 +48,15 @@ def split_dumps(dumps: dict[int, str]) -> tuple[dict[int, str], dict[int, Snapsh
 def table(snapshots: dict[int, Snapshot], shell: Any = None) -> str | None:
     """The short table: a line per rank, then what the ranks' numbers say; None where no rank
     has issued a collective (or none reported)."""
-    ranks = sorted(r for r, s in snapshots.items() if s.collectives)
-    if not ranks:
+    if not any(s.collectives for s in snapshots.values()):
         return None
+    ranks = sorted(snapshots)
     lines = ["enot_nb: each rank's last collective (#: its number on its group):"]
     for rank in ranks:
+        if not snapshots[rank].collectives:
+            where = _place(snapshots[rank].at, shell)
+            lines.append(f"  rank {rank}: no collective yet{f', at {where}' if where else ''}")
+            continue
         shown = _shown(snapshots[rank])
         state = "waiting in it" if shown.waiting else "done"
         where = _place(shown.line if shown.waiting else snapshots[rank].at, shell)
@@ -71,6 +75,8 @@ def findings(snapshots: dict[int, Snapshot], shell: Any = None) -> list[str]:
     groups = sorted({c.group for s in snapshots.values() for c in s.collectives})
     for group in groups:
         last = {r: c for r, s in snapshots.items() if (c := _last_on(s, group)) is not None}
+        if group == "WORLD":  # every rank is in it: one that recorded none there has not reached any
+            last |= {r: Collective("none", group, 0, "", False, None) for r, s in snapshots.items() if r not in last}
         waiting = {r: w for r, s in snapshots.items() if (w := _waiting_on(s, group)) is not None}
         if not waiting:
             said += _behind(last, snapshots, shell) if not all(s.recorded for s in snapshots.values()) else []

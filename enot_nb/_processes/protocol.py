@@ -166,10 +166,12 @@ class InputRequest(NamedTuple):
 
 class InputReply(NamedTuple):
     """The line typed, without its newline; None where the front end has no stdin (``error``:
-    ipykernel's StdinNotImplementedError's words)."""
+    ipykernel's StdinNotImplementedError's words) or where the cell is being stopped
+    (``interrupted``: a stop press, a peer's failure; the rank's debugger closes)."""
 
     line: str | None
     error: str = ""
+    interrupted: bool = False
 
 
 FrontEndMessage: TypeAlias = Display | ClearOutput | CommMessage

@@ -159,10 +159,11 @@ class CheckTask:
 
 @dataclass
 class DebugTask:
-    """``%enot_debug``: the debugger on ``rank``'s last failed task's traceback, in the notebook
-    (see _worker/rank_input); the other ranks answer at once."""
+    """``%enot_debug``: the debugger on ``rank``'s traceback of task number ``task`` (None: its
+    last failed one), in the notebook (see _worker/rank_input); the other ranks answer at once."""
 
     rank: int
+    task: int | None = None
     push: None = None
 
 

@@ -92,10 +92,21 @@ def snapshot() -> Snapshot | None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     entries = _recorded()
-    collectives = _from_recorder(entries) if entries else _from_sequence_numbers(dist)
+    collectives = _from_recorder(entries) if entries is not None else _from_sequence_numbers(dist)
     at = _main_thread_at()
     # A collective the rank waits in was issued where its main thread waits.
-    return Snapshot(bool(entries), [c._replace(line=at) if c.waiting else c for c in collectives], at)
+    return Snapshot(entries is not None, [c._replace(line=at) if c.waiting else c for c in collectives], at)
+
+
+def forget_so_far() -> None:
+    """The world group was made again in this process: the recorder's entries so far are the
+    old groups' (whose numbers the new ones start again from), left out from now on."""
+    global _FORGOTTEN
+    _FORGOTTEN = max((int(e.get("record_id", -1)) for e in _recorded() or []), default=_FORGOTTEN)
+
+
+_FORGOTTEN = -1
+"""The last record id of the groups made before the current world group (see forget_so_far)."""
 
 
 def timed_out(exc: BaseException) -> Snapshot | None:
@@ -159,9 +170,11 @@ def _frame(found: Any) -> tuple[str, int] | None:
     return (str(found[0]), int(found[1])) if found else None
 
 
-def _recorded() -> list[dict[str, Any]]:
-    """The flight recorder's entries, oldest first; none where torch has no recorder for this
-    backend or keeps none."""
+def _recorded() -> list[dict[str, Any]] | None:
+    """The flight recorder's entries, oldest first; None where torch has no recorder for this
+    backend, or it was told to keep none."""
+    if os.environ.get("TORCH_FR_BUFFER_SIZE", "").strip() == "0":
+        return None
     try:
         from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
 
@@ -170,13 +183,14 @@ def _recorded() -> list[dict[str, Any]]:
         # thread's (see snapshot).
         dumped = pickle.loads(_dump_fr_trace(True, False, False))
     except Exception:  # noqa: BLE001 - an older torch, a backend without one: sequence numbers instead
-        return []
+        return None
     return list(dumped.get("entries") or [])
 
 
 def _from_recorder(entries: list[dict[str, Any]]) -> list[Collective]:
-    """Each group's last collective and every one still waited in, oldest first."""
-    made = [_collective(e) for e in entries]
+    """Each group's last collective and every one still waited in, oldest first (those of
+    groups made before the current world group left out: see forget_so_far)."""
+    made = [_collective(e) for e in entries if int(e.get("record_id", 0)) > _FORGOTTEN]
     last: dict[str, Collective] = {}
     for c in made:
         if c.group not in last or c.seq >= last[c.group].seq:

@@ -11,9 +11,11 @@ from the kernel: there ``input()`` and the debugger raise an error that says to 
 
 from __future__ import annotations
 
+import bdb
 import builtins
 import getpass
 import io
+import os
 import pdb
 import sys
 from collections.abc import Callable
@@ -64,6 +66,8 @@ def read_line(prompt: str, shown: str = "", password: bool = False) -> str:
     if _ask is None:
         raise StdinNotImplementedError(ONE_OFF)
     reply = _ask(InputRequest(prompt, shown, password))
+    if reply.interrupted:
+        raise KeyboardInterrupt
     if reply.line is None:
         raise StdinNotImplementedError(reply.error)
     return reply.line
@@ -79,7 +83,14 @@ def _getpass(prompt: str = "Password: ", stream: object = None) -> str:
 
 
 class _Stdin(io.TextIOBase):
-    """``sys.stdin``: a line read asks the notebook (with no prompt)."""
+    """``sys.stdin``: a line read asks the notebook (with no prompt); its file descriptor is
+    ``/dev/null``'s, as a worker's stdin was (for libraries that ask for one)."""
+
+    def __init__(self) -> None:
+        self._null = os.open(os.devnull, os.O_RDONLY)
+
+    def fileno(self) -> int:
+        return self._null
 
     def readable(self) -> bool:
         return True
@@ -109,7 +120,10 @@ class _DebuggerIn(io.TextIOBase):
         self.out.seek(0)
         self.out.truncate()
         shown, _, prompt = text.rpartition("\n")
-        return read_line(prompt, shown + "\n" if shown else "") + "\n"
+        try:
+            return read_line(prompt, shown + "\n" if shown else "") + "\n"
+        except KeyboardInterrupt:  # a stop, a peer's failure: the debugger closes (it would ask again)
+            raise bdb.BdbQuit from None
 
 
 class RankPdb(Pdb):

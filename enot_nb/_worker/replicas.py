@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from enot_nb._memory.digests import device_checksum
 from enot_nb._serialize.tensors import tensor_storages
 from enot_nb._state.registry import Registry
+from enot_nb._state.states import object_dict
 from enot_nb._worker.held import DDP, ZERO, imported_classes, reached_through
 
 
@@ -109,6 +110,9 @@ def replicated_by_construction(held: Registry) -> Replication:
 def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], sharded: list[Sharded]) -> list[_Candidate]:
     """A DDP wrapper's module's parameters and buffers (``ddp.module.0.weight``); recorded in
     ``params`` by the tensor's id (a DTensor among them: in ``sharded``)."""
+    if _over_a_subgroup(ddp):
+        sharded.append(Sharded(held.path(i), "DDP over a subgroup of the ranks: its replicas agree within it"))
+        return []
     ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
     resynced = bool(getattr(ddp, "broadcast_buffers", False))
     buffers = {id(b) for b in ddp.module.buffers()}
@@ -123,6 +127,20 @@ def _ddp_replicas(held: Registry, i: int, ddp: Any, params: dict[int, str], shar
         params[id(tensor)] = where
         found.append(_Candidate(where, where, tensor, resynced and id(tensor) in buffers))
     return found
+
+
+def _over_a_subgroup(ddp: Any) -> bool:
+    """Whether a DDP wrapper keeps its replicas over fewer ranks than the world (a data-parallel
+    subgroup): comparing them with rank 0's would take another group's for a drift."""
+    import torch.distributed as dist
+
+    group = (object_dict(ddp) or {}).get("process_group")
+    if group is None:
+        return False
+    try:
+        return dist.get_world_size(group) != dist.get_world_size()
+    except (RuntimeError, ValueError):  # a group aborted or gone: a repair moves the wrapper first
+        return False
 
 
 def _optimizer_replicas(path: str, optimizer: Any, params: dict[int, str]) -> list[_Candidate]:

@@ -11,7 +11,7 @@ import pytest
 from enot_nb._launch.collective_table import findings, table
 from enot_nb._worker.cell import CELL_FILENAME
 from enot_nb._worker.collectives import Collective, Snapshot, decoded, encoded
-from tests.kernel import running_kernel
+from tests.kernel import Kernel, running_kernel
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,11 +91,30 @@ def test_a_hang_is_found_by_hang_after_and_the_cell_goes_on_in_a_session_and_a_o
             "dist.all_reduce(torch.ones(4))\n"
         )
         assert "no rank has made progress" not in busy.stderr, busy.stderr
-        off = k.ok("%%enot_distributed --hang-after 0\n" + LATE_MASTER.format(sleep=3))
-        assert "no rank has made progress" not in off.stderr
         k.ok("%enot_session restart --hang-after 2")
         again = k.ok("%%enot_distributed\n" + LATE_MASTER.format(sleep=8))
         assert NEVER_REACHED.search(again.stderr), again.stderr
+        off = k.ok("%%enot_distributed --hang-after 0\n" + LATE_MASTER.format(sleep=5))  # the session's 2 s: off
+        assert "no rank has made progress" not in off.stderr, off.stderr
+
+
+def test_after_the_group_is_made_again_the_table_counts_on_the_new_group():
+    """A collective left half done makes the world group again in the same processes: its
+    numbers start again, and the old group's (higher) ones must not pass for the ranks' last."""
+    with running_kernel("%load_ext enot_nb") as k:
+        k.ok("%enot_session start -n 2 --backend gloo")
+        k.ok(
+            "%%enot_distributed\nimport time, torch, torch.distributed as dist\n"
+            "for _ in range(50):\n    dist.all_reduce(torch.ones(4))"
+        )
+        failed = k.run(
+            "%%enot_distributed\nif dist.get_rank() == 1:\n    raise ValueError('x')\ndist.all_reduce(torch.ones(4))"
+        )
+        assert failed.error is not None and "made again" in failed.stdout + failed.stderr, failed.stdout
+        hang = k.ok("%%enot_distributed --hang-after 2\n" + LATE_MASTER.format(sleep=8))
+        assert NEVER_REACHED.search(hang.stderr), hang.stderr
+        waited = int(re.search(r"rank 1: all_reduce #(\d+) on WORLD", hang.stderr).group(1))
+        assert waited < 50, hang.stderr  # the new group's number
 
 
 def test_a_collective_that_times_out_shows_where_each_rank_stood(start_method):
@@ -109,6 +128,29 @@ def test_a_collective_that_times_out_shows_where_each_rank_stood(start_method):
             r"rank 1: all_reduce #\d+ on WORLD, float32\[4\], waiting in it, at Cell In\[\d+\], line 5", run.stderr
         )
         assert k.ok("%%enot_distributed\nx = 1\nx").result["text/plain"] == "1"
+        k.ok("%enot_session stop")
+        one_off = k.run(
+            f"%%enot_distributed -n 2 --backend gloo --start-method {start_method} --timeout 3\n"
+            + LATE_MASTER.format(sleep=8),
+            timeout=120,
+        )
+        assert one_off.error is not None and "a collective timed out" in one_off.stderr, one_off.stderr
+        assert NEVER_REACHED.search(one_off.stderr), one_off.stderr
+
+
+def test_without_the_recorder_the_groups_numbers_say_which_rank_is_behind():
+    kernel = Kernel(extra_env={"ENOT_NB_COLLECTIVES_KEPT": "0"})  # TORCH_FR_BUFFER_SIZE=0 in the ranks
+    try:
+        kernel.ok("%load_ext enot_nb")
+        kernel.ok("%enot_session start -n 2 --backend gloo --hang-after 2")
+        kernel.ok("%%enot_distributed\nimport torch, torch.distributed as dist\ndist.all_reduce(torch.ones(4))")
+        hang = kernel.ok("%%enot_distributed\n" + LATE_MASTER.format(sleep=8))
+        assert "torch keeps no record of the ops here" in hang.stderr, hang.stderr
+        behind = r"rank 0 ran (\d+) collective\(s\) on WORLD, rank 1 (\d+): rank 0 never reached the next one: "
+        found = re.search(behind + r"it is at Cell In\[\d+\], line 4", hang.stderr)
+        assert found and int(found.group(2)) == int(found.group(1)) + 1, hang.stderr
+    finally:
+        kernel.shutdown()
 
 
 def test_the_session_defaults_to_a_documented_hang_after_and_takes_another():
@@ -142,6 +184,16 @@ def test_the_table_names_a_rank_that_never_reached_a_collective_and_where_it_is(
         shown is not None
         and "  rank 1: all_reduce #12 on WORLD, float32[4], waiting in it, at the cell, line 9" in shown
     )
+
+
+def test_a_rank_with_no_collective_yet_never_reached_the_first():
+    snapshots = {
+        0: Snapshot(True, [], (CELL_FILENAME, 2)),
+        1: Snapshot(True, [_c("all_reduce", 1, True, line=(CELL_FILENAME, 4))], (CELL_FILENAME, 4)),
+    }
+    assert findings(snapshots) == ["rank 0 never reached all_reduce #1 on WORLD, float32[4]: it is at the cell, line 2"]
+    shown = table(snapshots) or ""
+    assert "  rank 0: no collective yet, at the cell, line 2" in shown and "no record of the ops" not in shown
 
 
 def test_the_table_names_different_collectives_and_one_past_the_others():

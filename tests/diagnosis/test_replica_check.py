@@ -86,6 +86,21 @@ def test_sharded_state_is_named_never_compared_and_state_on_one_rank_only_is_nam
         assert "not held alike on every rank, not compared: 6 that rank 0 does not hold" in str(apart)
 
 
+def test_ddp_over_a_subgroup_is_named_not_compared_with_another_groups_replicas():
+    """Each rank its own data-parallel group of one (its own seed): its replicas agree within
+    it, and taking rank 0's for a reference would report a drift that is none."""
+    with start("fork", namespace={}) as s:
+        s.run(
+            "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "groups = [dist.new_group([0]), dist.new_group([1])]\n"
+            "torch.manual_seed(dist.get_rank())\n"
+            "alone = DDP(torch.nn.Linear(4, 4), process_group=groups[dist.get_rank()])\n"
+        )
+        report = s.check()
+        assert report.agree and report.compared == 0, report
+        assert report.sharded == ["alone (DDP over a subgroup of the ranks: its replicas agree within it)"]
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_the_session_check_and_a_cells_check_replicas_name_a_drift_in_the_notebook(start_method):
     with running_kernel("%load_ext enot_nb") as k:

@@ -135,6 +135,7 @@ class Session:
         self.workers: SessionWorkers | None = None
         self.last: CommandOutcome | None = None  # the last task's end (its sizes: what moved)
         self.failed_rank: int | None = None  # the rank whose error the last failed task raised (debug)
+        self.failed_task: int | None = None  # that task's number
         if _live:
             raise LaunchError(
                 "a session is already running in this process; stop it first (`%enot_session stop` "
@@ -405,12 +406,22 @@ class Session:
             session.debug()  # after a cell that raised on rank 1
             ```
         """
+        ranks = self.plan.world_size
+        task = self.failed_task if rank is None or rank == self.failed_rank else None
         if rank is None:
             rank = self.failed_rank
         if rank is None:
             raise LaunchError("no cell has failed on this session's ranks: %enot_debug follows a failed cell")
+        if not 0 <= rank < ranks:
+            raise LaunchError(f"rank {rank} is not one of this session's ranks (0 to {ranks - 1})")
         try:
-            self._task(lambda: PreparedTask(task=DebugTask(rank)), "master", lambda prepared, done: None, 0)
+            self._task(
+                lambda: PreparedTask(task=DebugTask(rank, task)),
+                "master",
+                lambda prepared, done: None,
+                0,
+                peers_wait=False,
+            )
         except DebuggerQuit:
             pass  # q ends a post-mortem as c does
 
@@ -420,11 +431,13 @@ class Session:
         output: str,
         apply: Callable[[PreparedTask, CommandOutcome], Any],
         hang_after: float | None = None,
+        peers_wait: bool = True,
     ) -> Any:
         """A task made (after a restart, if ranks had died), sent, its outcome applied by
         ``apply`` (see SessionWorkers.run_task); then new workers where the old ones must be
         replaced (from the notebook, which now holds what the master reached); its failure
-        raised. ``hang_after``: the cell's (0: never), None: the session's."""
+        raised. ``hang_after``: the cell's (0: never), None: the session's; ``peers_wait``: see
+        SessionWorkers.run_task."""
         workers = self._ready()
         with held_still() as still, unwarned():  # until the task is sent, nothing changes the notebook's objects
             prepared = make()
@@ -437,7 +450,7 @@ class Session:
 
         try:
             watch = self.options.hang_after if hang_after is None else hang_after
-            value = workers.run_task(pickled, output, applied, as_hang_after(watch))
+            value = workers.run_task(pickled, output, applied, as_hang_after(watch), peers_wait)
         finally:
             self.last = workers.last
             if self.last is not None and self.last.restart is not None:
@@ -445,7 +458,7 @@ class Session:
         assert self.last is not None
         failed = [f.rank for f in self.last.failures if not f.released and f.error_type != "BdbQuit"]
         if failed and not isinstance(prepared.task, DebugTask):
-            self.failed_rank = failed[0]
+            self.failed_rank, self.failed_task = failed[0], workers.tasks
         _raise_failure(self.last)
         return value
 
@@ -455,7 +468,8 @@ def _raise_failure(outcome: CommandOutcome) -> None:
         raise CellInterrupted()
     if outcome.failures:
         quit_on = [f.rank for f in outcome.failures if f.error_type == "BdbQuit"]
-        if quit_on:  # the user quit the debugger: no error of theirs (IPython shows a BdbQuit as nothing)
+        others = [f for f in outcome.failures if f.error_type != "BdbQuit" and not f.released]
+        if quit_on and not others:  # the user quit the debugger: no error (IPython shows BdbQuit as nothing)
             said = (
                 f"the debugger was quit on rank {quit_on[0]}: the cell stopped there, and the ranks waiting "
                 "for it were released; the session keeps its state"
@@ -465,7 +479,8 @@ def _raise_failure(outcome: CommandOutcome) -> None:
         stale = {f.message for f in outcome.failures if f.error_type == StaleWrapperError.__name__}
         if len(stale) == 1 and all(f.message in stale or f.released for f in outcome.failures):
             raise StaleWrapperError(stale.pop())  # every rank raised it alike: once, in our words
-        raise WorkerFailedError(outcome.failures)
+        # A debugger closed because of another rank's failure is no failure of its own.
+        raise WorkerFailedError([f for f in outcome.failures if f.error_type != "BdbQuit"] or outcome.failures)
 
 
 def _notebook_namespace() -> dict[str, Any]:

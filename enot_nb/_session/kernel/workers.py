@@ -122,10 +122,16 @@ class SessionWorkers:
         self.host.close()
 
     def run_task(
-        self, task: PickledTask, output: str, apply: Callable[[CommandOutcome], Any], hang_after: float | None = None
+        self,
+        task: PickledTask,
+        output: str,
+        apply: Callable[[CommandOutcome], Any],
+        hang_after: float | None = None,
+        peers_wait: bool = True,
     ) -> Any:
         """Lay the task out for the ranks, send it to every rank, supervise it (``hang_after``:
-        see hang_watch); ``apply``'s value. From the moment every rank answered until ``apply``
+        see hang_watch; ``peers_wait``: the ranks may wait for each other in collectives, and a
+        rank's prompt shows the time left); ``apply``'s value. From the moment every rank answered until ``apply``
         (the notebook taking the answer) has returned, presses are held; one then is raised
         after it. The outcome is ``last`` (also if ``apply`` or a press raised)."""
         self.last = None  # until this task's end: an error before it must not pass for it
@@ -136,7 +142,7 @@ class SessionWorkers:
         hold = PressHold()
         try:
             timeout = self.plan.init_kwargs.get("timeout")
-            seconds = timeout.total_seconds() if timeout is not None else None
+            seconds = timeout.total_seconds() if timeout is not None and peers_wait else None
             self.last = outcome = CommandRound(self.host, hold, hang_after, seconds).run(command)
             outcome.task_bytes = size
             if outcome.restart is None and outcome.regrouped:
@@ -193,6 +199,7 @@ class CommandRound:
         ranks = host.ranks
         for r in ranks:
             r.outcome, r.payload, r.partial, r.groups, r.pushed = None, None, None, None, False
+            r.input_request = None  # one an earlier command left unanswered is not this one's
         host.failures = []
         try:  # a press held while the command goes out lands here: the ranks have it
             host.send(command, ranks)
@@ -269,16 +276,28 @@ class CommandRound:
                 self._release_stuck(RELEASE_WAIT)
                 return
             host.poll(soonest(timeout, self.hang.due()))
-            for r in host.ranks:
-                if r.input_request is not None:
-                    self._answer_input(r)
+            self._answer_inputs(closing=bool(host.failures))  # a peer failed: no more prompts
             if failed_at is None and self.hang.found():
                 self._show_hang()
+
+    def _answer_inputs(self, closing: bool) -> None:
+        """Answer each rank that asks for a line; ``closing`` (the cell is being stopped: a
+        press, a peer's failure): without asking, ``interrupted``, so that its debugger closes and
+        it gets back to idle instead of asking again."""
+        for r in self.host.ranks:
+            if r.input_request is None:
+                continue
+            if closing:
+                r.input_request = None
+                self.host.send(InputReply(None, interrupted=True), [r])
+            else:
+                self._answer_input(r)
 
     def _answer_input(self, r: Rank) -> None:
         """A rank asks for a line (``input()``, the debugger): what its debugger printed, then
         the front end's prompt naming the rank and the time its peers' collectives have left;
-        the line, or the front end's StdinNotImplementedError, goes back to the rank."""
+        the line, or the front end's StdinNotImplementedError, goes back to the rank (a stop
+        pressed at the prompt is the cell's: its KeyboardInterrupt closes the rank's debugger)."""
         from IPython.core.error import StdinNotImplementedError
 
         request, r.input_request = r.input_request, None
@@ -347,11 +366,11 @@ class CommandRound:
         def answered() -> bool:
             return master.outcome is not None or not master.running
 
-        host.wait(_attempt.INTERRUPT_SAVE_WAIT, until=answered)
+        self._wait(_attempt.INTERRUPT_SAVE_WAIT, until=answered)
         if not answered() and master.partial is None:
             self.stopped.add(master.rank)
             host.interrupt([master])
-            host.wait(_attempt.INTERRUPT_SAVE_WAIT, until=answered)
+            self._wait(_attempt.INTERRUPT_SAVE_WAIT, until=answered)
         self.saved = _sent_state(master) if answered() and master.running else False
 
     def _release_stuck(self, wait: float) -> None:
@@ -372,18 +391,32 @@ class CommandRound:
             )
 
     def _wait_all(self, seconds: float) -> None:
-        self.host.wait(seconds, until=lambda: not self._waiting())
+        self._wait(seconds, until=lambda: not self._waiting())
+
+    def _wait(self, seconds: float, until: Callable[[], bool]) -> None:
+        """``host.wait`` while the cell is being stopped: a rank that asks for a line meanwhile
+        (its debugger, after a release) is answered ``interrupted`` at once."""
+        deadline = time.monotonic() + seconds
+
+        def asking() -> bool:
+            return any(r.input_request is not None for r in self.host.ranks)
+
+        while True:
+            self.host.wait(max(0.0, deadline - time.monotonic()), until=lambda: until() or asking())
+            self._answer_inputs(closing=True)
+            if until() or time.monotonic() >= deadline:
+                return
 
     def _wait_working(self, seconds: float, pending: Callable[[], list[Rank]]) -> None:
         """Until no rank is ``pending``, ``seconds`` at most; then PROGRESS_WINDOW seconds more at
         a time while a pending rank's CPU time grows (a loaded machine slows a rank's way back; a
         rank blocked in a wait uses none), PROGRESS_WAIT seconds more at most."""
         host = self.host
-        host.wait(seconds, until=lambda: not pending())
+        self._wait(seconds, until=lambda: not pending())
         deadline = time.monotonic() + PROGRESS_WAIT
         before = {r.rank: host.cpu_seconds(r) for r in pending()}
         while pending() and time.monotonic() < deadline:
-            host.wait(min(PROGRESS_WINDOW, max(0.0, deadline - time.monotonic())), until=lambda: not pending())
+            self._wait(min(PROGRESS_WINDOW, max(0.0, deadline - time.monotonic())), until=lambda: not pending())
             after = {r.rank: host.cpu_seconds(r) for r in pending()}
             if not any(_grew(before.get(rank), now) for rank, now in after.items()):
                 return

@@ -67,7 +67,7 @@ from enot_nb._session.worker import devices, groups, repair, wrappers
 from enot_nb._state import apply, collect
 from enot_nb._state.kinds import held_still
 from enot_nb._state.registry import Registry
-from enot_nb._worker import bootstrap, frontend, rank_input, replica_check, sharded
+from enot_nb._worker import bootstrap, collectives, frontend, rank_input, replica_check, sharded
 from enot_nb._worker import cell as _cell
 
 
@@ -88,11 +88,15 @@ class WorkerSession:
     next Repair makes them again and puts them back (see repair)."""
     groups_destroyed: bool = False
     """An abort or a regroup destroyed every group since the last Repair."""
-    failed: Any = None
-    """The traceback of the last task that failed here (``%enot_debug``'s post-mortem)."""
-    keep_failed: Any = None
-    """Set while a post-mortem ends: its own failure (quit) does not replace ``failed``."""
+    failed: dict[int, Any] = field(default_factory=dict)
+    """The tracebacks of the last FAILED_KEPT tasks that failed here, by task number
+    (``%enot_debug``'s post-mortem)."""
+    debugging: bool = False
+    """This task is a post-mortem: its own failure (no stdin) is not one to debug."""
 
+
+FAILED_KEPT = 4
+"""How many failed tasks' tracebacks a rank keeps (they hold the failed cells' frames alive)."""
 
 _SESSION: WorkerSession | None = None
 """Set by ``serve``: a process runs one session."""
@@ -156,7 +160,7 @@ def _answer(command: SessionCommand) -> None:
     try:
         match command:
             case RunTask(size=size, specs=specs, objects=objects, storages=storages, parent=parent):
-                _session().keep_failed = None
+                _session().debugging = False
                 frontend.follow_parent(parent)
                 try:
                     result = run_task(size, specs, objects, storages, command.task if command.confirm else None)
@@ -179,6 +183,7 @@ def _answer(command: SessionCommand) -> None:
                 session = _session()
                 _record_subgroups(session)
                 groups.regroup(init_method, session.backend, session.timeout)
+                collectives.forget_so_far()  # the new group's numbers start again
                 bootstrap.send(Done())  # never a Result: the task's result stays in the file
             case Repair():
                 session = _session()
@@ -195,8 +200,10 @@ def _answer(command: SessionCommand) -> None:
     except BaseException as exc:  # noqa: BLE001 - every failure is reported; the worker stays
         _cell.ignore_late_presses()
         session = _session()
-        if isinstance(command, RunTask):  # for a post-mortem (%enot_debug), but the debugger's own
-            session.failed = session.keep_failed or exc.__traceback__
+        if isinstance(command, RunTask) and not session.debugging:  # for a post-mortem (%enot_debug)
+            session.failed[command.task] = exc.__traceback__
+            for old in sorted(session.failed)[:-FAILED_KEPT]:
+                del session.failed[old]
         _KEPT.drop()  # the notebook takes no outcome from this task: it may be behind what is kept
         if os.environ.get("ENOT_NB_DEBUG"):  # the whole stack, enot_nb's frames included
             traceback.print_exc()
@@ -267,24 +274,26 @@ def run_task(size: int, specs: tuple, objects: int, storages: int, confirm: int 
         case CheckTask():
             return replica_check.check_replicas(namespace)
         case DebugTask():
-            return _post_mortem(task.rank)
+            return _post_mortem(task.rank, task.task)
         case _:
             assert_never(task)
 
 
-def _post_mortem(rank: int) -> None:
-    """The debugger on this rank's last failed task, if it is ``rank``; the traceback is kept
-    for another look (a failure inside the debugger is not the user's cell's)."""
+def _post_mortem(rank: int, task: int | None) -> None:
+    """The debugger on this rank's traceback of task ``task`` (None: its last failed one), if
+    it is ``rank``; the traceback is kept for another look."""
     session = _session()
     if session.rank != rank:
         return None
-    failed = session.failed
-    if failed is None:
+    session.debugging = True  # a failure inside the debugger is not the user's cell's
+    if not session.failed:
         raise LookupError(f"rank {rank} has no failed cell to debug: %enot_debug follows a cell that failed there")
-    try:
-        rank_input.post_mortem(failed)
-    finally:
-        session.keep_failed = failed
+    if task is not None and task not in session.failed:
+        raise LookupError(
+            f"rank {rank} no longer keeps the failure of that cell (it keeps the last {FAILED_KEPT} failed "
+            f"cells'), or it did not fail there: `%enot_debug {rank}` opens its last one"
+        )
+    rank_input.post_mortem(session.failed[task if task is not None else max(session.failed)])
     return None
 
 
