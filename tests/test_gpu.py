@@ -345,11 +345,16 @@ def test_a_model_sharded_by_fsdp2_on_cuda_comes_back_whole():
 # ----------------------------------------------------------------------------- sessions
 
 
+def nccl_session(ns: dict) -> enot_nb.Session:
+    """A session of one nccl rank per GPU (NCCL refuses two ranks on one), mirroring into ``ns``."""
+    return enot_nb.Session(nprocs=GPUS, backend="nccl", namespace=ns, quiet=True)
+
+
 def test_a_nccl_session_binds_its_device_once_and_reuses_its_communicator():
     """One nccl rank per GPU (NCCL refuses two ranks on one): the device is bound at the start,
     and the world group (its communicator) is the same object cell after cell."""
     ns: dict = {}
-    with enot_nb.Session(nprocs=GPUS, backend="nccl", namespace=ns, quiet=True) as s:
+    with nccl_session(ns) as s:
         s.run(
             "import torch, torch.distributed as dist\n"
             "device = torch.cuda.current_device()\ngroup = id(dist.distributed_c10d._get_default_group())\n"
@@ -405,7 +410,7 @@ def test_a_nccl_session_trains_on_with_the_same_ddp_after_a_failed_cell():
     """nccl: a cell fails on the last rank mid-epoch; the repair moves ``ddp`` onto the ranks'
     group (made again where a collective was left half done) and the same wrapper trains on."""
     ns = {"model": torch.nn.Linear(8, 8)}
-    with enot_nb.Session(nprocs=GPUS, backend="nccl", namespace=ns, quiet=True) as s:
+    with nccl_session(ns) as s:
         s.run(
             "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
             "model.cuda()\nddp = DDP(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
@@ -425,7 +430,7 @@ def test_a_nccl_ranks_collectives_are_recorded_and_its_replicas_checked_on_its_g
     where they live (checksums on the GPU, all-gathered over nccl), and with two GPUs names a
     weight the last rank moved."""
     ns: dict = {}
-    with enot_nb.Session(nprocs=GPUS, backend="nccl", namespace=ns, quiet=True) as s:
+    with nccl_session(ns) as s:
         s.run(
             "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
             "from enot_nb._worker import collectives\n"
