@@ -166,13 +166,7 @@ class Stopper:
                 file=sys.stderr,
                 flush=True,
             )
-            for r in running:
-                r.stack_text = ""  # (a hang shown before)
-            self.signal_running(signal.SIGUSR1, running)
-            attempt.io.capturing_stacks = True
-            self.wait(STACK_DUMP_WAIT, force_show=True)
-            attempt.io.capturing_stacks = False
-            print(where_ranks_are({r.rank: r.stack_text for r in running}), file=sys.stderr, flush=True)
+            print(where_ranks_are(self.dump_stacks(running)), file=sys.stderr, flush=True)
         master = next((r for r in attempt.ranks if r.rank == 0 and r.running), None)
         if master is not None and attempt.group is not None:
             self.signal_running(signal.SIGINT, [master])
@@ -195,21 +189,23 @@ class Stopper:
         no rank issued a collective."""
         attempt = self.attempt
         running = [r for r in attempt.ranks if r.running and r.rank not in (known or {})]
-        texts: dict[int, str] = {}
-        snapshots = dict(known or {})
-        if running and attempt.io is not None:
-            for r in running:
-                r.stack_text = ""
-            self.signal_running(signal.SIGUSR1, running)
-            attempt.io.capturing_stacks = True
+        dumps = self.dump_stacks(running) if running and attempt.io is not None else {}
+        print(f"\nenot_nb: {why}\n{collectives_or_stacks(dumps, known)}", file=sys.stderr, flush=True)
+
+    def dump_stacks(self, ranks: list[Rank]) -> dict[int, str]:
+        """Each rank's dump (SIGUSR1: its stack and its collectives, printed between fences on
+        its stderr), read for STACK_DUMP_WAIT seconds at most."""
+        io = self.attempt.io
+        assert io is not None
+        for r in ranks:
+            r.stack_text = ""  # (a dump taken before)
+        self.signal_running(signal.SIGUSR1, ranks)
+        io.capturing_stacks = True
+        try:
             self.wait(STACK_DUMP_WAIT, force_show=True)
-            attempt.io.capturing_stacks = False
-            texts, dumped = collective_table.split_dumps({r.rank: r.stack_text for r in running})
-            snapshots.update(dumped)
-        shown = collective_table.table(snapshots) or "\n".join(
-            stack_report(rank, text) for rank, text in sorted(texts.items())
-        )
-        print(f"\nenot_nb: {why}\n{shown}", file=sys.stderr, flush=True)
+        finally:
+            io.capturing_stacks = False
+        return {r.rank: r.stack_text for r in ranks}
 
     def wait(self, seconds: float, force_show: bool, until: Callable[[], bool] | None = None) -> None:
         """Read output and exits for up to ``seconds``, or until all is quiet (``force_show``),
@@ -577,6 +573,15 @@ def where_ranks_are(dumps: dict[int, str]) -> str:
     shown = [stack_report(rank, text) for rank, text in sorted(texts.items())]
     collectives = collective_table.table(snapshots)
     return "\n".join(shown + ([collectives] if collectives else []))
+
+
+def collectives_or_stacks(dumps: dict[int, str], known: dict[int, Snapshot] | None = None) -> str:
+    """The ranks' collectives side by side (``known``: those sent with a timeout's error, and
+    the ``dumps``'), or their stacks where no rank issued a collective."""
+    texts, snapshots = collective_table.split_dumps(dumps)
+    return collective_table.table({**(known or {}), **snapshots}) or "\n".join(
+        stack_report(rank, text) for rank, text in sorted(texts.items())
+    )
 
 
 def stack_report(rank: int, text: str) -> str:

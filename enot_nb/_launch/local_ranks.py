@@ -161,17 +161,8 @@ class LocalRanks:
     def dump_stacks(self, ranks: list[Rank]) -> dict[int, str]:
         """Each rank's dump (SIGUSR1 by its pidfd: the worker prints its stack and its
         collectives between fences on stderr), read for STACK_DUMP_WAIT seconds at most."""
-        attempt = self.attempt
-        assert attempt is not None and attempt.group is not None and attempt.io is not None
-        for r in ranks:
-            r.stack_text = ""
-            attempt.group.signal(r.rank, signal.SIGUSR1)
-        attempt.io.capturing_stacks = True
-        try:
-            attempt.stopper.wait(_attempt.STACK_DUMP_WAIT, force_show=True)
-        finally:
-            attempt.io.capturing_stacks = False
-        return {r.rank: r.stack_text for r in ranks}
+        assert self.attempt is not None
+        return self.attempt.stopper.dump_stacks(ranks)
 
     def interrupt(self, ranks: list[Rank]) -> None:
         attempt = self.attempt

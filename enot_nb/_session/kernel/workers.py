@@ -131,9 +131,10 @@ class SessionWorkers:
     ) -> Any:
         """Lay the task out for the ranks, send it to every rank, supervise it (``hang_after``:
         see hang_watch; ``peers_wait``: the ranks may wait for each other in collectives, and a
-        rank's prompt shows the time left); ``apply``'s value. From the moment every rank answered until ``apply``
-        (the notebook taking the answer) has returned, presses are held; one then is raised
-        after it. The outcome is ``last`` (also if ``apply`` or a press raised)."""
+        rank's prompt shows the time left); ``apply``'s value. From the moment every rank
+        answered until ``apply`` (the notebook taking the answer) has returned, presses are
+        held; one then is raised after it. The outcome is ``last`` (also if ``apply`` or a press
+        raised)."""
         self.last = None  # until this task's end: an error before it must not pass for it
         size = self.host.put_task(task.main, task.buffers)
         self.host.show(output)
@@ -333,11 +334,8 @@ class CommandRound:
         timeout's error) and the waiting ranks' (each asked for its dump); their stacks where no
         rank issued a collective."""
         waiting = [r for r in self._waiting() if r.rank not in (known or {})]
-        texts, snapshots = collective_table.split_dumps(self.host.dump_stacks(waiting) if waiting else {})
-        shown = collective_table.table({**(known or {}), **snapshots}) or "\n".join(
-            _attempt.stack_report(rank, text) for rank, text in sorted(texts.items())
-        )
-        print(f"\nenot_nb: {why}\n{shown}", file=sys.stderr, flush=True)
+        dumps = self.host.dump_stacks(waiting) if waiting else {}
+        print(f"\nenot_nb: {why}\n{_attempt.collectives_or_stacks(dumps, known)}", file=sys.stderr, flush=True)
 
     def _say_died(self, dead: list[Rank]) -> None:
         """A death shown at once, before the wait for the master's state and the restart (a
