@@ -28,6 +28,33 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        # The receiver's owner laid out otherwise: a storage over the wrong bytes, silently.
+        "storage-over-an-owner-laid-out-otherwise",
+        "enot_nb/_serialize/tensors.py",
+        "    if layout is not None and (_address(known) - _address(owner), owner.nbytes) != tuple(layout):\n",
+        "    if False:\n",
+        [
+            "tests/unit/test_array_memory.py::"
+            "test_a_storage_over_a_strided_views_owner_is_that_owner_where_laid_out_as_the_senders"
+        ],
+    ),
+    Mutation(
+        # A storage over the owner of a strided view the ranks hold travels as a copy.
+        "storage-over-a-strided-views-owner-copied",
+        "enot_nb/_serialize/tensors.py",
+        "                if array.flags.c_contiguous or (array.size and tensor_owned(array) is None):\n",
+        "                if array.flags.c_contiguous:\n",
+        [
+            "tests/session/test_mirror.py::"
+            "test_a_tensor_over_the_owner_of_a_strided_view_the_ranks_hold_shares_that_owner_there[tensor-first]",
+            "tests/session/test_mirror.py::"
+            "test_a_tensor_over_the_owner_of_a_strided_view_the_ranks_hold_shares_that_owner_there[array-first]",
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found["
+            "a-tensor-over-the-owner-of-a-strided-view-that-went-first-fork]",
+            "tests/session/test_session_parity.py::test_the_fuzzers_seeds_stay_found[69000455]",
+        ],
+    ),
+    Mutation(
         "replica-check-compares-a-subgroup-ddp-across-the-world",
         "enot_nb/_worker/replicas.py",
         "    if _over_a_subgroup(ddp):\n",

@@ -534,9 +534,20 @@ def _storage_in_strided(
     return torch.from_numpy(flat).untyped_storage()
 
 
-def _storage_of_owner(known: numpy.ndarray, offset: int, nbytes: int) -> torch.UntypedStorage:
-    """A storage over the memory of the array that owns the receiver's ``known``."""
-    return _storage_of_array(array_owner(known), offset, nbytes)
+def _storage_of_owner(
+    known: numpy.ndarray, offset: int, nbytes: int, layout: tuple[int, int] | None = None
+) -> torch.UntypedStorage:
+    """A storage over the memory of the array that owns the receiver's ``known``, which must be
+    laid out as the sender's (``layout``: ``known``'s offset in it, its size; None in pickles
+    made before it was checked)."""
+    owner = array_owner(known)
+    if layout is not None and (_address(known) - _address(owner), owner.nbytes) != tuple(layout):
+        raise ValueError(
+            "a tensor made by torch.from_numpy over an array that a NumPy view here views cannot be rebuilt over this "
+            "process's copy of the array, which is laid out otherwise: send the array before its view, or use "
+            "numpy.ascontiguousarray on the view"
+        )
+    return _storage_of_array(owner, offset, nbytes)
 
 
 def _storage_under_array(array: numpy.ndarray, offset: int, nbytes: int) -> torch.UntypedStorage:
@@ -682,10 +693,11 @@ class MemoryOwners:
         return _storage_in_strided, (known, offset, storage.nbytes(), layout)
 
     def in_known_owner(self, storage: torch.UntypedStorage) -> Reduction | None:
-        """A storage ``torch.from_numpy`` made over the owner of a contiguous array the receiver
-        holds (``row = a[1:]`` went first, ``torch.from_numpy(a)`` now): rebuilt over the
-        receiver's owner of that array, which holds all of the owner's memory (a view travels
-        with it, reduce_numpy_view); else None."""
+        """A storage ``torch.from_numpy`` made over the owner of a view the receiver holds
+        (``row = a[1:]`` or ``row = a[::2]`` went first, ``torch.from_numpy(a)`` now): rebuilt
+        over the receiver's owner of that view, which holds all of the owner's memory (a view
+        travels with it, reduce_numpy_view), laid out as here (checked there); else None. A
+        strided view of a tensor's memory is strided_holding's (over the tensor's storage)."""
         if not may_be_an_arrays(storage):
             return None
         if self._owners is None:
@@ -693,10 +705,16 @@ class MemoryOwners:
             for array in self._known_arrays():
                 owner = array_owner(array)
                 memory = contiguous_memory(owner)
-                if owner is not array and memory is not None and array.flags.c_contiguous:
+                if owner is array or memory is None:
+                    continue
+                if array.flags.c_contiguous or (array.size and tensor_owned(array) is None):
                     self._owners.add(*memory, array)
         held = self._owners.holding(storage.data_ptr(), storage.nbytes())
-        return None if held is None else (_storage_of_owner, (*held, storage.nbytes()))
+        if held is None:
+            return None
+        known, offset = held
+        owner = array_owner(known)
+        return _storage_of_owner, (known, offset, storage.nbytes(), (_address(known) - _address(owner), owner.nbytes))
 
     def under_known_array(self, storage: torch.UntypedStorage) -> Reduction | None:
         """A storage within the memory of the tensor that owns an array the receiver holds

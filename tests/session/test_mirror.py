@@ -550,3 +550,23 @@ def test_a_view_of_a_strided_array_the_notebook_holds_comes_back_without_its_own
         assert ns["sub"].base is ns["row"].base and ns["sub"][0] == 2.0
         ns["row"][1] = -1.0
         assert s.run("float(sub[0])") == -1.0
+
+
+@pytest.mark.parametrize("tensor_first", [True, False], ids=["tensor-first", "array-first"])
+def test_a_tensor_over_the_owner_of_a_strided_view_the_ranks_hold_shares_that_owner_there(tensor_first):
+    """``row = a[::2]`` reached the ranks (with all of ``a``'s memory), then a plain cell made
+    ``t = torch.from_numpy(a)``: on the ranks ``t``, ``a`` and ``row`` are one memory, as here,
+    whichever of ``t`` and ``a`` the push meets first (the fuzzer's seed 69000455 found ``t`` a
+    copy)."""
+    import numpy as np
+
+    ns: dict = {"t": None} if tensor_first else {}  # the push goes in the namespace's order
+    ns["a"] = np.arange(6, dtype=np.float64)
+    ns["row"] = ns["a"][::2]
+    with start("fork", namespace=ns) as s:
+        s.run("row.sum()")
+        ns["t"] = torch.from_numpy(ns["a"])
+        shared = "np.shares_memory(t.numpy(), a), np.shares_memory(row, a), row.base is a"
+        assert s.run(f"import numpy as np\n{shared}") == (True, True, True)
+        assert s.run("t[2] = 7\nrow.tolist()") == [0.0, 7.0, 4.0]
+        assert ns["row"].tolist() == [0.0, 7.0, 4.0] and ns["t"][2] == 7

@@ -1014,6 +1014,16 @@ FOUND = [
         ],
     ),
     (
+        # row took all of a's memory to the ranks; t, over a, went as a copy of its own
+        "a-tensor-over-the-owner-of-a-strided-view-that-went-first",
+        [
+            (P, "a = np.arange(6, dtype=np.float64)"),
+            (S, "x = 1"),
+            (P, "t = torch.from_numpy(a)\nrow = a[::2]"),
+            (S, "T = (row, 3)"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
@@ -1105,7 +1115,7 @@ def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):
         k.run("%enot_session stop", timeout=120)
 
 
-FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109, 7000053, 9000029]
+FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109, 7000053, 9000029, 69000455]
 """Generated programs (tests/session/fuzz.py's seeds) that differed once, kept as they were
 found: each fix's own case is above where a small program shows it."""
 
