@@ -28,6 +28,29 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        # Items of plain data looked up only in pickles that bind containers: c.r = log[3] is a copy.
+        "plain-items-only-under-bound-containers",
+        "enot_nb/_state/collect.py",
+        "        self._binds_objects = any(type(v) not in VALUE_TYPES for v in bound)\n",
+        "        self._binds_objects = any(type(v) in (list, dict, bytearray) for v in bound)\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found["
+            "an-item-of-a-large-log-inside-a-new-value-fork]",
+        ],
+    ),
+    Mutation(
+        # Items of plain data looked up only where bound to a name: D = {'k': log[0]} holds a copy.
+        "plain-items-only-where-bound",
+        "enot_nb/_state/collect.py",
+        "                    if type(value) in (list, dict, bytearray):\n",
+        "                    if type(value) in (list, dict, bytearray) and value is obj:\n",
+        [
+            "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found["
+            "an-item-of-a-large-log-inside-a-new-value-fork]",
+            "tests/session/test_session_parity.py::test_the_fuzzers_seeds_stay_found[70000650]",
+        ],
+    ),
+    Mutation(
         # The receiver's owner laid out otherwise: a storage over the wrong bytes, silently.
         "storage-over-an-owner-laid-out-otherwise",
         "enot_nb/_serialize/tensors.py",
@@ -490,8 +513,8 @@ MUTATIONS = [
     Mutation(
         "items-of-plain-data-by-value",
         "enot_nb/_state/collect.py",
-        "        if type(obj) in (list, dict, bytearray):\n            return self._in_plain(obj)\n",
-        "",
+        "        item = self._in_plain(obj)\n",
+        "        item = None\n",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found[a-large-list-walked-on-one-side-only-fork]"
         ],

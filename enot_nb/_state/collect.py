@@ -217,15 +217,19 @@ class StatePickler(ResultPickler):
         """The strided ones, as _arrays."""
         self._travelling: set[int] = set()
         """The registered objects whose new state this pickle carries (see _in_plain)."""
-        self._bound_ids: set[int] = set()
-        """The lists, dicts and bytearrays bound to names in this pickle (see _in_plain)."""
+        self._binds_objects = False
+        """Whether this pickle binds a name to anything but an immutable value (see _in_plain)."""
+        self._plain_items: dict[int, tuple[int, Any]] | None = None
+        """The lists, dicts and bytearrays that are items of registered plain data, by id: (the
+        data's index, their key in it). Made when first asked for (see _in_plain)."""
 
     def dump(self, obj: Any) -> None:
         """Pickle ``obj``: Changes, or a task carrying them as its ``push``."""
         changes = obj if isinstance(obj, Changes) else getattr(obj, "push", None)
         self._travelling = {i for i, _ in changes.objects} if isinstance(changes, Changes) else set()
         bound = changes.bound.values() if isinstance(changes, Changes) else ()
-        self._bound_ids = {id(v) for v in bound if type(v) in (list, dict, bytearray)}
+        self._binds_objects = any(type(v) not in VALUE_TYPES for v in bound)
+        self._plain_items = None
         super().dump(obj)
 
     def known_arrays(self) -> list[Any]:
@@ -269,35 +273,39 @@ class StatePickler(ResultPickler):
         j = self.registry.find_storage(obj)
         if j is not None:
             return ("s", j)
-        if type(obj) in (list, dict) and len(obj) >= ATOMS_MIN:
+        if type(obj) not in (list, dict, bytearray):
+            return None
+        item = self._in_plain(obj)
+        if item is None and type(obj) is not bytearray and len(obj) >= ATOMS_MIN:
             # Plain data (kinds ATOMS and PLAIN), by value in one C pickle: this pickler would
             # call back for each item.
             pickled = plain_pickle(obj)
             if pickled is not None:
                 return ("v", pickled)
-        if type(obj) in (list, dict, bytearray):
-            return self._in_plain(obj)
-        return None
+        return item
 
     def _in_plain(self, obj: Any) -> Any:
-        """``("p", i, steps)`` where ``obj``, bound to a name in this pickle, is an item of
+        """``("p", i, steps)`` where ``obj``, in a pickle that binds names, is an item of
         registered plain data ``i`` (kind PLAIN: one object, its items not registered): the
-        loading side takes its own item there, so ``last = log[-1]`` stays an alias (by value it
-        would be a copy). Not inside one whose new state travels in this pickle: its items go by
-        value with it. Only a bound value is looked for (a C-level pass over each container's
-        items), so the task's own lists cost nothing; an item deeper inside goes by value."""
-        if id(obj) not in self._bound_ids:
+        loading side takes its own item there, so ``last = log[-1]`` and ``d = {'k': log[0]}``
+        keep their aliases (by value each would be a copy). Not inside one whose new state
+        travels in this pickle: its items go by value with it. The items are indexed once per
+        pickle, and only for one that binds a name to an object, so a task alone costs nothing;
+        an item deeper inside goes by value."""
+        if not self._binds_objects:
             return None
-        for i, kind in enumerate(self.registry.kinds):
-            if kind is not Kind.PLAIN or i in self._travelling:
-                continue
-            container = self.registry.objects[i]
-            values = container.values() if type(container) is dict else container
-            if id(obj) in set(map(id, values)):
-                keys = container.keys() if type(container) is dict else range(len(container))
-                key = next(k for k, v in zip(keys, values) if v is obj)
-                return ("p", i, (key,))
-        return None
+        if self._plain_items is None:
+            self._plain_items = {}
+            for i, kind in enumerate(self.registry.kinds):
+                if kind is not Kind.PLAIN or i in self._travelling:
+                    continue
+                container = self.registry.objects[i]
+                pairs = container.items() if type(container) is dict else enumerate(container)
+                for key, value in pairs:
+                    if type(value) in (list, dict, bytearray):
+                        self._plain_items.setdefault(id(value), (i, key))
+        found = self._plain_items.get(id(obj))
+        return None if found is None else ("p", found[0], (found[1],))
 
 
 def item_at(container: Any, steps: tuple[Any, ...]) -> Any:

@@ -1024,6 +1024,17 @@ FOUND = [
         ],
     ),
     (
+        # log's items are not registered (one plain object): D's went by value, a copy
+        "an-item-of-a-large-log-inside-a-new-value",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]"),
+            (P, "D = {'k': log[0], 'v': 2}"),
+            (S, "D['k2'] = 7"),
+            (P, "class C:\n    pass\nc = C()\nc.r = log[3]"),
+            (S, "c.r['v'] = -1.0"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
@@ -1115,7 +1126,7 @@ def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):
         k.run("%enot_session stop", timeout=120)
 
 
-FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109, 7000053, 9000029, 69000455]
+FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109, 7000053, 9000029, 69000455, 70000650]
 """Generated programs (tests/session/fuzz.py's seeds) that differed once, kept as they were
 found: each fix's own case is above where a small program shows it."""
 
