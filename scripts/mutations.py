@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        # Every Ray result fetched by a call of its own, however small (a trivial cell's 1.2 ms).
+        "ray-results-never-in-the-answer",
+        "enot_nb/_launch/ray_agent.py",
+        "            inline_results_up_to=INLINE_RESULT,\n",
+        "",
+        ["tests/ray_engine/test_ray_session.py::test_big_state_goes_both_ways_through_the_object_store"],
+    ),
+    Mutation(
         # Items of plain data looked up only in pickles that bind containers: c.r = log[3] is a copy.
         "plain-items-only-under-bound-containers",
         "enot_nb/_state/collect.py",

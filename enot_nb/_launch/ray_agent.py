@@ -7,7 +7,8 @@ child process and relays its traffic to the kernel (see ray_ranks for the kernel
       command(bytes, task) --control-->    task -> the task memfd, then the command
                                            -> the message socket        -->   session loop
       signal(SIGINT / SIGUSR1 / ...)       pidfd_send_signal            -->   the worker
-      result(size)    <-- object store --  the result memfd (rank 0)
+      result(size)    <-- object store --  the result memfd (rank 0), for a result over
+                                           INLINE_RESULT (a smaller one is in its message)
 
 The worker is forked by a fork server the agent starts (a fresh interpreter, as a spawn session
 does), never by the actor itself: an actor process runs Ray's threads, and forking it would copy
@@ -43,6 +44,9 @@ CONCURRENCY_GROUPS = {"io": 1, "command": 1, "control": 4}
 ``control``, so that a signal never waits behind a read or a command."""
 READ_CHUNK = 1 << 20
 """Bytes read per stream and call at most: the relay moves output and messages in pieces."""
+INLINE_RESULT = 64 * 1024
+"""Bytes of rank 0's result that travel in its answer, in the read that brings the answer: a
+trivial cell needs no Ray call of its own for its result."""
 
 
 @dataclass
@@ -137,6 +141,7 @@ class RankAgent:
             kernel_parent=launch.kernel_parent,
             output_setup=launch.output_setup,
             multiprocessing_folder=self.folder,
+            inline_results_up_to=INLINE_RESULT,
         )
         results = [self.result_fd] if self.result_fd is not None else []
         fds = [out_w, err_w, msg_w, *results, self.task_fd]

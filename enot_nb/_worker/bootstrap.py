@@ -77,6 +77,9 @@ class WorkerSpec:
     """Launcher descriptors of other ranks, closed in this worker."""
     result_fd: int | None = None
     """A memfd for rank 0's result (see result_file.write_result); None: through the pipe."""
+    inline_results_up_to: int = 0
+    """Bytes of a result that travel in its message even where the memfd exists: a Ray rank's
+    answer then needs no call of its own to fetch the result (see _launch/ray_agent)."""
     shared_memory_fd: int | None = None
     """The memfd of a spawned job's tensors (see shm), mapped when the job is unpickled."""
     front_end: bool = False
@@ -151,6 +154,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 _message_fd: int | None = None
 _result_fd: int | None = None
+_inline_up_to = 0
 _fence_fds: tuple[int, int] | None = None
 
 
@@ -176,8 +180,8 @@ def send(message: WorkerMessage) -> None:
 
 def run(spec: WorkerSpec, load_job: Callable[[], Job]) -> NoReturn:
     """Run the job as rank ``spec.rank`` and exit the process; never returns."""
-    global _message_fd, _result_fd
-    _message_fd, _result_fd = spec.message_fd, spec.result_fd
+    global _message_fd, _result_fd, _inline_up_to
+    _message_fd, _result_fd, _inline_up_to = spec.message_fd, spec.result_fd, spec.inline_results_up_to
     exitcode, connecting = 1, False
     try:
         become_worker(spec)
@@ -231,10 +235,14 @@ def send_outcome(rank: int, result: Any) -> None:
 
 
 def _result_payload(result_fd: int | None, result: Any) -> Payload:
-    """Pickled once: in band where no memfd exists, else with tensor data out of band."""
+    """Pickled once: in band where no memfd exists, else with tensor data out of band (pickled
+    again in band where it is no bigger than ``_inline_up_to``)."""
     if result_fd is None:
         return Inline(result_file.dump_inline(result))
-    return InMemfd(result_file.write_result(result_fd, *result_file.dump_result(result)))
+    main, buffers = result_file.dump_result(result)
+    if result_file.size_of(main, buffers) <= _inline_up_to:
+        return Inline(result_file.dump_inline(result))
+    return InMemfd(result_file.write_result(result_fd, main, buffers))
 
 
 def send_partial(result: Any) -> None:

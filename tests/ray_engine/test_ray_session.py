@@ -228,12 +228,26 @@ def test_a_placement_the_cluster_cannot_hold_says_what_it_waits_for_then_fails_c
     kernel.ok("%enot_session stop")
 
 
+SPY_CALLS = (
+    "from enot_nb._launch.ray_ranks import RayRanks\n_calls, _call = [], RayRanks._call\n"
+    "RayRanks._call = lambda self, rank, method, *a, **k: (\n"
+    "    _calls.append(method), _call(self, rank, method, *a, **k))[1]"
+)
+"""Each call the kernel makes to an agent, by method name, kept in ``_calls``."""
+
+
 def test_big_state_goes_both_ways_through_the_object_store(kernel):
     """A 32 MiB tensor made on the ranks comes back (rank 0's result file, through the store),
     is changed in a plain cell, and reaches every rank with the next cell (a task far above
-    what travels in a command: ray.put once)."""
+    what travels in a command: ray.put once). A small result comes in rank 0's answer itself:
+    no call to fetch it."""
     kernel.ok(START, timeout=START_WAIT)
-    kernel.ok("%%enot_distributed\nimport torch, torch.distributed as dist\nbig = torch.arange(4e6).double()")
+    kernel.ok(SPY_CALLS)
+    kernel.ok("%%enot_distributed\nimport torch, torch.distributed as dist\nsmall = torch.arange(1000.)")
+    assert "'result'" not in kernel.ok("print(_calls)").stdout
+    assert kernel.ok("print(float(small.sum()))").stdout == "499500.0\n"
+    kernel.ok("%%enot_distributed\nbig = torch.arange(4e6).double()")
+    assert "'result'" in kernel.ok("print(_calls)").stdout
     assert kernel.ok("print(float(big.sum()), big.dtype)").stdout == f"{float(sum(range(4_000_000)))} torch.float64\n"
     kernel.ok("big[::2] = -1.0")
     run = kernel.ok(
