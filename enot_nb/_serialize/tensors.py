@@ -14,6 +14,7 @@ their names stay, and where one moves, ``renamed`` maps its old module to the ne
 from __future__ import annotations
 
 import bisect
+import pickle
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
@@ -535,19 +536,21 @@ def _storage_in_strided(
 
 
 def _storage_of_owner(
-    known: numpy.ndarray, offset: int, nbytes: int, layout: tuple[int, int] | None = None
+    known: numpy.ndarray, offset: int, nbytes: int, layout: tuple[int, int] | None = None, copy: Any = None
 ) -> torch.UntypedStorage:
-    """A storage over the memory of the array that owns the receiver's ``known``, which must be
+    """A storage over the memory of the array that owns the receiver's ``known``, where that is
     laid out as the sender's (``layout``: ``known``'s offset in it, its size; None in pickles
-    made before it was checked)."""
+    made before it was checked), else one of its own holding ``copy``'s bytes."""
+    import numpy
+    import torch
+
     owner = array_owner(known)
-    if layout is not None and (_address(known) - _address(owner), owner.nbytes) != tuple(layout):
-        raise ValueError(
-            "a tensor made by torch.from_numpy over an array that a NumPy view here views cannot be rebuilt over this "
-            "process's copy of the array, which is laid out otherwise: send the array before its view, or use "
-            "numpy.ascontiguousarray on the view"
-        )
-    return _storage_of_array(owner, offset, nbytes)
+    here = (_address(known) - _address(owner), owner.nbytes)
+    if layout is None or (here == tuple(layout) and contiguous_memory(owner) is not None):
+        return _storage_of_array(owner, offset, nbytes)
+    storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+    storage_array(storage)[:] = numpy.frombuffer(copy, dtype=numpy.uint8)
+    return storage
 
 
 def _storage_under_array(array: numpy.ndarray, offset: int, nbytes: int) -> torch.UntypedStorage:
@@ -695,9 +698,11 @@ class MemoryOwners:
     def in_known_owner(self, storage: torch.UntypedStorage) -> Reduction | None:
         """A storage ``torch.from_numpy`` made over the owner of a view the receiver holds
         (``row = a[1:]`` or ``row = a[::2]`` went first, ``torch.from_numpy(a)`` now): rebuilt
-        over the receiver's owner of that view, which holds all of the owner's memory (a view
-        travels with it, reduce_numpy_view), laid out as here (checked there); else None. A
-        strided view of a tensor's memory is strided_holding's (over the tensor's storage)."""
+        over the receiver's owner of that view, which holds all of the owner's memory where the
+        view travelled with it (reduce_numpy_view), laid out as here; else (the view went over a
+        storage, or its owner is laid out otherwise) from the bytes that travel beside, a copy
+        as before. None where no such view is known. A view of a tensor's memory is
+        under_known_array's and strided_holding's (over the tensor's storage)."""
         if not may_be_an_arrays(storage):
             return None
         if self._owners is None:
@@ -705,16 +710,16 @@ class MemoryOwners:
             for array in self._known_arrays():
                 owner = array_owner(array)
                 memory = contiguous_memory(owner)
-                if owner is array or memory is None:
-                    continue
-                if array.flags.c_contiguous or (array.size and tensor_owned(array) is None):
+                if owner is not array and memory is not None and array.size and tensor_owned(array) is None:
                     self._owners.add(*memory, array)
         held = self._owners.holding(storage.data_ptr(), storage.nbytes())
         if held is None:
             return None
         known, offset = held
         owner = array_owner(known)
-        return _storage_of_owner, (known, offset, storage.nbytes(), (_address(known) - _address(owner), owner.nbytes))
+        layout = (_address(known) - _address(owner), owner.nbytes)
+        copy = pickle.PickleBuffer(storage_array(storage))  # type: ignore[arg-type]
+        return _storage_of_owner, (known, offset, storage.nbytes(), layout, copy)
 
     def under_known_array(self, storage: torch.UntypedStorage) -> Reduction | None:
         """A storage within the memory of the tensor that owns an array the receiver holds

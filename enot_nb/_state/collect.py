@@ -29,7 +29,7 @@ from enot_nb._memory.digests import written_parts
 from enot_nb._serialize import picklers
 from enot_nb._serialize.picklers import ResultPickler
 from enot_nb._serialize.tensors import array_extent, array_owner, storage_array
-from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, kind_of, plain_pickle
+from enot_nb._state.kinds import ATOMS_MIN, OPS, Kind, items_held_elsewhere, kind_of, plain_pickle
 from enot_nb._state.registry import Registry, user_variables
 from enot_nb._state.snapshot import Snapshot
 from enot_nb._state.states import VALUE_TYPES, Attributes, DictState, ItemsState, Lost, Replaced
@@ -217,8 +217,9 @@ class StatePickler(ResultPickler):
         """The strided ones, as _arrays."""
         self._travelling: set[int] = set()
         """The registered objects whose new state this pickle carries (see _in_plain)."""
-        self._binds_objects = False
-        """Whether this pickle binds a name to anything but an immutable value (see _in_plain)."""
+        self._carries_changes = False
+        """Whether this pickle carries a change or binds a name to anything but an immutable
+        value (see _in_plain)."""
         self._plain_items: dict[int, tuple[int, Any]] | None = None
         """The lists, dicts and bytearrays that are items of registered plain data, by id: (the
         data's index, their key in it). Made when first asked for (see _in_plain)."""
@@ -228,7 +229,8 @@ class StatePickler(ResultPickler):
         changes = obj if isinstance(obj, Changes) else getattr(obj, "push", None)
         self._travelling = {i for i, _ in changes.objects} if isinstance(changes, Changes) else set()
         bound = changes.bound.values() if isinstance(changes, Changes) else ()
-        self._binds_objects = any(type(v) not in VALUE_TYPES for v in bound)
+        self._carries_changes = bool(changes.objects) if isinstance(changes, Changes) else False
+        self._carries_changes |= any(type(v) not in VALUE_TYPES for v in bound)
         self._plain_items = None
         super().dump(obj)
 
@@ -285,25 +287,21 @@ class StatePickler(ResultPickler):
         return item
 
     def _in_plain(self, obj: Any) -> Any:
-        """``("p", i, steps)`` where ``obj``, in a pickle that binds names, is an item of
+        """``("p", i, steps)`` where ``obj``, in a pickle that carries changes, is an item of
         registered plain data ``i`` (kind PLAIN: one object, its items not registered): the
-        loading side takes its own item there, so ``last = log[-1]`` and ``d = {'k': log[0]}``
-        keep their aliases (by value each would be a copy). Not inside one whose new state
-        travels in this pickle: its items go by value with it. The items are indexed once per
-        pickle, and only for one that binds a name to an object, so a task alone costs nothing;
-        an item deeper inside goes by value."""
-        if not self._binds_objects:
+        loading side takes its own item there, so ``last = log[-1]``, ``d = {'k': log[0]}`` and
+        ``D['k'] = log[0]`` keep their aliases (by value each would be a copy). Not inside one
+        whose new state travels in this pickle: its items go by value with it. The items that
+        something else holds too are indexed once per such pickle (kinds.items_held_elsewhere),
+        so a task alone costs nothing; an item deeper inside goes by value."""
+        if not self._carries_changes:
             return None
         if self._plain_items is None:
             self._plain_items = {}
             for i, kind in enumerate(self.registry.kinds):
-                if kind is not Kind.PLAIN or i in self._travelling:
-                    continue
-                container = self.registry.objects[i]
-                pairs = container.items() if type(container) is dict else enumerate(container)
-                for key, value in pairs:
-                    if type(value) in (list, dict, bytearray):
-                        self._plain_items.setdefault(id(value), (i, key))
+                if kind is Kind.PLAIN and i not in self._travelling:
+                    for key, item in items_held_elsewhere(self.registry.objects[i]):
+                        self._plain_items.setdefault(id(item), (i, key))
         found = self._plain_items.get(id(obj))
         return None if found is None else ("p", found[0], (found[1],))
 

@@ -420,6 +420,27 @@ def _refs_held_once() -> int:
 _REFS_HELD_ONCE = _refs_held_once()
 
 
+_LIST_ITEM_REFS = max(map(sys.getrefcount, [[]]))
+_DICT_ITEM_REFS = max(map(sys.getrefcount, {0: []}.values()))
+
+
+def items_held_elsewhere(container: list | dict) -> Iterator[tuple[Any, Any]]:
+    """(key, item) for each list, dict or bytearray item of plain data that something besides
+    the container holds too (``d = {'k': log[0]}``): found by the items' reference counts, a
+    C-level pass over them, so a large log costs milliseconds."""
+    if type(container) is dict:
+        keys: Any = list(container)
+        counts = map(sys.getrefcount, container.values())
+        base = _DICT_ITEM_REFS
+    else:
+        keys, counts, base = None, map(sys.getrefcount, container), _LIST_ITEM_REFS
+    for index in itertools.compress(itertools.count(), map(base.__lt__, counts)):
+        key = index if keys is None else keys[index]
+        item = container[key]
+        if type(item) in (list, dict, bytearray):
+            yield key, item
+
+
 def kind_of_state(kind: Kind, obj: Any, state: Any) -> Kind:
     """The kind whose ``apply`` takes ``state``: the sender's. A large list or dict is plain data
     on one side and walked item by item on the other where an item of it is held from outside

@@ -570,3 +570,18 @@ def test_a_tensor_over_the_owner_of_a_strided_view_the_ranks_hold_shares_that_ow
         assert s.run(f"import numpy as np\n{shared}") == (True, True, True)
         assert s.run("t[2] = 7\nrow.tolist()") == [0.0, 7.0, 4.0]
         assert ns["row"].tolist() == [0.0, 7.0, 4.0] and ns["t"][2] == 7
+
+
+def test_a_tensor_over_a_fortran_owner_of_a_view_the_ranks_hold_reaches_them_as_its_bytes():
+    """The view went with its own copy (its owner is not C-ordered): ``t`` over the owner cannot
+    be rebuilt over what the ranks hold, and goes as its own bytes, values kept (it once failed
+    the push: "laid out otherwise")."""
+    import numpy as np
+
+    ns = {"a": np.asfortranarray(np.arange(12.0).reshape(3, 4))}
+    ns["row"] = ns["a"][:, ::2]
+    with start("fork", namespace=ns) as s:
+        s.run("row.sum()")
+        ns["t"] = torch.from_numpy(ns["a"])
+        assert s.run("t.add_(1)\nfloat(t.sum())") == 78.0
+        assert float(ns["t"].sum()) == 78.0

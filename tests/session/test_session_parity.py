@@ -1035,6 +1035,37 @@ FOUND = [
         ],
     ),
     (
+        # D synced, then given log's item: D's change carried it by value, a copy
+        "an-item-of-a-large-log-put-into-a-synced-dict",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1000)]\nD = {}"),
+            (P, "D['k'] = log[0]"),
+            (S, "D['k']['v'] = -1.0\nsame = D['k'] is log[0]"),
+        ],
+    ),
+    (
+        # row went over t1's storage (part of a): t2 over all of a goes as its own bytes
+        "a-tensor-over-the-owner-of-a-view-that-went-over-a-storage",
+        [
+            (P, "a = np.arange(6.)\nt1 = torch.from_numpy(a[1:])"),
+            (S, "s = float(t1.sum())"),
+            (P, "row = a[1::2]"),
+            (S, "s2 = float(row.sum())"),
+            (P, "t2 = torch.from_numpy(a)"),
+            (S, "t2.add_(1)\ns3 = float(t2.sum())"),
+        ],
+    ),
+    (
+        # a views a tensor's memory at an offset: t2 over a is rebuilt over the ranks' tensor
+        "a-tensor-over-an-array-over-part-of-a-tensor",
+        [
+            (P, "t = torch.arange(12.)\na = t[2:].numpy()\nrow = a[1:]"),
+            (S, "s = float(row.sum())"),
+            (P, "t2 = torch.from_numpy(a)"),
+            (S, "t2.add_(1)\ns2 = float(t.sum())"),
+        ],
+    ),
+    (
         "a-pulled-optimizer-steps-the-notebooks-model",
         [
             (P, "torch.manual_seed(0); net = torch.nn.Linear(2, 1)"),
