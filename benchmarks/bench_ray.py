@@ -9,7 +9,9 @@ A Ray cluster of two nodes on this machine (as tests/ray_engine: loopback, token
   ipyparallel's ``view.execute`` on 2 engines where it is installed (bench_session's row);
 * a 50-step DDP cell (gloo) on the Ray session against the same cell on the local session, and
   against the same 50 steps in a torchrun script already running (bench_session.ddp_steps);
-* the time a Ray session takes to start on a running cluster, against a local session's.
+* the time a Ray session takes to start on a running cluster, against a local session's;
+* the memory each session holds (the summed PSS of every process on the machine, after its
+  trivial cells, over before it started), against a local session's plus two bare actors'.
 
 Each session is measured in turn in the same kernel (one session per process), medians of the
 repeats; the figures of one run are comparable with each other only.
@@ -31,6 +33,7 @@ from tests.ray_engine.loopback import ray_variables
 BENCH = "Ray session: a trivial cell, 2 ranks"
 DDP = "Ray session: 50 DDP steps (gloo), 2 ranks"
 START = "Ray session: start, 2 ranks"
+MEMORY = "Ray session: memory over the idle nodes (summed PSS of every process), 2 ranks"
 
 DDP_SETUP = (
     "%%enot_distributed\\nimport torch, torch.distributed as dist\\n"
@@ -43,33 +46,62 @@ DDP_CELL = (
 )
 
 MEASURE = r"""
-import ray
+import glob, gc, ray
+def pss_mib():
+    total = 0
+    for path in glob.glob("/proc/[0-9]*/smaps_rollup"):
+        try:
+            with open(path) as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except OSError:
+            pass
+    return total / 1024
 def session_rows(start_line):
+    gc.collect(); before = pss_mib()
     t0 = time.perf_counter()
     run(start_line)
     started = time.perf_counter() - t0
     cell = statistics.median(clock("%%enot_distributed\n{trivial}", {n}))
+    memory = pss_mib() - before
     run("{ddp_setup}")
     ddp = statistics.median(clock("{ddp_cell}", {repeats}, warmup=1))
     run("%enot_session stop")
-    return started, cell, ddp
+    return started, cell, ddp, memory
 local_cell = statistics.median(clock({trivial!r}, {n}))
+run("%enot_session start -n 2 --engine ray --placement spread")  # the code's first upload to the nodes
+run("%enot_session stop")
 on_ray = session_rows("%enot_session start -n 2 --engine ray --placement spread")
 local = session_rows("%enot_session start -n 2 --backend gloo --start-method spawn")
 @ray.remote(num_cpus=0)
 class Floor:
     def f(self):
         return None
-floor_actor = Floor.remote()
-ray.get(floor_actor.f.remote())
+t0 = time.perf_counter()
+ray.get(Floor.remote().f.remote())  # connected, and the first actor's worker started, before
+actor_start = time.perf_counter() - t0
+t0 = time.perf_counter()
+group = ray.util.placement_group([{{"CPU": 1}}] * 2, strategy="SPREAD")
+ray.get(group.ready())
+group_wait = time.perf_counter() - t0
+ray.util.remove_placement_group(group)
+gc.collect(); before = pss_mib()
+floor_actors = [Floor.options(scheduling_strategy="SPREAD").remote() for _ in range(2)]
+ray.get([a.f.remote() for a in floor_actors])
+actor_memory = (pss_mib() - before) / 2
+floor_actor = floor_actors[0]
 floor = []
 for _ in range({n}):
     t0 = time.perf_counter()
     ray.get(floor_actor.f.remote())
     floor.append(time.perf_counter() - t0)
-ray.kill(floor_actor)
-print("RESULT", json.dumps([local_cell, on_ray, local, statistics.median(floor)]))
+for actor in floor_actors:
+    ray.kill(actor)
+results = [local_cell, on_ray, local, statistics.median(floor), actor_memory, actor_start, group_wait]
+print("RESULT", json.dumps(results))
 """
+"""Memory: the summed proportional set size (PSS) of every process on this machine, before a
+session starts and after its trivial cells (the difference is what the session holds, all of
+its processes counted, shared pages once); a bare actor's, two of them on the two nodes."""
 
 
 @contextmanager
@@ -119,7 +151,9 @@ def run(repeats: int) -> list[Row]:
             kernel.ok(SETUP)
             n = max(20, repeats * 5)
             code = MEASURE.format(trivial=TRIVIAL, n=n, repeats=repeats, ddp_setup=DDP_SETUP, ddp_cell=DDP_CELL)
-            local_cell, on_ray, local, floor = kernel_json(kernel, code, timeout=1200)
+            local_cell, on_ray, local, floor, actor_memory, actor_start, group_wait = kernel_json(
+                kernel, code, timeout=1200
+            )
             over_torchrun = ddp_steps(
                 kernel,
                 repeats,
@@ -128,7 +162,8 @@ def run(repeats: int) -> list[Row]:
             )
         finally:
             kernel.shutdown()
-    (ray_start, ray_cell, ray_ddp), (local_start, session_cell, local_ddp) = on_ray, local
+    (ray_start, ray_cell, ray_ddp, ray_memory), (local_start, session_cell, local_ddp, local_memory) = on_ray, local
+    allowed = (local_memory + 2 * actor_memory) * 1.1
     rows = [
         Row(BENCH, "the cell run locally (reference)", local_cell, "s", "local", 1.0, "", n),
         Row(BENCH, "bare Ray actor call (the floor)", floor, "s", "local", floor / local_cell, "", n),
@@ -138,7 +173,30 @@ def run(repeats: int) -> list[Row]:
         Row(DDP, "local session cell (reference)", local_ddp, "s", "local", 1.0, "", repeats),
         Row(DDP, "Ray session cell", ray_ddp, "s", "local", ray_ddp / local_ddp, "", repeats),
         Row(START, "local session, spawn (reference)", local_start, "s", "local", 1.0, "", 1),
-        Row(START, "Ray session, on a running cluster", ray_start, "s", "local", ray_start / local_start, "", 1),
+        Row(START, "a bare actor's start (its first call answered)", actor_start, "s", "local", None, "", 1),
+        Row(START, "a placement group of 2 bundles, ready", group_wait, "s", "local", None, "", 1),
+        Row(
+            START,
+            "Ray session, on a running cluster",
+            ray_start,
+            "s",
+            "local",
+            ray_start / local_start,
+            f"<= local + an actor's start + a group's wait ({local_start + actor_start + group_wait:.2f} s)",
+            1,
+        ),
+        Row(MEMORY, "local session (reference)", local_memory, "MiB", "local", 1.0, "", 1),
+        Row(MEMORY, "a bare Ray actor", actor_memory, "MiB", "local", actor_memory / local_memory, "", 1),
+        Row(
+            MEMORY,
+            "Ray session, one rank per node",
+            ray_memory,
+            "MiB",
+            "local",
+            ray_memory / local_memory,
+            f"<= local + 2 actors + 10% ({allowed:.0f} MiB)",
+            1,
+        ),
     ]
     return (
         rows

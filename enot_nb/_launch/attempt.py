@@ -536,8 +536,8 @@ def load_payload(result_fd: int | None, payload: Payload) -> Any:
             case InMemfd(size):
                 assert result_fd is not None  # the worker wrote into it
                 return result_file.read_result(result_fd, size)
-            case Inline(data):
-                return pickle.loads(data)
+            case Inline(data, buffers):
+                return pickle.loads(data, buffers=buffers)
             case _:
                 assert_never(payload)
     except Exception as err:

@@ -3,18 +3,18 @@ child process and relays its traffic to the kernel (see ray_ranks for the kernel
 
     kernel (RayRanks)                      node: RankAgent (a Ray actor)       its worker
       read(timeout)   --io group-->        select on the rank's pipes   <--   stdout, stderr,
-                      <-- Batch --         and the fork server's exits        messages
+                      <-- Batch --         and the worker's exit (pidfd)      messages
       command(bytes, task) --control-->    task -> the task memfd, then the command
                                            -> the message socket        -->   session loop
       signal(SIGINT / SIGUSR1 / ...)       pidfd_send_signal            -->   the worker
       result(size)    <-- object store --  the result memfd (rank 0), for a result over
                                            INLINE_RESULT (a smaller one is in its message)
 
-The worker is forked by a fork server the agent starts (a fresh interpreter, as a spawn session
-does), never by the actor itself: an actor process runs Ray's threads, and forking it would copy
-their locks. So pidfds, signals, ``/proc``, fork and shared memory stay on the node that owns the
-process, and the worker dies with the agent (parent-death signals: agent -> fork server ->
-worker). Ray runs one call of an actor at a time on its main thread and cannot interrupt it:
+The worker is a fresh interpreter the agent starts once (``groups.ExecGroup``: fork and exec, as
+``subprocess`` does, never a fork of the actor itself, whose Ray threads hold locks): two
+processes per rank, the actor and its worker. So pidfds, signals, ``/proc`` and shared memory
+stay on the node that owns the process, and the worker dies with the agent (its parent-death
+signal). Ray runs one call of an actor at a time on its main thread and cannot interrupt it:
 ``read`` runs in the ``io`` concurrency group, ``command`` in ``command``, signals and the rest in
 ``control`` (threads of their own), so a signal or a command reaches the rank while a read waits.
 """
@@ -31,10 +31,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from enot_nb._processes import forkserver_client, sockets
 from enot_nb._processes import rendezvous as _rendezvous
-from enot_nb._processes.framing import LaunchFds
-from enot_nb._processes.groups import ServerGroup, cpu_seconds, resident_mib
+from enot_nb._processes import sockets
+from enot_nb._processes.groups import ExecGroup, cpu_seconds, resident_mib
 from enot_nb._serialize import result_file
 from enot_nb._worker import bootstrap
 
@@ -83,8 +82,7 @@ class RankAgent:
     ray_ranks with ``ray.remote``."""
 
     def __init__(self) -> None:
-        self.server: forkserver_client.ForkServer | None = None
-        self.group: ServerGroup | None = None
+        self.group: ExecGroup | None = None
         self.reads: dict[str, int] = {}  # "out", "err", "msg" -> our end
         self.ended: set[str] = set()
         self.task_fd: int | None = None
@@ -109,7 +107,7 @@ class RankAgent:
         return _rendezvous.free_port(address)
 
     def start(self, launch: AgentLaunch) -> int:
-        """Start the rank's worker (session loop) from a fork server of its own; its pid."""
+        """Start the rank's worker (session loop), a fresh interpreter; its pid."""
         self.rank = launch.rank
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -141,15 +139,14 @@ class RankAgent:
             kernel_parent=launch.kernel_parent,
             output_setup=launch.output_setup,
             multiprocessing_folder=self.folder,
+            result_fd=self.result_fd,
+            shared_memory_fd=self.task_fd,  # the session's task file (see loop.serve)
             inline_results_up_to=INLINE_RESULT,
         )
         results = [self.result_fd] if self.result_fd is not None else []
         fds = [out_w, err_w, msg_w, *results, self.task_fd]
         try:
-            self.server = forkserver_client.ForkServer()
-            self.group = ServerGroup(
-                [spec], fds, launch.job_bytes, LaunchFds(ranks=1, results=len(results), shared=1), self.server
-            )
+            self.group = ExecGroup(spec, launch.job_bytes, fds)
             self.pid = self.group.start()[launch.rank]
         finally:
             for fd in (out_w, err_w, msg_w):
@@ -168,16 +165,16 @@ class RankAgent:
 
     def _read(self, timeout: float) -> Batch:
         batch = Batch()
-        if self.group is None or self.server is None:
+        if self.group is None:
             return self._closed()
         watched = [fd for name, fd in self.reads.items() if name not in self.ended]
-        exits: list[Any] = [self.server.sock] if self.exitcode is None else []
+        exits: list[Any] = self.group.sources() if self.exitcode is None else []
         if not self.group.pending():
             select.select(watched + exits, [], [], timeout)
         # Messages first: the output a message was fenced after is in its pipe by then.
         got = {name: self._drain(name) for name in ("msg", "out", "err")}
         if self.exitcode is None and (self.group.pending() or select.select(exits, [], [], 0)[0]):
-            for _, code in self.group.exits(None):
+            for _, code in self.group.exits(exits[0]):
                 self.exitcode = code
         if self.exitcode is not None:  # its output to the end: nobody else holds the pipes
             for name in ("msg", "out", "err"):
@@ -260,17 +257,14 @@ class RankAgent:
         return resident_mib(self.pid)
 
     def close(self) -> int | None:
-        """The worker killed (if it still runs) and reaped, the fork server ended, everything
-        released; the worker's exit code."""
+        """The worker killed (if it still runs) and reaped, everything released; the worker's
+        exit code."""
         group, self.group = self.group, None
-        server, self.server = self.server, None
         try:
             if group is not None:
                 group.close()
                 self.exitcode = next(iter(group.exited.values()), self.exitcode)
         finally:
-            if server is not None:
-                server.close()
             for fd in [*self.reads.values(), self.task_fd, self.result_fd]:
                 if fd is not None:
                     os.close(fd)

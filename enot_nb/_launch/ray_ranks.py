@@ -64,7 +64,7 @@ from enot_nb.errors import LaunchError, WorkerFailedError, WorkerFailure, signal
 READ_POLL = float(os.environ.get("ENOT_NB_RAY_READ_POLL", "1.0"))
 """Seconds an agent's read waits for output before it answers empty (the kernel asks again)."""
 RAY_CALL_WAIT = float(os.environ.get("ENOT_NB_RAY_CALL_WAIT", "60"))
-"""Seconds any one call to an agent may take (a start: the fork server importing torch)."""
+"""Seconds any one call to an agent may take (a start: its worker importing torch)."""
 PLACE_NOTICE = 2.0
 """Seconds the placement group gets before one line says what the session waits for."""
 INLINE_TASK = 64 * 1024

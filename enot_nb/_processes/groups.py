@@ -1,7 +1,8 @@
 """The processes of one attempt, behind one interface (as torch elastic's ``PContext``).
 
-Two implementations: workers forked here (from the clean thread), and workers forked by the fork
-server. Both keep the same rules, which is what makes stopping them safe:
+Three implementations: workers forked here (from the clean thread), workers forked by the fork
+server, and one worker exec'd here (a Ray rank's agent). All keep the same rules, which is what
+makes stopping them safe:
 
 * A worker is signalled through its pidfd, never through a bare pid: a pid may be reused once
   the process is reaped, a pidfd never names another process.
@@ -19,8 +20,12 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import os
+import pickle
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -149,6 +154,101 @@ class ForkedGroup:
             if entry[0] not in self.exited:
                 _pidfd_signal(entry[2], signal.SIGKILL)
                 self._reap(entry)
+
+
+class ExecGroup:
+    """One worker started here as a fresh interpreter (``python -m enot_nb._worker.exec_rank``,
+    from the clean thread), handed its spec and job on stdin; its exit seen through its pidfd. A
+    Ray rank's agent launches its rank once: no fork server stands between them. Its stdout and
+    stderr are the rank's pipes from the start, so a failure before it becomes a worker is in
+    its report. Not watched by the watchdog: the worker dies with this process (its parent-death
+    signal). Reaped under a lock: the agent's reads and its close run on threads of their own."""
+
+    def __init__(self, spec: Any, job_bytes: bytes, fds: list[int]) -> None:
+        self._spec, self._job_bytes, self._fds = spec, job_bytes, fds
+        self._process: subprocess.Popen[bytes] | None = None
+        self._pidfd = -1
+        self._lock = threading.Lock()
+        self.exited: dict[int, int] = {}
+
+    def start(self) -> dict[int, int]:
+        env = dict(os.environ)
+        # The worker must import enot_nb from wherever this process did (a runtime_env's copy).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+        spec = self._spec
+
+        def run() -> subprocess.Popen[bytes]:
+            command = [sys.executable, "-m", "enot_nb._worker.exec_rank"]
+            return subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=spec.stdout_fd,
+                stderr=spec.stderr_fd,
+                pass_fds=self._fds,
+                env=env,
+            )
+
+        try:
+            with interrupts_deferred():  # the process is known (close) once it exists
+                self._process = clean_thread.on_clean_thread(run)
+                try:
+                    self._pidfd = os.pidfd_open(self._process.pid)
+                except OSError:
+                    self._process.kill()
+                    self._process.wait()
+                    raise
+        except OSError as err:
+            raise start_error(err, f"rank {spec.rank} could not be started") from err
+        assert self._process.stdin is not None
+        try:
+            with self._process.stdin as stdin:
+                pickle.dump((spec, self._job_bytes), stdin)
+        except BrokenPipeError:
+            pass  # it died at once: its exit, and its stderr, say how
+        return {spec.rank: self._process.pid}
+
+    def sources(self) -> list[int]:
+        return [self._pidfd] if self._pidfd >= 0 and self._spec.rank not in self.exited else []
+
+    def pending(self) -> bool:
+        return False
+
+    def exits(self, ready: Any) -> list[tuple[int, int]]:
+        if ready != self._pidfd or ready < 0:
+            return []
+        reaped = self._reap()
+        return [reaped] if reaped is not None else []
+
+    def _reap(self) -> tuple[int, int] | None:
+        """The worker reaped (its group killed first, as ForkedGroup._reap), once: None where
+        another thread did."""
+        with self._lock, interrupts_deferred():
+            if self._process is None or self._spec.rank in self.exited:
+                return None
+            _kill_group(self._process.pid)
+            try:
+                code = _exit_code(os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED))
+            except ChildProcessError:  # reaped by the system (SIGCHLD ignored)
+                code = -signal.SIGKILL
+            self._process.returncode = code
+            self.exited[self._spec.rank] = code
+            os.close(self._pidfd)
+            self._pidfd = -1
+        return self._spec.rank, code
+
+    def signal(self, rank: int, signum: int) -> None:
+        with self._lock:
+            if self._process is None or rank in self.exited:
+                return
+            if signum not in TREE_SIGNALS or not _kill_group(self._process.pid, signum):
+                _pidfd_signal(self._pidfd, signum)
+
+    def settle(self) -> None:
+        pass  # start returns once the process exists
+
+    def close(self) -> None:
+        self.signal(self._spec.rank, signal.SIGKILL)
+        self._reap()
 
 
 class LaunchPhase(enum.Enum):

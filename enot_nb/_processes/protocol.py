@@ -47,9 +47,11 @@ class InMemfd(NamedTuple):
 
 
 class Inline(NamedTuple):
-    """A result pickled into the message itself, where no memfd exists (result_file.dump_inline)."""
+    """A result pickled into the message itself: where no memfd exists (result_file.dump_inline),
+    or a small one on a Ray rank (its out-of-band buffers beside it, see bootstrap)."""
 
     data: bytes
+    buffers: tuple[bytes, ...] = ()
 
 
 Payload: TypeAlias = InMemfd | Inline
@@ -57,7 +59,7 @@ Payload: TypeAlias = InMemfd | Inline
 
 def payload_size(payload: Payload) -> int:
     """The bytes a payload carries, wherever it lies."""
-    return payload.size if isinstance(payload, InMemfd) else len(payload.data)
+    return payload.size if isinstance(payload, InMemfd) else len(payload.data) + sum(map(len, payload.buffers))
 
 
 # ----------------------------------------------------------------------------- worker -> launcher

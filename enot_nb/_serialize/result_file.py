@@ -95,7 +95,8 @@ def read_result(fd: int, size: int, raw: bool = False) -> Any:
 
 
 def dump_inline(obj: Any) -> bytes:
-    """Where no memfd exists: the result pickled with its tensor data in band."""
+    """The result pickled with its tensor data in band: where no memfd exists, and an exported
+    run's results file."""
     stream = io.BytesIO()
     ResultPickler(stream).dump(obj)
     return stream.getvalue()

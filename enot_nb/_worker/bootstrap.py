@@ -235,13 +235,13 @@ def send_outcome(rank: int, result: Any) -> None:
 
 
 def _result_payload(result_fd: int | None, result: Any) -> Payload:
-    """Pickled once: in band where no memfd exists, else with tensor data out of band (pickled
-    again in band where it is no bigger than ``_inline_up_to``)."""
+    """Pickled once: in band where no memfd exists, else with tensor data out of band, in the
+    memfd or (no bigger than ``_inline_up_to``) in the message beside the pickle."""
     if result_fd is None:
         return Inline(result_file.dump_inline(result))
     main, buffers = result_file.dump_result(result)
     if result_file.size_of(main, buffers) <= _inline_up_to:
-        return Inline(result_file.dump_inline(result))
+        return Inline(main, tuple(bytes(b.raw()) for b in buffers))
     return InMemfd(result_file.write_result(result_fd, main, buffers))
 
 

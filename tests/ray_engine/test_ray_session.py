@@ -17,7 +17,7 @@ pytest.importorskip("ray", reason=NEEDS_RAY)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 START = "%enot_session start -n 2 --engine ray --placement spread"
-START_WAIT = 400  # seconds a start may take: a cluster's first actors, each node's fork server (loaded)
+START_WAIT = 400  # seconds a start may take: a cluster's first actors, each rank's worker importing torch (loaded)
 
 ENVIRONMENT = (
     "%%enot_distributed\n"
@@ -280,8 +280,8 @@ def test_an_uneven_pack_numbers_ranks_node_by_node_as_torchrun(kernel):
 LOADED_WAIT = 300
 """Seconds a cell of the fault cases may take beside busy processes (its ranks get a third of a core)."""
 RESTART_WAIT = 900
-"""Seconds a cell that restarts the session may take beside busy processes: new actors, each node's
-fork server and workers importing torch on a third of a core (311 s measured, 2026-12-07)."""
+"""Seconds a cell that restarts the session may take beside busy processes: new actors and their
+workers importing torch on a third of a core (311 s measured with a fork server each, 2026-12-07)."""
 TRAIN = (
     "%%enot_distributed\nfor epoch in range(100000):\n    train_epoch(ddp, opt, 3)\n"
     "    if epoch == 1 and dist.get_rank() == 0:\n        print('training', flush=True)\n"
@@ -374,3 +374,22 @@ def test_a_rank_knows_its_place_from_ray_context_and_never_joins_ray_itself(kern
     kernel.ok("%enot_session stop")
     assert kernel.ok("print(ray.is_initialized())").stdout.strip() == "True"  # the user's own
     kernel.ok("ray.shutdown()")
+
+
+def test_each_rank_is_two_processes_its_agent_and_itself(kernel):
+    """A rank's worker is its agent's only child, and the agent is the Ray actor: no fork server
+    between them (a fresh interpreter exec'd once; the stop button still reaches it:
+    test_the_stop_button_interrupts_every_rank_which_stay_idle_after)."""
+    kernel.ok(START, timeout=START_WAIT)
+    kernel.ok(
+        "%%enot_distributed\nimport glob, os, torch.distributed as dist\n"
+        "agent = os.getppid()\n"
+        "children = [c for f in glob.glob(f'/proc/{agent}/task/*/children') for c in open(f).read().split()]\n"
+        "line = open(f'/proc/{agent}/cmdline').read().replace(chr(0), ' ')\n"
+        "found = [None, None]\ndist.all_gather_object(found, (line, children, os.getpid()))"
+    )
+    found = json.loads(kernel.ok("import json\nprint(json.dumps(found))").stdout)
+    for line, children, pid in found:
+        assert line.startswith("ray::") and "forkserver" not in line, line
+        assert children == [str(pid)], (line, children, pid)
+    kernel.ok("%enot_session stop")
