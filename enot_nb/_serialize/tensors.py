@@ -326,7 +326,7 @@ def reduce_numpy_view(array: numpy.ndarray, is_known: Callable[[Any, Any], Any])
     root = array_owner(array)
     known = is_known(array, root)
     root = root if known is None else known
-    if root is array or not root.flags.c_contiguous:
+    if root is array or not (root.flags.c_contiguous or root.flags.f_contiguous):
         return None
     offset = array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
     return _numpy_view, (root, offset, array.shape, array.strides, array.dtype)
@@ -462,7 +462,10 @@ def _numpy_view(
 ) -> numpy.ndarray:
     import numpy
 
-    return numpy.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
+    # A Fortran-ordered root's memory through its transpose, which is C-ordered over the same
+    # bytes (NumPy before 2 exports only C-ordered buffers).
+    buffer = root if root.flags.c_contiguous else root.T
+    return numpy.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
 
 
 def array_over(storage: torch.UntypedStorage, array: numpy.ndarray) -> Reduction:

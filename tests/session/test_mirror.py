@@ -573,9 +573,9 @@ def test_a_tensor_over_the_owner_of_a_strided_view_the_ranks_hold_shares_that_ow
 
 
 def test_a_tensor_over_a_fortran_owner_of_a_view_the_ranks_hold_reaches_them_as_its_bytes():
-    """The view went with its own copy (its owner is not C-ordered): ``t`` over the owner cannot
-    be rebuilt over what the ranks hold, and goes as its own bytes, values kept (it once failed
-    the push: "laid out otherwise")."""
+    """``t`` over the owner of a view the ranks hold: where their owner is laid out otherwise
+    it goes as its own bytes, values kept (it once failed the push: "laid out otherwise"); a
+    Fortran-ordered owner now travels with its view, and ``t`` shares it there."""
     import numpy as np
 
     ns = {"a": np.asfortranarray(np.arange(12.0).reshape(3, 4))}

@@ -1044,6 +1044,27 @@ FOUND = [
         ],
     ),
     (
+        # log's change (rec's write) was dropped with log's name: nothing held reached log itself
+        "a-large-logs-item-written-then-the-log-deleted",
+        [
+            (S, "log = [{'i': i, 'v': float(i)} for i in range(1200)]"),
+            (P, "rec = log[0]"),
+            (S, "x = 1"),
+            (P, "rec['v'] = 23\ndel log"),
+            (S, "y = rec['v'] * 2"),
+        ],
+    ),
+    (
+        # a view of a Fortran-ordered array went as a C-ordered copy of its own: not a's view
+        "a-view-of-a-fortran-ordered-array",
+        [
+            (P, "a = np.asfortranarray(np.arange(12.).reshape(3, 4))\nrow = a[:, ::2]"),
+            (S, "s = float(row.sum())"),
+            (P, "t = torch.from_numpy(a)"),
+            (S, "t.add_(1)\na[0, 0] = -1.0\ns2 = float(row.sum())"),
+        ],
+    ),
+    (
         # row went over t1's storage (part of a): t2 over all of a goes as its own bytes
         "a-tensor-over-the-owner-of-a-view-that-went-over-a-storage",
         [
@@ -1157,7 +1178,7 @@ def test_a_widgets_callback_between_cells_reaches_the_ranks(fuzz_kernel):
         k.run("%enot_session stop", timeout=120)
 
 
-FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109, 7000053, 9000029, 69000455, 70000650]
+FOUND_SEEDS = [143, 230, 249, 500043, 500056, 500077, 500106, 500109, 7000053, 9000029, 69000455, 70000650, 71000086]
 """Generated programs (tests/session/fuzz.py's seeds) that differed once, kept as they were
 found: each fix's own case is above where a small program shows it."""
 

@@ -490,6 +490,8 @@ def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes,
     # What shares memory with something new is reached too: the new one travels over it (``row
     # = a[:2]`` or ``t = torch.from_numpy(a)``, then ``a[0] = 5; a = a + 1``: the old a's write).
     objects, storages = _sharing_memory(baseline, current)
+    unreached = [i for i, _ in changes.objects if i not in objects and current.find(baseline.objects[i]) is None]
+    objects |= _plain_data_reached_through_items(baseline, current, unreached)
     changes.objects = [
         (i, s) for i, s in changes.objects if i in objects or current.find(baseline.objects[i]) is not None
     ]
@@ -498,6 +500,24 @@ def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes,
         for new in changes.storages
         if new.storage in storages or current.find_storage(baseline.storages[new.storage]) is not None
     ]
+
+
+def _plain_data_reached_through_items(baseline: Registry, current: Registry, unreached: list[int]) -> set[int]:
+    """Of ``unreached``, the plain data (kind PLAIN: its items not registered) that a variable the
+    ranks will hold still reaches through one of its items (``rec = log[0]``, then ``rec['v'] =
+    23; del log``): the write is the container's change, applied to the ranks' own before the
+    name goes. A C-level pass over each such container's items."""
+    found: set[int] = set()
+    reached: set[int] | None = None
+    for i in unreached:
+        if baseline.kinds[i] is not Kind.PLAIN:
+            continue
+        if reached is None:
+            reached = set(map(id, current.objects))
+        container = baseline.objects[i]
+        if not reached.isdisjoint(map(id, container.values() if type(container) is dict else container)):
+            found.add(i)
+    return found
 
 
 _NONE = object()
