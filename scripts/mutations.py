@@ -31,8 +31,8 @@ MUTATIONS = [
         # A large log's change dropped with its name though an item of it is still held.
         "plain-data-reached-through-items-dropped",
         "enot_nb/_session/mirror/mirror.py",
-        "    objects |= _plain_data_reached_through_items(baseline, current, unreached)\n",
-        "",
+        "        kept |= _plain_holding(baseline, unreached, set(map(id, current.objects)))\n",
+        "        pass\n",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found["
             "a-large-logs-item-written-then-the-log-deleted-fork]",
@@ -1946,8 +1946,8 @@ MUTATIONS = [
     Mutation(
         "a-views-owner-not-reached-by-the-push",
         "enot_nb/_session/mirror/mirror.py",
-        "        (i, s) for i, s in changes.objects if i in objects or current.find(baseline.objects[i]) is not None\n",
-        "        (i, s) for i, s in changes.objects if current.find(baseline.objects[i]) is not None\n",
+        "    kept = {i for i, _ in changes.objects if i in objects or current.find(baseline.objects[i]) is not None}\n",
+        "    kept = {i for i, _ in changes.objects if current.find(baseline.objects[i]) is not None}\n",
         [
             "tests/session/test_session_parity.py::test_what_the_fuzzer_found_stays_found"
             "[a-view-of-an-array-written-then-rebound-fork]",

@@ -20,7 +20,7 @@ from enot_nb._processes.clean_thread import on_clean_thread
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._processes.protocol import Launch, Preload, ServerMessage, Started, StartFailed
-from enot_nb._processes.starts import hook, start_error
+from enot_nb._processes.starts import fresh_interpreter_env, hook, start_error
 from enot_nb.errors import LaunchError
 
 # Seconds to wait for a new fork server to import torch and say it is ready.
@@ -67,9 +67,7 @@ class ForkServer:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        # The server must import enot_nb from wherever this process did.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+        env = fresh_interpreter_env()
 
         def start() -> subprocess.Popen[bytes]:
             return subprocess.Popen(

@@ -34,7 +34,7 @@ from enot_nb._processes import clean_thread, forkserver_client, watchdog_client
 from enot_nb._processes.framing import LaunchFds
 from enot_nb._processes.interrupts import interrupts_deferred
 from enot_nb._processes.protocol import Exit
-from enot_nb._processes.starts import hook, start_error
+from enot_nb._processes.starts import fresh_interpreter_env, hook, start_error
 from enot_nb.errors import LaunchError
 
 
@@ -172,9 +172,7 @@ class ExecGroup:
         self.exited: dict[int, int] = {}
 
     def start(self) -> dict[int, int]:
-        env = dict(os.environ)
-        # The worker must import enot_nb from wherever this process did (a runtime_env's copy).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+        env = fresh_interpreter_env()  # (on a Ray node: the runtime_env's copy of enot_nb)
         spec = self._spec
 
         def run() -> subprocess.Popen[bytes]:

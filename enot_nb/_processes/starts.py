@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from collections.abc import Callable
 
 from enot_nb.errors import LaunchError
@@ -13,6 +14,14 @@ TEST_HOOKS: dict[str, Callable[..., None]] = {}
 """Fault injection for the reliability tests: named points of a start call these, if set
 ("before_forks", "between_forks", "after_forks", "fork" (with the rank); "server_starting",
 "before_launch", "launch_sent", "started"; "watchdog_starting")."""
+
+
+def fresh_interpreter_env() -> dict[str, str]:
+    """This process's environment for a fresh interpreter it starts (the fork server, a Ray
+    rank's worker): it must import enot_nb from wherever this process did."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+    return env
 
 
 def hook(name: str, *args: object) -> None:

@@ -420,8 +420,8 @@ def _refs_held_once() -> int:
 _REFS_HELD_ONCE = _refs_held_once()
 
 
-_LIST_ITEM_REFS = max(map(sys.getrefcount, [[]]))
 _DICT_ITEM_REFS = max(map(sys.getrefcount, {0: []}.values()))
+"""As _REFS_HELD_ONCE, for a dict's values."""
 
 
 def items_held_elsewhere(container: list | dict) -> Iterator[tuple[Any, Any]]:
@@ -433,7 +433,7 @@ def items_held_elsewhere(container: list | dict) -> Iterator[tuple[Any, Any]]:
         counts = map(sys.getrefcount, container.values())
         base = _DICT_ITEM_REFS
     else:
-        keys, counts, base = None, map(sys.getrefcount, container), _LIST_ITEM_REFS
+        keys, counts, base = None, map(sys.getrefcount, container), _REFS_HELD_ONCE
     for index in itertools.compress(itertools.count(), map(base.__lt__, counts)):
         key = index if keys is None else keys[index]
         item = container[key]

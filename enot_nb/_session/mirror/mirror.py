@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import itertools
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -465,14 +466,17 @@ def _plain_holders(baseline: Registry, reached: Registry) -> set[int]:
     (``rec = log[5]``, then ``rec['v'] = 19``): the write is the container's change. A C-level
     pass over each such container's items, only where a reached one is not in the record."""
     loose = {id(o) for o in reached.objects[1:] if type(o) in IN_PLACE and baseline.find(o) is None}
-    if not loose:
-        return set()
+    return _plain_holding(baseline, range(len(baseline.kinds)), loose) if loose else set()
+
+
+def _plain_holding(baseline: Registry, among: Iterable[int], ids: set[int]) -> set[int]:
+    """Of ``among``, the plain data (kind PLAIN) that holds, as an item, an object whose id is
+    in ``ids``: a C-level pass over each one's items."""
     holders = set()
-    for i, kind in enumerate(baseline.kinds):
-        if kind is Kind.PLAIN:
+    for i in among:
+        if baseline.kinds[i] is Kind.PLAIN:
             container = baseline.objects[i]
-            items = container.values() if type(container) is dict else container
-            if not loose.isdisjoint(map(id, items)):
+            if not ids.isdisjoint(map(id, container.values() if type(container) is dict else container)):
                 holders.add(i)
     return holders
 
@@ -490,34 +494,19 @@ def _only_reachable(record: Record, namespace: dict[str, Any], changes: Changes,
     # What shares memory with something new is reached too: the new one travels over it (``row
     # = a[:2]`` or ``t = torch.from_numpy(a)``, then ``a[0] = 5; a = a + 1``: the old a's write).
     objects, storages = _sharing_memory(baseline, current)
-    unreached = [i for i, _ in changes.objects if i not in objects and current.find(baseline.objects[i]) is None]
-    objects |= _plain_data_reached_through_items(baseline, current, unreached)
-    changes.objects = [
-        (i, s) for i, s in changes.objects if i in objects or current.find(baseline.objects[i]) is not None
-    ]
+    kept = {i for i, _ in changes.objects if i in objects or current.find(baseline.objects[i]) is not None}
+    # Plain data a held variable reaches through an item (``rec = log[0]``, then ``rec['v'] =
+    # 23; del log``): the write is the container's change, applied to the ranks' own before
+    # the name goes.
+    unreached = [i for i, _ in changes.objects if i not in kept and baseline.kinds[i] is Kind.PLAIN]
+    if unreached:
+        kept |= _plain_holding(baseline, unreached, set(map(id, current.objects)))
+    changes.objects = [(i, s) for i, s in changes.objects if i in kept]
     changes.storages = [
         new
         for new in changes.storages
         if new.storage in storages or current.find_storage(baseline.storages[new.storage]) is not None
     ]
-
-
-def _plain_data_reached_through_items(baseline: Registry, current: Registry, unreached: list[int]) -> set[int]:
-    """Of ``unreached``, the plain data (kind PLAIN: its items not registered) that a variable the
-    ranks will hold still reaches through one of its items (``rec = log[0]``, then ``rec['v'] =
-    23; del log``): the write is the container's change, applied to the ranks' own before the
-    name goes. A C-level pass over each such container's items."""
-    found: set[int] = set()
-    reached: set[int] | None = None
-    for i in unreached:
-        if baseline.kinds[i] is not Kind.PLAIN:
-            continue
-        if reached is None:
-            reached = set(map(id, current.objects))
-        container = baseline.objects[i]
-        if not reached.isdisjoint(map(id, container.values() if type(container) is dict else container)):
-            found.add(i)
-    return found
 
 
 _NONE = object()
